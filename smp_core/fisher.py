@@ -1,0 +1,101 @@
+"""Fisher information estimates over a data set, in batches (Sections 3.1.1, 3.2.3 and 3.3.3).
+
+Two estimates of ``I(theta)`` at a batch of parameters ``theta`` ``(C, d)``, both of the form
+``(1/n) sum_i sum_c v_ic v_ic^T`` for vectors ``v`` computed per example:
+
+* **model-expected** (the toy example, eq. in Section 3.2.3): ``v_ic = J_i^T L_i[:, c]`` where
+  ``J_i = d g(x_i, theta) / d theta`` and ``L_i L_i^T`` is the output Fisher of the
+  likelihood (``p(1-p)`` for Bernoulli, ``diag(pi) - pi pi^T`` for the softmax, ``I / sigma^2``
+  for the Gaussian). Needs only the inputs ``x``.
+* **empirical** (MNIST, eq. in Section 3.3.3): ``v_i = grad log f_theta(y_i | x_i)``, the observed
+  score; needs inputs and labels.
+
+Per-example gradients with a different ``theta`` per chain come from one backward pass over
+"virtual rows" (every chain paired with every example of a batch), so the cost is that of
+``C * n`` scores and the memory that of ``C * batch_size`` parameter vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .models import ChainModel
+from .preconditioners import Stat, Structure
+
+
+def fisher_vectors(
+    model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None,
+    kind: str = "model",
+) -> torch.Tensor:
+    """The vectors ``v`` whose outer products average to the Fisher: ``(B, r, d)`` for one input per row.
+
+    ``r`` is 1 for the empirical Fisher and for Bernoulli, ``m`` for the model-expected Fisher of an
+    ``m``-output network.
+    """
+    out, ctx = model.forward(theta, x)
+    if kind == "empirical":
+        if y is None:
+            raise ValueError("the empirical Fisher needs labels y")
+        return model.vjp(ctx, likelihood.residual(out, y)).unsqueeze(1)
+    if kind != "model":
+        raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
+    factor = likelihood.fisher_factor(out)  # (B, m, r)
+    r = factor.shape[-1]
+    return torch.stack([model.vjp(ctx, factor[..., c], retain=c < r - 1) for c in range(r)], dim=1)
+
+
+def estimate_fisher(
+    model: ChainModel,
+    likelihood,
+    theta: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor | None = None,
+    *,
+    kind: str = "model",
+    structure: Structure | str = "dense",
+    max_rows: int = 2**16,
+    max_elements: int = 2**26,
+) -> Stat:
+    """Fisher statistic ``(1/n) sum_i sum_c v_ic v_ic^T`` at each row of ``theta``, restricted to a structure.
+
+    Args:
+        model: a :class:`~smp_core.models.ChainModel`.
+        likelihood: a likelihood of :mod:`smp_core.likelihoods`.
+        theta: ``(C, d)`` parameters (or ``(d,)``); the result has batch dimension ``C``.
+        x: ``(n, *input_shape)`` inputs.
+        y: ``(n,)`` labels, for ``kind="empirical"``.
+        kind: ``"model"`` (model-expected) or ``"empirical"``.
+        structure: a :class:`~smp_core.preconditioners.Structure` or one of ``"diag"``, ``"block"``
+            (one block per parameter tensor), ``"dense"``.
+        max_rows: at most this many (chain, example) rows per backward pass.
+        max_elements: at most this many elements in the per-example gradients of one pass.
+
+    Returns:
+        The statistic as a tuple of tensors (see :mod:`smp_core.preconditioners`).
+    """
+    if theta.ndim == 1:
+        theta = theta.unsqueeze(0)
+    if isinstance(structure, str):
+        blocks = model.layout.block_slices if structure == "block" else ()
+        structure = Structure(structure, model.layout.dim, blocks)
+    n = x.shape[0]
+    if n == 0:
+        raise ValueError("the Fisher needs at least one data point")
+    if y is not None and y.shape[0] != n:
+        raise ValueError(f"x has {n} rows but y has {y.shape[0]}")
+    if not torch.isfinite(x).all():
+        raise ValueError("the Fisher data x contains NaN or infinite values")
+    n_chains, dim = theta.shape
+    per_row = dim * (model.out_dim if kind == "model" else 1)
+    batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
+    total: list[torch.Tensor] | None = None
+    for start in range(0, n, batch):
+        xb = x[start : start + batch]
+        b = xb.shape[0]
+        rows_theta = theta.repeat_interleave(b, dim=0)  # chain-major: (C*b, d)
+        rows_x = xb.repeat(n_chains, *([1] * (xb.ndim - 1)))
+        rows_y = None if y is None else y[start : start + batch].repeat(n_chains)
+        v = fisher_vectors(model, likelihood, rows_theta, rows_x, rows_y, kind)  # (C*b, r, d)
+        part = structure.outer_sum(v.reshape(n_chains, -1, dim))
+        total = list(part) if total is None else [t.add_(p) for t, p in zip(total, part, strict=True)]
+    return tuple(t / n for t in total)

@@ -1,0 +1,85 @@
+"""Flat parameter vectors and the layout that names their slices.
+
+SMP runs ``S`` chains of a network with ``d`` parameters as one ``(S, d)`` tensor. A
+:class:`ParamLayout` records which slice of the flat vector is which parameter of the
+``torch.nn.Module`` (in ``named_parameters()`` order, the order
+``torch.nn.utils.parameters_to_vector`` uses), so that block-diagonal preconditioners
+(Section 3.1.1 of the paper: one block per layer weight and per layer bias) and
+per-layer reporting need no knowledge of the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """One named parameter tensor inside the flat vector: ``flat[start:stop].view(shape)``."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Names, shapes and offsets of every parameter of a module in its flat vector."""
+
+    entries: tuple[ParamEntry, ...]
+
+    @classmethod
+    def from_module(cls, module: nn.Module) -> ParamLayout:
+        entries, offset = [], 0
+        for name, param in module.named_parameters():
+            n = param.numel()
+            entries.append(ParamEntry(name, tuple(param.shape), offset, offset + n))
+            offset += n
+        if not entries:
+            raise ValueError("the module has no parameters: there is nothing for SMP to sample")
+        return cls(tuple(entries))
+
+    @property
+    def dim(self) -> int:
+        """Total number of parameters ``d``."""
+        return self.entries[-1].stop
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @property
+    def block_slices(self) -> tuple[slice, ...]:
+        """The blocks of the block-diagonal preconditioner: one per weight and per bias tensor."""
+        return tuple(slice(e.start, e.stop) for e in self.entries)
+
+    def flatten(self, module: nn.Module) -> torch.Tensor:
+        """The module's current parameters as one detached flat vector of length ``d``."""
+        return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+    def split(self, theta: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a batch ``theta`` of shape ``(B, d)`` as ``(B, *shape)`` tensors, one per entry."""
+        batch = theta.shape[:-1]
+        return [theta[..., e.start : e.stop].reshape(*batch, *e.shape) for e in self.entries]
+
+    def unflatten(self, theta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A ``{name: tensor}`` dict for ``torch.func.functional_call`` from one flat vector ``(d,)``."""
+        if theta.shape != (self.dim,):
+            raise ValueError(f"expected a flat parameter vector of shape ({self.dim},), got {tuple(theta.shape)}")
+        return {e.name: theta[e.start : e.stop].view(e.shape) for e in self.entries}
+
+    def load_into(self, module: nn.Module, theta: torch.Tensor) -> nn.Module:
+        """Copy a flat vector ``(d,)`` into the module's parameters (in place) and return the module."""
+        params = self.unflatten(theta)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(params[name])
+        return module

@@ -1,0 +1,136 @@
+"""Conditional likelihoods f_theta(y | x) of the paper (Section 2.1) on a network output g.
+
+Each likelihood works on the network output ``out`` of shape ``(B, m)`` and provides:
+
+* ``sample(out, generator)``: draws ``Y ~ f(. | x)`` (the predictive-resampling step of
+  Algorithm 1),
+* ``log_prob(out, y)``: ``log f(y | x)`` per row,
+* ``residual(out, y)``: ``d log f(y | x) / d out`` of shape ``(B, m)``; the score is then
+  ``s = J^T residual`` with ``J = d out / d theta`` (eq. 2.2 with the empirical design),
+* ``fisher_factor(out)``: a matrix ``L`` of shape ``(B, m, r)`` with ``L L^T = Lambda``, the
+  model-expected Fisher of the output, so that ``I(theta) = mean J^T L L^T J``,
+* ``probs(out)``: class probabilities ``(..., C)`` for the metrics (classification only).
+
+Binary classification uses one logit (eq. 2.7: ``p = sigmoid(g)``), multiclass the softmax
+(eq. 2.5), regression a Gaussian with known noise standard deviation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _check_finite(out: torch.Tensor, what: str = "network output") -> None:
+    if not torch.isfinite(out).all():
+        raise ValueError(f"the {what} contains NaN or infinite values")
+
+
+class Bernoulli:
+    """Binary response with ``P(Y=1 | x) = sigmoid(g(x, theta))`` for a scalar logit (eq. 2.7)."""
+
+    name = "bernoulli"
+    out_dim = 1
+
+    def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        u = torch.rand(out.shape[0], generator=generator, device=out.device, dtype=out.dtype)
+        return (u < torch.sigmoid(out[:, 0])).to(out.dtype)
+
+    def _check_y(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if out.ndim != 2 or out.shape[1] != 1:
+            raise ValueError(f"Bernoulli needs one logit per row, output shape (B, 1); got {tuple(out.shape)}")
+        if y.shape != (out.shape[0],):
+            raise ValueError(f"y must have shape ({out.shape[0]},), got {tuple(y.shape)}")
+        if not ((y == 0) | (y == 1)).all():
+            raise ValueError("Bernoulli responses must be 0 or 1")
+        return y.to(out.dtype)
+
+    def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = self._check_y(out, y)
+        logit = out[:, 0]
+        return y * logit - F.softplus(logit)
+
+    def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (y.to(out.dtype) - torch.sigmoid(out[:, 0])).unsqueeze(-1)
+
+    def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(out)
+        return torch.sqrt(p * (1 - p)).unsqueeze(-1)
+
+    def probs(self, out: torch.Tensor) -> torch.Tensor:
+        p = torch.sigmoid(out[..., 0])
+        return torch.stack([1 - p, p], dim=-1)
+
+
+class Categorical:
+    """Multiclass response with softmax probabilities ``pi_j = softmax(g)_j`` (eq. 2.5-2.6)."""
+
+    name = "categorical"
+
+    def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return torch.multinomial(torch.softmax(out, dim=-1), 1, generator=generator).squeeze(-1)
+
+    def _check_y(self, out: torch.Tensor, y: torch.Tensor) -> None:
+        if y.shape != (out.shape[0],):
+            raise ValueError(f"y must have shape ({out.shape[0]},), got {tuple(y.shape)}")
+        if y.dtype.is_floating_point or (y.min() < 0) or (y.max() >= out.shape[1]):
+            raise ValueError(f"categorical responses must be integer class labels in [0, {out.shape[1]})")
+
+    def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self._check_y(out, y)
+        return torch.log_softmax(out, dim=-1).gather(1, y.long().unsqueeze(-1)).squeeze(-1)
+
+    def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        res = -torch.softmax(out, dim=-1)
+        res.scatter_add_(1, y.long().unsqueeze(-1), torch.ones_like(res[:, :1]))
+        return res
+
+    def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        # Lambda = diag(pi) - pi pi^T = L L^T with column c of L equal to sqrt(pi_c) (e_c - pi).
+        pi = torch.softmax(out, dim=-1)
+        eye = torch.eye(out.shape[1], dtype=out.dtype, device=out.device)
+        return (eye - pi.unsqueeze(-1)) * pi.sqrt().unsqueeze(-2)
+
+    def probs(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(out, dim=-1)
+
+
+class Gaussian:
+    """Regression response ``Y ~ N(g(x, theta), sigma^2 I)`` with known noise ``sigma``."""
+
+    name = "gaussian"
+
+    def __init__(self, sigma: float = 1.0):
+        if not sigma > 0:
+            raise ValueError(f"the Gaussian noise standard deviation must be positive, got {sigma}")
+        self.sigma = float(sigma)
+
+    def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        noise = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
+        return out + self.sigma * noise
+
+    def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y = y.reshape(out.shape).to(out.dtype)
+        z = (y - out) / self.sigma
+        return (-0.5 * z * z - 0.5 * torch.log(torch.tensor(2 * torch.pi)) - torch.log(
+            torch.tensor(self.sigma))).sum(-1)
+
+    def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (y.reshape(out.shape).to(out.dtype) - out) / self.sigma**2
+
+    def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        eye = torch.eye(out.shape[1], dtype=out.dtype, device=out.device) / self.sigma
+        return eye.expand(out.shape[0], -1, -1)
+
+    def probs(self, out: torch.Tensor) -> torch.Tensor:
+        raise TypeError("a Gaussian likelihood has no class probabilities")
+
+
+def get_likelihood(name: str | Bernoulli | Categorical | Gaussian, **kwargs):
+    """A likelihood object from its name (``"bernoulli"``, ``"categorical"``, ``"gaussian"``)."""
+    if not isinstance(name, str):
+        return name
+    table = {"bernoulli": Bernoulli, "categorical": Categorical, "gaussian": Gaussian}
+    if name.lower() not in table:
+        raise ValueError(f"unknown likelihood {name!r}; choose one of {sorted(table)}")
+    return table[name.lower()](**kwargs)

@@ -1,0 +1,336 @@
+"""Preconditioners P_k of the update theta_k = theta_{k-1} + tau/(N+k) P_k^{-1} s_k (eq. 2.14).
+
+Section 3.1.1 of the paper separates two independent choices, and so does this module:
+
+* the **structure** (:class:`Structure`): which entries of the Fisher estimate are kept:
+  ``none`` (P = I), ``diag``, ``block`` (one block per layer weight and per layer bias) or
+  ``dense``;
+* the **temporal strategy**: how the values are obtained over the run: ``fixed`` (the Fisher at
+  theta_0 over a data set, once), ``ema`` (I_k = beta I_{k-1} + (1 - beta) s_{k-1} s_{k-1}^T,
+  so that P_k depends only on F_{k-1}) or ``periodic`` (recomputed every T steps at the
+  current theta over a data set).
+
+A ridge ``lambda`` is added to the diagonal of every structured preconditioner: P = I_hat + lambda I.
+
+A Fisher *statistic* is a tuple of tensors with a leading batch dimension C (1 when shared by
+all chains, S when per chain): ``(diag,)`` with ``diag`` of shape ``(C, d)`` for ``diag``,
+``(M,)`` with ``M`` of shape ``(C, d, d)`` for ``dense``, one ``(C, n_b, n_b)`` matrix per block
+for ``block`` and ``()`` for ``none``. Statistics are plain tensors, so the EMA is a map over
+the tuple. A :class:`Preconditioner` is the small bundle of pure functions ``init``,
+``update`` and ``solve`` that the recursion calls, modelled on optax's
+``GradientTransformation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+Stat = tuple[torch.Tensor, ...]
+Curvature = Callable[[torch.Tensor], Stat]
+
+STRUCTURES = ("none", "diag", "block", "dense")
+STRATEGIES = ("fixed", "ema", "periodic")
+
+
+# ---------------------------------------------------------------------------------------------
+# Structures
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Structure:
+    """Which entries of the Fisher estimate a preconditioner keeps, and how it solves with them.
+
+    ``blocks`` (for ``block``) are slices of the flat parameter vector, e.g.
+    ``ParamLayout.block_slices``.
+    """
+
+    name: str
+    dim: int
+    blocks: tuple[slice, ...] = field(default=())
+
+    def __post_init__(self):
+        if self.name not in STRUCTURES:
+            raise ValueError(f"unknown preconditioner structure {self.name!r}; choose one of {STRUCTURES}")
+        if self.name == "block":
+            if not self.blocks:
+                raise ValueError("a block structure needs the parameter blocks (e.g. ParamLayout.block_slices)")
+            covered = sorted((b.start, b.stop) for b in self.blocks)
+            position = 0
+            for start, stop in covered:
+                if start != position:
+                    raise ValueError("the blocks must tile the parameter vector without gaps or overlaps")
+                position = stop
+            if position != self.dim:
+                raise ValueError(f"the blocks cover {position} parameters, the model has {self.dim}")
+
+    # --- statistics -------------------------------------------------------------------------
+
+    def outer_sum(self, vectors: torch.Tensor) -> Stat:
+        """Sum of ``v v^T`` over the middle axis of ``vectors`` ``(C, n, d)``, restricted to the structure."""
+        if vectors.ndim != 3 or vectors.shape[-1] != self.dim:
+            raise ValueError(f"vectors must have shape (C, n, {self.dim}), got {tuple(vectors.shape)}")
+        if self.name == "none":
+            return ()
+        if self.name == "diag":
+            return ((vectors * vectors).sum(1),)
+        if self.name == "dense":
+            return (vectors.transpose(1, 2) @ vectors,)
+        return tuple(vectors[..., b].transpose(1, 2) @ vectors[..., b] for b in self.blocks)
+
+    def identity(self, batch: int = 1, dtype=torch.float32, device=None) -> Stat:
+        """The statistic of the identity matrix (a neutral starting value)."""
+        if self.name == "none":
+            return ()
+        if self.name == "diag":
+            return (torch.ones(batch, self.dim, dtype=dtype, device=device),)
+        sizes = [self.dim] if self.name == "dense" else [b.stop - b.start for b in self.blocks]
+        return tuple(torch.eye(n, dtype=dtype, device=device).expand(batch, n, n).clone() for n in sizes)
+
+    def to_dense(self, stat: Stat) -> torch.Tensor:
+        """The ``(C, d, d)`` matrix a statistic stands for (for tests and inspection)."""
+        if self.name == "none":
+            return torch.eye(self.dim).unsqueeze(0)
+        if self.name == "diag":
+            return torch.diag_embed(stat[0])
+        if self.name == "dense":
+            return stat[0]
+        batch = stat[0].shape[0]
+        out = stat[0].new_zeros(batch, self.dim, self.dim)
+        for b, m in zip(self.blocks, stat, strict=True):
+            out[:, b, b] = m
+        return out
+
+    # --- solving ----------------------------------------------------------------------------
+
+    def factorize(self, stat: Stat, ridge: float) -> Stat:
+        """A factor of ``P = stat + ridge I`` that :meth:`apply` uses for repeated solves.
+
+        ``diag``: ``1 / (diag + ridge)``; ``dense`` and ``block``: the explicit inverse from a
+        Cholesky factorisation (P is symmetric positive definite for ``ridge > 0``).
+        """
+        if self.name == "none":
+            return ()
+        if self.name == "diag":
+            return (1.0 / (stat[0] + ridge),)
+        return tuple(_spd_inverse(m, ridge) for m in stat)
+
+    def apply(self, factor: Stat, v: torch.Tensor) -> torch.Tensor:
+        """``P^{-1} v`` for ``v`` of shape ``(S, d)`` from a :meth:`factorize` factor (C = 1 or S)."""
+        if self.name == "none":
+            return v
+        if self.name == "diag":
+            return v * factor[0]
+        if self.name == "dense":
+            return _batched_matvec(factor[0], v)
+        return torch.cat([_batched_matvec(m, v[:, b]) for b, m in zip(self.blocks, factor, strict=True)], dim=1)
+
+    def solve(self, stat: Stat, ridge: float, v: torch.Tensor) -> torch.Tensor:
+        """``(stat + ridge I)^{-1} v`` directly (Cholesky solve; used when P changes every step)."""
+        if self.name == "none":
+            return v
+        if self.name == "diag":
+            return v / (stat[0] + ridge)
+        if self.name == "dense":
+            return _spd_solve(stat[0], ridge, v)
+        return torch.cat([_spd_solve(m, ridge, v[:, b]) for b, m in zip(self.blocks, stat, strict=True)], dim=1)
+
+
+def _ridged(m: torch.Tensor, ridge: float) -> torch.Tensor:
+    return m + ridge * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+
+
+def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:
+    chol, _ = torch.linalg.cholesky_ex(_ridged(m, ridge))
+    return torch.cholesky_inverse(chol)
+
+
+def _spd_solve(m: torch.Tensor, ridge: float, v: torch.Tensor) -> torch.Tensor:
+    # A failed factorisation (a chain that already diverged) gives NaN, which the recursion
+    # detects and reports for that chain; it never raises for the whole batch.
+    chol, _ = torch.linalg.cholesky_ex(_ridged(m, ridge))
+    return torch.cholesky_solve(v.unsqueeze(-1), chol).squeeze(-1)
+
+
+def _batched_matvec(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if m.shape[0] == 1:
+        return v @ m[0]  # symmetric: v P^{-1} = (P^{-1} v^T)^T
+    return torch.bmm(m, v.unsqueeze(-1)).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Temporal strategies
+# ---------------------------------------------------------------------------------------------
+
+
+class PreconditionerState(NamedTuple):
+    """What a preconditioner carries between steps."""
+
+    stat: Stat  # current Fisher statistic (without ridge)
+    factor: Stat  # factor for apply() (fixed / periodic), () otherwise
+
+
+@dataclass(frozen=True)
+class Preconditioner:
+    """A preconditioner as pure functions, called by :func:`smp_core.recursion.run_smp`.
+
+    * ``init(theta0, curvature) -> state``: ``theta0`` ``(S, d)``; ``curvature(theta)`` returns the
+      Fisher statistic at parameters ``theta`` ``(C, d)`` over the preconditioner's data set.
+    * ``update(state, k, theta_k, s_k, curvature) -> state``: called after step ``k`` with the new
+      parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
+    * ``solve(state, v) -> P^{-1} v`` for ``v`` ``(S, d)``.
+    """
+
+    name: str
+    structure: Structure
+    strategy: str
+    ridge: float
+    init: Callable[[torch.Tensor, Curvature | None], PreconditionerState]
+    update: Callable[[PreconditionerState, int, torch.Tensor, torch.Tensor, Curvature | None],
+                     PreconditionerState]
+    solve: Callable[[PreconditionerState, torch.Tensor], torch.Tensor]
+    needs_curvature: bool
+    hyper: dict[str, Any] = field(default_factory=dict)
+
+    def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
+        """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
+        if self.structure.name == "none":
+            return self.structure.to_dense(())
+        m = self.structure.to_dense(state.stat)
+        return m + self.ridge * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+
+
+def _shared_theta(theta0: torch.Tensor) -> torch.Tensor:
+    """``theta0[:1]`` when every chain starts at the same point (one shared Fisher), else ``theta0``."""
+    if theta0.shape[0] > 1 and bool((theta0 == theta0[:1]).all()):
+        return theta0[:1]
+    return theta0
+
+
+def _require(curvature: Curvature | None, name: str) -> Curvature:
+    if curvature is None:
+        raise ValueError(f"the {name} preconditioner needs a Fisher estimate over a data set (curvature)")
+    return curvature
+
+
+def build_preconditioner(
+    structure: str,
+    strategy: str | None = None,
+    *,
+    dim: int,
+    blocks: Sequence[slice] = (),
+    ridge: float = 1e-4,
+    beta: float = 0.98,
+    period: int = 500,
+    ema_init: str = "fisher",
+) -> Preconditioner:
+    """Compose a structure with a temporal strategy (Section 3.1.1).
+
+    Args:
+        structure: ``"none"``, ``"diag"``, ``"block"`` or ``"dense"``.
+        strategy: ``"fixed"``, ``"ema"`` or ``"periodic"`` (ignored, and may be omitted, for ``none``).
+        dim: number of parameters ``d``.
+        blocks: the parameter blocks for ``block`` (``ParamLayout.block_slices``).
+        ridge: ``lambda`` added to the diagonal (the paper: 1e-4).
+        beta: EMA weight (the paper: 0.98).
+        period: ``T``, steps between recomputations for ``periodic`` (the paper: 500).
+        ema_init: starting value ``I_hat_1`` of the EMA, which the paper leaves open:
+            ``"fisher"`` (the Fisher at theta_0 over the data set, as the fixed strategy uses;
+            the default) or ``"identity"``.
+
+    Returns:
+        A :class:`Preconditioner`.
+    """
+    if structure not in STRUCTURES:
+        raise ValueError(f"unknown preconditioner structure {structure!r}; choose one of {STRUCTURES}")
+    if structure == "none":
+        strategy = "fixed" if strategy is None else strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
+    if ridge < 0:
+        raise ValueError(f"the ridge lambda must be >= 0, got {ridge}")
+    if not 0 < beta < 1:
+        raise ValueError(f"the EMA weight beta must lie in (0, 1), got {beta}")
+    if int(period) < 1:
+        raise ValueError(f"the period T must be a positive integer, got {period}")
+    if ema_init not in ("fisher", "identity"):
+        raise ValueError(f"ema_init must be 'fisher' or 'identity', got {ema_init!r}")
+    struct = Structure(structure, dim, tuple(blocks) if structure == "block" else ())
+    name = "none" if structure == "none" else f"{strategy}-{structure}"
+    hyper = {"ridge": ridge}
+
+    if structure == "none":
+        return Preconditioner(
+            name, struct, "fixed", 0.0,
+            init=lambda theta0, curvature: PreconditionerState((), ()),
+            update=lambda state, k, theta, score, curvature: state,
+            solve=lambda state, v: v,
+            needs_curvature=False, hyper={},
+        )
+
+    if strategy == "fixed":
+        def init(theta0, curvature):
+            stat = _require(curvature, name)(_shared_theta(theta0))
+            return PreconditionerState(stat, struct.factorize(stat, ridge))
+
+        return Preconditioner(
+            name, struct, strategy, ridge, init=init,
+            update=lambda state, k, theta, score, curvature: state,
+            solve=lambda state, v: struct.apply(state.factor, v),
+            needs_curvature=True, hyper=hyper,
+        )
+
+    if strategy == "periodic":
+        def init(theta0, curvature):
+            stat = _require(curvature, name)(_shared_theta(theta0))
+            return PreconditionerState(stat, struct.factorize(stat, ridge))
+
+        def update(state, k, theta, score, curvature):
+            if k % period != 0:
+                return state
+            stat = _require(curvature, name)(theta)
+            return PreconditionerState(stat, struct.factorize(stat, ridge))
+
+        return Preconditioner(
+            name, struct, strategy, ridge, init=init, update=update,
+            solve=lambda state, v: struct.apply(state.factor, v),
+            needs_curvature=True, hyper={**hyper, "period": int(period)},
+        )
+
+    # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.
+    def init(theta0, curvature):
+        n_chains = theta0.shape[0]
+        if ema_init == "identity":
+            stat = struct.identity(n_chains, theta0.dtype, theta0.device)
+        else:
+            stat = _require(curvature, name)(_shared_theta(theta0))
+            stat = tuple(m.expand(n_chains, *m.shape[1:]).clone() for m in stat)
+        return PreconditionerState(stat, ())
+
+    def update(state, k, theta, score, curvature):
+        fresh = struct.outer_sum(score.unsqueeze(1))
+        stat = tuple(m.mul_(beta).add_(f, alpha=1 - beta) for m, f in zip(state.stat, fresh, strict=True))
+        return PreconditionerState(stat, ())
+
+    return Preconditioner(
+        name, struct, strategy, ridge, init=init, update=update,
+        solve=lambda state, v: struct.solve(state.stat, ridge, v),
+        needs_curvature=ema_init == "fisher", hyper={**hyper, "beta": beta, "ema_init": ema_init},
+    )
+
+
+def preconditioner_from_name(name: str, **kwargs) -> Preconditioner:
+    """Build from a variant name of the paper's tables: ``"none"``, ``"ema-block"``, ``"fixed-diag"``, ..."""
+    name = name.removeprefix("SMP-")
+    if name == "none":
+        return build_preconditioner("none", **kwargs)
+    parts = name.split("-")
+    if len(parts) != 2:
+        raise ValueError(f"unknown preconditioner {name!r}: use 'none' or '<strategy>-<structure>' with "
+                         f"strategy in {STRATEGIES} and structure in {STRUCTURES[1:]}")
+    strategy, structure = parts
+    return build_preconditioner(structure, strategy, **kwargs)

@@ -1,0 +1,86 @@
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call, jacrev
+
+from smp_core.fisher import estimate_fisher
+from smp_core.likelihoods import Bernoulli, Categorical
+from smp_core.models import as_chain_model, toy_mlp
+from smp_core.preconditioners import Structure
+
+
+def _jacobian(model, theta, x):
+    """d g(x_i, theta) / d theta for every input: (n, m, d), by torch.func.jacrev."""
+
+    def g(t):
+        return functional_call(model.module, model.layout.unflatten(t), (x,)).reshape(x.shape[0], -1)
+
+    return jacrev(g)(theta)
+
+
+def test_model_expected_fisher_bernoulli_matches_the_papers_formula(generator):
+    # Section 3.2.3: I = 1/N sum p (1 - p) grad g grad g^T
+    model = as_chain_model(toy_mlp().double())
+    theta = model.layout.flatten(model.module)
+    x = torch.rand(40, 2, generator=generator, dtype=torch.float64) * 2 - 1
+    jac = _jacobian(model, theta, x)[:, 0, :]
+    p = torch.sigmoid(functional_call(model.module, model.layout.unflatten(theta), (x,))[:, 0])
+    expected = torch.einsum("n,ni,nj->ij", p * (1 - p), jac, jac) / x.shape[0]
+    (dense,) = estimate_fisher(model, Bernoulli(), theta, x, kind="model", structure="dense", max_rows=7)
+    assert torch.allclose(dense[0], expected, atol=1e-12)
+    (diag,) = estimate_fisher(model, Bernoulli(), theta, x, kind="model", structure="diag")
+    assert torch.allclose(diag[0], torch.diagonal(expected), atol=1e-12)
+    blocks = estimate_fisher(model, Bernoulli(), theta, x, kind="model", structure="block")
+    struct = Structure("block", 20, model.layout.block_slices)
+    assert torch.allclose(struct.to_dense(blocks)[0], expected * (struct.to_dense(blocks)[0] != 0), atol=1e-12)
+    assert len(blocks) == 6
+
+
+def test_model_expected_fisher_categorical_is_the_expected_score_outer_product(generator):
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    model = as_chain_model(net)
+    theta = model.layout.flatten(net)
+    x = torch.randn(10, 3, generator=generator, dtype=torch.float64)
+    jac = _jacobian(model, theta, x)  # (n, m, d)
+    pi = torch.softmax(net(x), -1)
+    lam = torch.diag_embed(pi) - pi.unsqueeze(-1) * pi.unsqueeze(-2)
+    expected = torch.einsum("nmi,nmk,nkj->ij", jac, lam, jac) / x.shape[0]
+    (dense,) = estimate_fisher(model, Categorical(), theta, x, kind="model", structure="dense")
+    assert torch.allclose(dense[0], expected, atol=1e-12)
+
+
+def test_empirical_fisher_is_the_mean_squared_observed_score(generator):
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 3)).double()
+    model = as_chain_model(net)
+    theta = model.layout.flatten(net)
+    x = torch.randn(12, 3, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,), generator=generator)
+    scores = []
+    for xi, yi in zip(x, y, strict=True):
+        t = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(functional_call(net, model.layout.unflatten(t), (xi[None],)), -1)[0, yi]
+        scores.append(torch.autograd.grad(logp, t)[0])
+    scores = torch.stack(scores)
+    (diag,) = estimate_fisher(model, Categorical(), theta, x, y, kind="empirical", structure="diag")
+    assert torch.allclose(diag[0], (scores**2).mean(0), atol=1e-12)
+
+
+def test_per_chain_fisher_equals_one_chain_at_a_time(generator):
+    model = as_chain_model(toy_mlp().double())
+    thetas = model.layout.flatten(model.module) + 0.3 * torch.randn(3, 20, generator=generator, dtype=torch.float64)
+    x = torch.rand(25, 2, generator=generator, dtype=torch.float64)
+    (together,) = estimate_fisher(model, Bernoulli(), thetas, x, structure="dense", max_rows=16)
+    for c in range(3):
+        (alone,) = estimate_fisher(model, Bernoulli(), thetas[c], x, structure="dense")
+        assert torch.allclose(together[c], alone[0], atol=1e-12)
+
+
+def test_fisher_errors():
+    model = as_chain_model(toy_mlp())
+    theta = model.layout.flatten(model.module)
+    with pytest.raises(ValueError, match="needs labels"):
+        estimate_fisher(model, Bernoulli(), theta, torch.zeros(3, 2), kind="empirical", structure="diag")
+    with pytest.raises(ValueError, match="NaN"):
+        estimate_fisher(model, Bernoulli(), theta, torch.full((3, 2), float("nan")), structure="diag")
+    with pytest.raises(ValueError, match="unknown Fisher kind"):
+        estimate_fisher(model, Bernoulli(), theta, torch.zeros(3, 2), kind="observed", structure="diag")

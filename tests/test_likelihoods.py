@@ -1,0 +1,71 @@
+import math
+
+import pytest
+import torch
+
+from smp_core.likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
+
+
+def _autograd_residual(lik, out, y):
+    out = out.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(lik.log_prob(out, y).sum(), out)
+    return grad
+
+
+@pytest.mark.parametrize("lik, m", [(Bernoulli(), 1), (Categorical(), 4), (Gaussian(0.7), 3)])
+def test_residual_is_the_gradient_of_the_log_likelihood(lik, m, generator):
+    out = torch.randn(6, m, generator=generator, dtype=torch.float64)
+    y = lik.sample(out, generator)
+    assert torch.allclose(lik.residual(out, y), _autograd_residual(lik, out, y), atol=1e-10)
+
+
+def _expected_outer_residual(lik, out):
+    """E_y[r r^T] by exact enumeration (Bernoulli, categorical) or closed form (Gaussian)."""
+    if isinstance(lik, Bernoulli):
+        ys = [torch.zeros(out.shape[0], dtype=out.dtype), torch.ones(out.shape[0], dtype=out.dtype)]
+        probs = lik.probs(out)
+        weights = [probs[:, 0], probs[:, 1]]
+    elif isinstance(lik, Categorical):
+        ys = [torch.full((out.shape[0],), c, dtype=torch.long) for c in range(out.shape[1])]
+        probs = lik.probs(out)
+        weights = [probs[:, c] for c in range(out.shape[1])]
+    else:
+        return torch.eye(out.shape[1], dtype=out.dtype).expand(out.shape[0], -1, -1) / lik.sigma**2
+    total = 0
+    for y, w in zip(ys, weights, strict=True):
+        r = lik.residual(out, y)
+        total = total + w[:, None, None] * r.unsqueeze(-1) * r.unsqueeze(-2)
+    return total
+
+
+@pytest.mark.parametrize("lik, m", [(Bernoulli(), 1), (Categorical(), 5), (Gaussian(2.0), 2)])
+def test_fisher_factor_squares_to_the_output_fisher(lik, m, generator):
+    out = torch.randn(7, m, generator=generator, dtype=torch.float64)
+    factor = lik.fisher_factor(out)
+    assert torch.allclose(factor @ factor.transpose(1, 2), _expected_outer_residual(lik, out), atol=1e-10)
+
+
+def test_samples_follow_the_model(generator):
+    # z-test of class frequencies against the model's probabilities: n draws per class,
+    # standard error sqrt(p (1 - p) / n); |z| < 4.5 for each of 4 + 1 cells.
+    n = 40_000
+    logits = torch.tensor([0.3, -1.0, 1.2, 0.0])
+    draws = Categorical().sample(logits.expand(n, 4), generator)
+    p = torch.softmax(logits, 0)
+    freq = torch.bincount(draws, minlength=4).double() / n
+    z = (freq - p) / torch.sqrt(p * (1 - p) / n)
+    assert z.abs().max() < 4.5
+    yb = Bernoulli().sample(torch.full((n, 1), 0.8), generator)
+    pb = torch.sigmoid(torch.tensor(0.8))
+    assert abs((yb.mean() - pb) / math.sqrt(pb * (1 - pb) / n)) < 4.5
+
+
+def test_likelihood_errors():
+    with pytest.raises(ValueError, match="unknown likelihood"):
+        get_likelihood("poisson")
+    with pytest.raises(ValueError, match="positive"):
+        Gaussian(0.0)
+    with pytest.raises(ValueError, match="class labels"):
+        Categorical().log_prob(torch.zeros(2, 3), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="0 or 1"):
+        Bernoulli().log_prob(torch.zeros(2, 1), torch.tensor([0.0, 2.0]))

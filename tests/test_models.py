@@ -1,0 +1,85 @@
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from smp_core.layout import ParamLayout
+from smp_core.models import (
+    FunctionalChainModel,
+    MLPChainModel,
+    SequentialChainModel,
+    as_chain_model,
+    lenet5,
+    predict,
+    toy_mlp,
+)
+
+
+def test_parameter_counts_of_the_paper_networks():
+    assert ParamLayout.from_module(toy_mlp()).dim == 20
+    assert ParamLayout.from_module(lenet5()).dim == 47_154
+
+
+def test_layout_blocks_tile_the_vector():
+    layout = ParamLayout.from_module(lenet5())
+    sizes = [b.stop - b.start for b in layout.block_slices]
+    assert sizes == [150, 6, 2400, 16, 32768, 128, 10752, 84, 840, 10]
+    assert layout.names[0] == "0.weight"
+
+
+class Residual(nn.Module):
+    """A module the sequential paths cannot batch (skip connection)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)) + x)
+
+
+def _reference_vjp(module, layout, theta, x, cot):
+    grads = []
+    for t, xi, ci in zip(theta, x, cot, strict=True):
+        t = t.clone().requires_grad_(True)
+        out = functional_call(module, layout.unflatten(t), (xi.unsqueeze(0),)).reshape(-1)
+        grads.append(torch.autograd.grad(out, t, ci)[0])
+    return torch.stack(grads)
+
+
+@pytest.mark.parametrize(
+    "module, shape, cls",
+    [
+        (toy_mlp(), (2,), MLPChainModel),
+        (nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)), (4,), MLPChainModel),
+        (lenet5(), (1, 28, 28), SequentialChainModel),
+        (nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4)),
+         (2, 8, 8), SequentialChainModel),
+        (Residual(), (3,), FunctionalChainModel),
+    ],
+)
+def test_chain_model_matches_autograd_per_row(module, shape, cls, generator):
+    model = as_chain_model(module, shape)
+    assert isinstance(model, cls)
+    rows = 5
+    theta = model.layout.flatten(module) + 0.1 * torch.randn(rows, model.layout.dim, generator=generator)
+    x = torch.randn(rows, *shape, generator=generator)
+    out, ctx = model.forward(theta, x)
+    full = predict(model, theta, x)  # (rows, rows, m): every sample at every input
+    assert torch.allclose(out, torch.stack([full[i, i] for i in range(rows)]), atol=1e-5)
+    cot = torch.randn(out.shape, generator=generator)
+    expected = _reference_vjp(module, model.layout, theta, x, cot)
+    assert torch.allclose(model.vjp(ctx, cot), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_chain_model_errors():
+    model = as_chain_model(toy_mlp())
+    with pytest.raises(ValueError, match="one input per chain row"):
+        model.forward(torch.zeros(3, 20), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"shape \(B, 20\)"):
+        model.forward(torch.zeros(3, 19), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="input_shape is needed"):
+        as_chain_model(lenet5())
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        as_chain_model("not a module")

@@ -1,0 +1,178 @@
+"""The recursion of Algorithm 1 against closed forms, with Monte-Carlo z-scores over many chains."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from smp_core.likelihoods import Gaussian
+from smp_core.models import toy_mlp
+from smp_core.recursion import DivergenceError, residual_variance_ratio, run_smp
+
+Z_MAX = 4.5  # two-sided p = 7e-6 per test: family-wise false alarm < 1e-3 over the ~100 z-tests here
+
+
+def _linear_gaussian(generator, n=8, sigma=0.5):
+    net = nn.Sequential(nn.Linear(2, 1)).double()
+    x = torch.randn(n, 2, generator=generator, dtype=torch.float64)
+    design = torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], dim=1)  # (w1, w2, b) order
+    fisher = design.T @ design / n / sigma**2
+    return net, x, fisher, Gaussian(sigma)
+
+
+def _z_mean_and_covariance(samples, theta0, expected_cov):
+    """z-scores of the sample mean against theta0 and of the covariance (centred at the known mean)."""
+    s = samples.shape[0]
+    dev = samples - theta0
+    z_mean = dev.mean(0) / (dev.std(0) / math.sqrt(s))
+    products = dev.unsqueeze(2) * dev.unsqueeze(1)  # (S, d, d)
+    z_cov = (products.mean(0) - expected_cov) / (products.std(0) / math.sqrt(s))
+    return z_mean, z_cov
+
+
+@pytest.mark.parametrize("name", ["none", "fixed-diag", "fixed-block", "fixed-dense", "periodic-diag",
+                                  "periodic-block", "periodic-dense"])
+def test_linear_gaussian_moments_match_the_closed_form(name, generator):
+    # For y = theta^T [x, 1] + sigma eps the score is [x, 1] eps / sigma and the model-expected Fisher I
+    # is exact and constant, so with P fixed (or recomputed: still I) the increments are independent of
+    # theta: theta_K - theta_0 = sum_k tau/(N+k) P^-1 s_k, mean 0 and covariance
+    # tau^2 sum_k (N+k)^-2 P^-1 I P^-1 (P = I for "none", I + lambda Id otherwise).
+    net, x, fisher, lik = _linear_gaussian(generator)
+    tau, n_steps, n_chains, ridge = 0.7, 150, 4000, 1e-3
+    result = run_smp(net, lik, x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11,
+                     ridge=ridge, period=40, progress=False)
+    assert result.n_diverged == 0
+    n = x.shape[0]
+    c_k = tau**2 * sum((n + k) ** -2.0 for k in range(1, n_steps + 1))
+    if name == "none":
+        expected = c_k * fisher
+    else:
+        structure = name.split("-")[1]
+        kept = {"diag": torch.eye(3, dtype=torch.bool), "dense": torch.ones(3, 3, dtype=torch.bool),
+                "block": torch.block_diag(torch.ones(2, 2), torch.ones(1, 1)).bool()}[structure]
+        p_inv = torch.linalg.inv(fisher * kept + ridge * torch.eye(3, dtype=torch.float64))
+        expected = c_k * p_inv @ fisher @ p_inv
+    theta0 = net[0].weight.detach().reshape(-1).tolist() + net[0].bias.detach().tolist()
+    z_mean, z_cov = _z_mean_and_covariance(result.theta, torch.tensor(theta0, dtype=torch.float64), expected)
+    assert z_mean.abs().max() < Z_MAX, z_mean
+    assert z_cov.abs().max() < Z_MAX, z_cov
+
+
+def test_martingale_mean_of_the_toy_network_with_ema_block():
+    # E[theta_K] = theta_0 for a non-linear network and a preconditioner that changes every step.
+    torch.manual_seed(0)
+    net = toy_mlp().double()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(100, 2, generator=gen, dtype=torch.float64) * 2 - 1
+    result = run_smp(net, "bernoulli", x, preconditioner="ema-block", tau=0.3, n_steps=60, n_chains=3000,
+                     seed=3, progress=False)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    dev = result.theta - theta0
+    z = dev.mean(0) / (dev.std(0) / math.sqrt(dev.shape[0]))
+    assert result.n_diverged == 0
+    assert dev.std(0).min() > 0
+    assert z.abs().max() < Z_MAX, z
+
+
+def test_the_recursion_climbs_the_log_likelihood():
+    # One input with P(Y=1) = sigmoid(2.2) = 0.9: the chains that draw Y=1 (about 90 %) must move the
+    # logit up, towards the drawn response. A sign error (descending the log-likelihood) moves 90 % down.
+    net = nn.Sequential(nn.Linear(1, 1)).double()
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.fill_(1.2)
+    x = torch.ones(1, 1, dtype=torch.float64)
+    result = run_smp(net, "bernoulli", x, tau=1.0, n_steps=1, n_chains=2000, seed=0, progress=False)
+    logit = result.theta[:, 0] * 1.0 + result.theta[:, 1]
+    up = (logit > 2.2).double().mean()
+    # binomial count of Y=1 draws: mean 0.9, sd sqrt(0.09 / 2000) = 0.0067
+    assert abs(up - 0.9) < Z_MAX * math.sqrt(0.9 * 0.1 / 2000)
+
+
+def test_reproducible_from_the_seed():
+    net = toy_mlp()
+    x = torch.rand(50, 2) * 2 - 1
+    kw = dict(preconditioner="ema-diag", tau=0.3, n_steps=30, n_chains=20, progress=False)
+    a = run_smp(net, "bernoulli", x, seed=1, **kw)
+    b = run_smp(net, "bernoulli", x, seed=1, **kw)
+    c = run_smp(net, "bernoulli", x, seed=2, **kw)
+    assert torch.equal(a.theta, b.theta)
+    assert not torch.equal(a.theta, c.theta)
+    assert len(set(map(tuple, a.theta.tolist()))) == 20  # chains differ from one another
+
+
+def test_divergence_is_detected_reported_and_never_averaged():
+    net = toy_mlp()
+    x = torch.rand(50, 2) * 2 - 1
+    base = run_smp(net, "bernoulli", x, tau=1.0, n_steps=100, n_chains=200, seed=4, progress=False)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    threshold = float((base.theta - theta0).abs().amax(1).median())
+    with pytest.warns(UserWarning, match="diverged"):
+        res = run_smp(net, "bernoulli", x, tau=1.0, n_steps=100, n_chains=200, seed=4, check_every=10,
+                      divergence_threshold=threshold, progress=False)
+    assert 0 < res.n_diverged < 200
+    assert torch.isnan(res.theta[res.diverged]).all()
+    assert torch.isfinite(res.theta[~res.diverged]).all()
+    assert (res.diverged_step[res.diverged] > 0).all()
+    with pytest.warns(UserWarning, match="left out"):
+        assert res.samples().shape == (200 - res.n_diverged, 20)
+    with pytest.raises(DivergenceError, match="tau = 1000000.0 is too large"):
+        run_smp(net, "bernoulli", x, preconditioner="fixed-diag", tau=1e6, n_steps=50, n_chains=8, seed=0,
+                progress=False)
+
+
+def test_checkpoint_resumes_and_extends_a_run(tmp_path):
+    net = toy_mlp()
+    x = torch.rand(50, 2) * 2 - 1
+    kw = dict(preconditioner="periodic-dense", tau=0.1, n_chains=16, seed=9, period=20, check_every=25,
+              progress=False)
+    full = run_smp(net, "bernoulli", x, n_steps=100, **kw)
+    path = tmp_path / "run.pt"
+    run_smp(net, "bernoulli", x, n_steps=50, checkpoint=path, checkpoint_every=25, **kw)
+    resumed = run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **kw)
+    assert torch.equal(full.theta, resumed.theta)
+    with pytest.raises(ValueError, match="other settings"):
+        run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **{**kw, "tau": 0.2})
+    with pytest.raises(ValueError, match="beyond n_steps"):
+        run_smp(net, "bernoulli", x, n_steps=10, checkpoint=path, **kw)
+
+
+def test_residual_variance_ratio():
+    assert residual_variance_ratio(500, 0) == pytest.approx(1.0)
+    assert residual_variance_ratio(500, 5000) == pytest.approx(0.0910, abs=5e-4)  # the paper: about 9 %
+    tail = 1 / (500 + 2_000_000 - 0.5)  # integral approximation of the sum beyond the brute-force range
+    brute = (sum((500 + i) ** -2.0 for i in range(5001, 2_000_000)) + tail) / (
+        sum((500 + i) ** -2.0 for i in range(1, 2_000_000)) + tail)
+    assert residual_variance_ratio(500, 5000) == pytest.approx(brute, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(tau=0.0), "tau must be a positive"),
+        (dict(tau=float("nan")), "tau must be a positive"),
+        (dict(n_steps=0), "K must be an integer >= 1"),
+        (dict(n_steps=2.5), "K must be an integer >= 1"),
+        (dict(n_chains=0), "S must be an integer >= 1"),
+        (dict(preconditioner="ema_block"), "unknown preconditioner"),
+        (dict(preconditioner="fixed-diag", fisher="empirical"), "needs labels"),
+        (dict(theta0=torch.zeros(19)), "d = 20 parameters"),
+        (dict(theta0=torch.full((20,), float("nan"))), "theta0 contains NaN"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(kwargs, match):
+    x = torch.rand(10, 2)
+    with pytest.raises(ValueError, match=match):
+        run_smp(toy_mlp(), "bernoulli", x, **{"n_steps": 5, "n_chains": 2, "progress": False, **kwargs})
+
+
+def test_bad_data_gets_a_clear_error():
+    with pytest.raises(ValueError, match="NaN"):
+        run_smp(toy_mlp(), "bernoulli", torch.full((10, 2), float("nan")), n_steps=5, progress=False)
+    with pytest.raises(ValueError, match=r"inputs of shape \(3,\)"):
+        run_smp(toy_mlp(), "bernoulli", torch.zeros(10, 3), n_steps=5, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_smp(toy_mlp(), "bernoulli", torch.zeros(10, 2), n_steps=5, n_chains=3, progress=False)
