@@ -334,8 +334,11 @@ def run_smp(
         "divergence_threshold": divergence_threshold, "trace_every": trace_every,
     }
     # n_steps is left out of the key so that a finished run can be extended to a larger K.
-    key = _config_key({**{k: v for k, v in config.items() if k != "n_steps"}, "theta0": hashlib.sha256(theta0.cpu().numpy().tobytes()).hexdigest(),
-                       "x": hashlib.sha256(x_train.cpu().numpy().tobytes()).hexdigest()})
+    key = _config_key({
+        **{k: v for k, v in config.items() if k != "n_steps"},
+        "theta0": hashlib.sha256(theta0.cpu().numpy().tobytes()).hexdigest(),
+        "x": hashlib.sha256(x_train.cpu().numpy().tobytes()).hexdigest(),
+    })
     path = Path(checkpoint) if checkpoint is not None else None
     state = _load_checkpoint(path, key, device) if path is not None and path.exists() else None
     if state is not None and state.step > n_steps:

@@ -1,0 +1,73 @@
+# smp-book: the two entry points are `make book` (the main job) and `make test`.
+# Plain python3 -m venv + pip (no conda needed); the venv is created when missing and reused otherwise.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+SCALE  ?= laptop
+# Notebooks of the book, in order (jupytext MyST sources in notebooks/).
+NOTEBOOKS ?= toy
+GEN    := book/generated
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: book test venv lint unit notebooks nbval book-html mathjax browser-deps bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[book,dev]"
+	@touch $(STAMP)
+
+## make book: fetch what is needed, run every notebook with papermill at SCALE, build the Jupyter Book.
+book: venv mathjax
+	$(MAKE) notebooks SCALE=$(SCALE)
+	$(MAKE) book-html
+
+## make test: ruff, pytest, the notebooks at ci scale (nbval) and a book build with -W -n.
+test: venv mathjax
+	$(MAKE) lint
+	$(MAKE) unit
+	$(MAKE) notebooks SCALE=ci
+	$(MAKE) nbval
+	$(MAKE) book-html
+	$(MAKE) browser-test
+
+lint:
+	$(BIN)/ruff check .
+
+unit:
+	$(BIN)/python -m pytest -q tests
+
+# papermill cannot read .md notebooks: jupytext converts them first (into the gitignored build folder).
+notebooks:
+	@mkdir -p $(GEN) build/notebooks
+	@for nb in $(NOTEBOOKS); do \
+	  echo "== notebook $$nb (scale $(SCALE))"; \
+	  $(BIN)/jupytext --quiet --to ipynb notebooks/$$nb.md -o build/notebooks/$$nb.ipynb || exit 1; \
+	  $(BIN)/papermill --log-level WARNING -k python3 build/notebooks/$$nb.ipynb $(GEN)/$$nb.ipynb \
+	    -p scale $(SCALE) || exit 1; \
+	done
+
+# nbval re-executes the ci-scale notebooks (with papermill's injected parameters) and fails on any error.
+nbval:
+	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider $(addprefix $(GEN)/,$(addsuffix .ipynb,$(NOTEBOOKS)))
+
+book-html:
+	$(BIN)/jupyter-book build . -W -n --keep-going
+
+mathjax:
+	@true
+
+browser-deps:
+	@true
+
+browser-test:
+	@true
+
+bench: venv
+	$(BIN)/python benchmarks/bench_recursion.py
+
+clean:
+	rm -rf _build build $(GEN)

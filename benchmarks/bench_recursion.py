@@ -1,0 +1,108 @@
+"""Wall time of the SMP recursion: the toy example at paper scale and one LeNet-5 step.
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/bench_recursion.py            # toy S=1000, K=5000, all 10 variants; LeNet S=100
+    .venv/bin/python benchmarks/bench_recursion.py --steps 500 --variants none ema-block
+
+Prints a markdown table. Times are wall-clock seconds of ``run_smp`` (Fisher set-up included) with
+``torch.set_num_threads(--threads)``; the LeNet figure is milliseconds per recursion step (score of
+S chains, preconditioner solve and update), measured after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+
+from smp_core import lenet5, run_smp, toy_mlp
+from smp_core.toy import make_toy_data
+
+# The paper's step-size scales (Section 3.2.3) and the targets of issue 2 (seconds, this 2-core CPU).
+TOY_VARIANTS = {
+    "none": (1.0, 1.0),
+    "fixed-diag": (0.3, None), "fixed-block": (0.3, None), "fixed-dense": (0.1, None),
+    "ema-diag": (0.3, None), "ema-block": (0.3, 2.0), "ema-dense": (0.1, 3.0),
+    "periodic-diag": (0.3, None), "periodic-block": (0.3, None), "periodic-dense": (0.1, 2.0),
+}
+PAPER_SECONDS = {  # Table ex1_elapsed, 6 CPU threads (Julia)
+    "none": 107.4, "fixed-diag": 145.9, "fixed-block": 150.4, "fixed-dense": 162.3, "ema-diag": 149.1,
+    "ema-block": 163.4, "ema-dense": 186.2, "periodic-diag": 252.7, "periodic-block": 260.4,
+    "periodic-dense": 286.6,
+}
+
+
+def fit_toy_start(x, y, steps=1500):
+    """A MAP estimate of the toy network (prior N(0, I)) to start from, as a stand-in for NUTS-mean."""
+    torch.manual_seed(0)
+    net = toy_mlp()
+    opt = torch.optim.Adam(net.parameters(), lr=0.03)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(net(x)[:, 0], y, reduction="sum")
+        loss = loss + 0.5 * sum((p**2).sum() for p in net.parameters())
+        loss.backward()
+        opt.step()
+    return net
+
+
+def bench_toy(variants, n_chains, n_steps):
+    x, y = make_toy_data(500, seed=0)
+    net = fit_toy_start(x, y)
+    rows = []
+    for name in variants:
+        tau, target = TOY_VARIANTS[name]
+        res = run_smp(net, "bernoulli", x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains,
+                      seed=0, progress=False)
+        rows.append((name, tau, res.elapsed, target, res.n_diverged))
+    return rows
+
+
+def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag")):
+    torch.manual_seed(0)
+    net = lenet5()
+    x = torch.rand(2000, 1, 28, 28)
+    y = torch.randint(0, 10, (2000,))
+    rows = []
+    for name in variants:
+        kw = dict(preconditioner=name, tau=0.05, n_chains=n_chains, seed=0, progress=False,
+                  input_shape=(1, 28, 28), fisher="empirical", fisher_data=(x[:600], y[:600]))
+        run_smp(net, "categorical", x, n_steps=3, **kw)  # warm-up
+        t_short = run_smp(net, "categorical", x, n_steps=5, **kw).elapsed
+        t_long = run_smp(net, "categorical", x, n_steps=5 + n_steps, **kw).elapsed
+        rows.append((name, 1000 * (t_long - t_short) / n_steps))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chains", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=5000)
+    parser.add_argument("--variants", nargs="*", default=list(TOY_VARIANTS))
+    parser.add_argument("--lenet-chains", type=int, default=100)
+    parser.add_argument("--lenet-steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--skip-lenet", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print(f"Toy recursion: S = {args.chains}, K = {args.steps} (paper: 6 Julia threads)\n")
+    print("| variant | tau | seconds | target (s) | paper (s) | diverged |")
+    print("|---|---|---|---|---|---|")
+    for name, tau, seconds, target, div in bench_toy(args.variants, args.chains, args.steps):
+        tgt = "" if target is None else f"{target:.1f}"
+        print(f"| SMP-{name} | {tau} | {seconds:.2f} | {tgt} | {PAPER_SECONDS[name]:.1f} | {div} |", flush=True)
+    if not args.skip_lenet:
+        print(f"\nLeNet-5 (d = 47,154), one recursion step, S = {args.lenet_chains} (target: 8 ms)\n")
+        print("| variant | ms / step |")
+        print("|---|---|")
+        for name, ms in bench_lenet(args.lenet_chains, args.lenet_steps):
+            print(f"| SMP-{name} | {ms:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Figures of the book (matplotlib). Functions take summaries computed elsewhere and return figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+def save(fig, folder: Path, name: str) -> None:
+    """Save a figure as PNG and PDF under ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fig.savefig(folder / f"{name}.png", dpi=110, bbox_inches="tight")
+    fig.savefig(folder / f"{name}.pdf", bbox_inches="tight")
+
+
+def reliability(ax, curve, label: str | None = None, **kw) -> None:
+    """Plot one calibration curve (accuracy vs mean confidence per non-empty bin)."""
+    conf = np.asarray(curve.confidence, dtype=float)
+    acc = np.asarray(curve.accuracy, dtype=float)
+    keep = np.asarray(curve.counts) > 0
+    ax.plot(conf[keep], acc[keep], marker="o", ms=3, label=label, **kw)
+
+
+def four_panel(grid_x, grid_y, surfaces: dict[str, np.ndarray], curve, title: str, train=None):
+    """The paper's toy figure: predicted probability, calibration, mutual information, expected entropy."""
+    fig, axes = plt.subplots(2, 2, figsize=(9, 7.5))
+    panels = [("prob", "predicted probability", axes[0, 0], "RdBu_r", (0, 1)),
+              ("mi", "mutual information", axes[1, 0], "viridis", None),
+              ("exp_entropy", "expected entropy", axes[1, 1], "magma", None)]
+    for key, label, ax, cmap, lims in panels:
+        vmin, vmax = lims if lims else (0, max(float(np.nanmax(surfaces[key])), 1e-6))
+        im = ax.contourf(grid_x, grid_y, surfaces[key], levels=21, cmap=cmap, vmin=vmin, vmax=vmax)
+        circle = plt.Circle((0, 0), np.sqrt(0.5), fill=False, ls="--", color="k", lw=0.8)
+        ax.add_patch(circle)
+        if train is not None and key == "prob":
+            x, y = train
+            ax.scatter(x[:, 0], x[:, 1], c=y, cmap="RdBu_r", s=4, edgecolors="k", linewidths=0.2)
+        ax.set_title(label)
+        ax.set_aspect("equal")
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    ax = axes[0, 1]
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8)
+    reliability(ax, curve)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accuracy")
+    ax.set_title("calibration")
+    ax.set_xlim(0.45, 1.0)
+    ax.set_ylim(0.0, 1.02)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def calibration_all(curves: dict, title: str, xlim=(0.0, 1.0)):
+    """Calibration curves of every method on one plot."""
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    ax.plot([0, 1], [0, 1], "k--", lw=0.8, label="perfect calibration")
+    for name, curve in curves.items():
+        reliability(ax, curve, label=name, lw=1)
+    ax.set_xlim(*xlim)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("confidence")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,95 @@
+"""Result folders, manifests and a config-keyed cache for the notebooks.
+
+Every study writes ``results/<scale>/<study>/``: CSV tables, figures and ``manifest.json`` (git
+hash, config, seeds, package versions, device, threads, wall time). Long computations are cached
+under ``.cache/<study>/`` by a hash of their config, so rerunning a notebook reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGES = ("torch", "numpy", "jax", "numpyro", "scipy", "pandas", "matplotlib", "smp_core")
+
+
+def results_dir(scale: str, study: str, root: str | os.PathLike = "results") -> Path:
+    """``results/<scale>/<study>/``, created if needed."""
+    path = Path(root) / scale / study
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def git_revision() -> str:
+    """The current commit, with ``-dirty`` when the work tree has uncommitted changes."""
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        return rev + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    """Package versions, Python, platform, device and thread count."""
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or "cpu")
+    return {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
+            "device": device, "cuda": torch.cuda.is_available(), "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count()}
+
+
+def write_manifest(path: Path, config: dict[str, Any], seeds: dict[str, Any], wall_time: float,
+                   **extra: Any) -> Path:
+    """Write ``manifest.json`` into the folder ``path``."""
+    manifest = {"git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": config,
+                "seeds": seeds, "wall_time_s": round(wall_time, 2), "environment": environment(), **extra}
+    out = Path(path) / "manifest.json"
+    out.write_text(json.dumps(manifest, indent=2, default=str))
+    return out
+
+
+def config_key(config: dict[str, Any]) -> str:
+    """A short, stable hash of a JSON-serialisable config."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def cached(study: str, config: dict[str, Any], compute: Callable[[], Any],
+           root: str | os.PathLike = ".cache", enabled: bool = True) -> Any:
+    """Return ``compute()``, reusing a saved result for the same ``config``.
+
+    The file is ``<root>/<study>/<key>.pt`` with the config stored beside the value; a file whose
+    stored config differs (a hash collision) raises instead of being overwritten.
+    """
+    if not enabled:
+        return compute()
+    folder = Path(root) / study
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{config_key(config)}.pt"
+    canonical = json.loads(json.dumps(config, sort_keys=True, default=str))
+    if path.exists():
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        if payload["config"] != canonical:
+            raise RuntimeError(f"cache file {path} holds another config; remove it by hand")
+        return payload["value"]
+    value = compute()
+    tmp = path.with_suffix(".tmp")
+    torch.save({"config": canonical, "value": value}, tmp)
+    os.replace(tmp, path)
+    return value

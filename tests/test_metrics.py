@@ -1,0 +1,312 @@
+"""Known-value tests of smp_core.metrics (the paper's Appendix A metrics and the variance tables)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from smp_core.metrics import (
+    NLL_FLOOR,
+    SCORE_KEYS,
+    accuracy,
+    all_scores,
+    binary_probs,
+    brier,
+    calibration_curve,
+    ece,
+    epistemic_std,
+    expected_entropy,
+    logits_variance,
+    mutual_information,
+    nll,
+    params_variance,
+    predictive,
+    predictive_entropy,
+)
+
+
+def _t(rows, dtype=torch.float64):
+    return torch.tensor(rows, dtype=dtype)
+
+
+def _dirichlet(shape, gen, concentration=1.0):
+    """Random probability vectors along the last axis (normalised Gamma draws)."""
+    g = torch._standard_gamma(torch.full(shape, concentration, dtype=torch.float64), generator=gen)
+    return g / g.sum(-1, keepdim=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_binary_probs_and_predictive():
+    p = _t([[0.2, 1.0], [0.6, 0.0]])  # (S=2, N=2) probabilities of class 1
+    b = binary_probs(p)
+    assert b.shape == (2, 2, 2)
+    torch.testing.assert_close(b[..., 1], p)
+    torch.testing.assert_close(b[..., 0], 1 - p)
+    torch.testing.assert_close(predictive(b), _t([[0.6, 0.4], [0.5, 0.5]]))
+    assert predictive(b.float()).dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------------------------
+# Accuracy, Brier, NLL
+# ----------------------------------------------------------------------------------------------
+
+
+def test_accuracy_uses_argmax_of_the_sample_mean():
+    # Point 0: two of three samples vote class 1, but f_hat = (0.633, 0.367) picks class 0.
+    # Point 1: every sample says class 1.
+    probs = _t([
+        [[0.45, 0.55], [0.1, 0.9]],
+        [[0.45, 0.55], [0.2, 0.8]],
+        [[1.00, 0.00], [0.3, 0.7]],
+    ])
+    assert accuracy(probs, torch.tensor([0, 1])) == 1.0
+    assert accuracy(probs, torch.tensor([1, 1])) == 0.5
+    assert accuracy(probs, torch.tensor([1, 0])) == 0.0
+
+
+def test_brier_sums_over_classes():
+    probs = _t([[[0.7, 0.2, 0.1], [0.2, 0.5, 0.3]]])
+    labels = torch.tensor([0, 2])
+    # point 0: 0.3^2 + 0.2^2 + 0.1^2 = 0.14 ; point 1: 0.2^2 + 0.5^2 + 0.7^2 = 0.78 ; mean 0.46
+    assert brier(probs, labels) == pytest.approx(0.46, abs=1e-12)
+    # the Brier score of f_hat, not the mean of the per-sample Brier scores
+    two = _t([[[1.0, 0.0]], [[0.0, 1.0]]])
+    assert brier(two, torch.tensor([0])) == pytest.approx(0.5, abs=1e-12)  # (0.5^2 + 0.5^2), not 1.0
+
+
+def test_nll_equals_cross_entropy_for_a_point_estimate():
+    gen = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(500, 7, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, 7, (500,), generator=gen)
+    probs = torch.softmax(logits, -1).unsqueeze(0)
+    assert nll(probs, labels) == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-12)
+    # float32 inputs are computed in float64 internally
+    assert nll(probs.float(), labels) == pytest.approx(F.cross_entropy(logits, labels).item(), rel=1e-5)
+
+
+def test_nll_of_the_sample_mean_and_floor():
+    probs = _t([[[0.2, 0.8]], [[0.6, 0.4]]])  # f_hat = (0.4, 0.6)
+    assert nll(probs, torch.tensor([1])) == pytest.approx(-math.log(0.6), rel=1e-12)
+    hard = _t([[[1.0, 0.0], [0.5, 0.5]]])  # true class of point 0 has probability 0
+    value = nll(hard, torch.tensor([1, 0]))
+    assert math.isfinite(value)
+    assert value == pytest.approx((-math.log(NLL_FLOOR) + math.log(2)) / 2, rel=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entropies, mutual information, epistemic std
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c", [2, 3, 10])
+def test_entropy_of_uniform_is_log_c(c):
+    probs = torch.full((4, 5, c), 1.0 / c, dtype=torch.float64)
+    assert predictive_entropy(probs) == pytest.approx(math.log(c), rel=1e-12)
+    assert expected_entropy(probs) == pytest.approx(math.log(c), rel=1e-12)
+    assert mutual_information(probs) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_mutual_information_zero_for_one_or_identical_samples():
+    gen = torch.Generator().manual_seed(1)
+    one = _dirichlet((1, 50, 4), gen)
+    assert mutual_information(one) == 0.0
+    assert predictive_entropy(one) == pytest.approx(expected_entropy(one), rel=1e-14)
+    same = one.expand(6, -1, -1).clone()
+    assert mutual_information(same) == pytest.approx(0.0, abs=1e-14)
+    assert epistemic_std(same) == pytest.approx(0.0, abs=1e-14)
+
+
+def test_mutual_information_is_difference_of_entropies_and_nonnegative():
+    gen = torch.Generator().manual_seed(2)
+    probs = _dirichlet((5, 200, 3), gen, concentration=0.5)
+    mi, h_pred, h_exp = mutual_information(probs), predictive_entropy(probs), expected_entropy(probs)
+    assert mi == pytest.approx(h_pred - h_exp, abs=1e-12)
+    assert mi > 0.01
+    assert (mutual_information(probs, per_point=True) >= 0).all()
+
+
+def test_mutual_information_hand_case_with_zero_probabilities():
+    # two confident samples that disagree: H_pred = log 2, H_exp = 0 (0 log 0 = 0, no NaN), MI = log 2
+    probs = _t([[[1.0, 0.0]], [[0.0, 1.0]]])
+    assert expected_entropy(probs) == 0.0
+    assert predictive_entropy(probs) == pytest.approx(math.log(2), rel=1e-14)
+    assert mutual_information(probs) == pytest.approx(math.log(2), rel=1e-14)
+
+
+def test_epistemic_std_hand_case_uses_population_std():
+    # point 0: samples (0.2, 0.8), (0.6, 0.4): mean (0.4, 0.6), population std 0.2 in both classes
+    # (the 1/(S-1) estimator would give 0.2828); point 1: identical samples, std 0. Mean 0.1.
+    probs = _t([
+        [[0.2, 0.8], [0.3, 0.7]],
+        [[0.6, 0.4], [0.3, 0.7]],
+    ])
+    assert epistemic_std(probs) == pytest.approx(0.1, abs=1e-12)
+    torch.testing.assert_close(epistemic_std(probs, per_point=True), _t([0.2, 0.0]))
+    # classes averaged: three classes with stds 0.3, 0.1, 0.2 -> 0.2
+    three = _t([[[0.1, 0.5, 0.4]], [[0.7, 0.3, 0.0]]])
+    assert epistemic_std(three) == pytest.approx(0.2, abs=1e-12)
+    assert epistemic_std(three[:1]) == 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# ECE and calibration curve
+# ----------------------------------------------------------------------------------------------
+
+
+def test_ece_hand_case():
+    # confidences 0.55 (right), 0.65 (wrong), 0.65 (right), 0.95 (right) with 10 bins:
+    # bin [0.5,0.6): |1 - 0.55| = 0.45 (n=1); bin [0.6,0.7): |0.5 - 0.65| = 0.15 (n=2);
+    # bin [0.9,1.0]: |1 - 0.95| = 0.05 (n=1). ECE = (0.45 + 2 * 0.15 + 0.05) / 4 = 0.2.
+    p1 = _t([[0.55, 0.65, 0.35, 0.05]])  # probability of class 1
+    labels = torch.tensor([1, 0, 0, 0])
+    probs = binary_probs(p1)
+    assert ece(probs, labels) == pytest.approx(0.2, abs=1e-12)
+    # with a single bin: |acc - conf| = |0.75 - 0.7| = 0.05
+    assert ece(probs, labels, n_bins=1) == pytest.approx(0.05, abs=1e-12)
+
+
+def test_calibration_curve_hand_case_and_edges():
+    p1 = _t([[0.55, 0.65, 0.35, 0.05, 1.0, 0.5]])
+    labels = torch.tensor([1, 0, 0, 0, 1, 1])
+    curve = calibration_curve(binary_probs(p1), labels, n_bins=10)
+    torch.testing.assert_close(curve.edges, torch.linspace(0, 1, 11, dtype=torch.float64))
+    # conf 0.5 (tie -> class 0, wrong) lands in [0.5, 0.6); conf 1.0 lands in the top bin
+    assert curve.counts.tolist() == [0, 0, 0, 0, 0, 2, 2, 0, 0, 2]
+    assert curve.counts.sum().item() == 6
+    assert curve.confidence[5].item() == pytest.approx(0.525)
+    assert curve.accuracy[5].item() == pytest.approx(0.5)
+    assert curve.confidence[9].item() == pytest.approx(0.975)
+    assert curve.accuracy[9].item() == pytest.approx(1.0)
+    assert torch.isnan(curve.confidence[:5]).all() and torch.isnan(curve.accuracy[7:9]).all()
+    assert curve.ece == pytest.approx(ece(binary_probs(p1), labels))
+    torch.testing.assert_close(curve.centers[0], torch.tensor(0.05, dtype=torch.float64))
+
+
+def test_calibration_curve_counts_sum_to_n():
+    gen = torch.Generator().manual_seed(3)
+    probs = _dirichlet((3, 1000, 5), gen)
+    labels = torch.randint(0, 5, (1000,), generator=gen)
+    for n_bins in (1, 7, 15):
+        curve = calibration_curve(probs, labels, n_bins)
+        assert curve.counts.shape == (n_bins,) and curve.counts.sum().item() == 1000
+
+
+def test_ece_near_zero_for_labels_drawn_from_the_predictive():
+    """Labels drawn from f_hat make the predictive perfectly calibrated: ECE is only sampling noise.
+
+    Tolerance: condition on the probabilities (the bins are then fixed). In bin k with n_k points,
+    acc(B_k) - conf(B_k) is the mean of n_k independent terms 1(y_i = pred_i) - c_i, each with mean 0
+    and range in an interval of length 1. Hoeffding: P(|acc - conf| > t_k) <= 2 exp(-2 n_k t_k^2);
+    with t_k = sqrt(log(2J/delta) / (2 n_k)) and a union bound over the J bins, with probability
+    >= 1 - delta, ECE <= sum_k (n_k/N) t_k = sqrt(log(2J/delta)/2) * sum_k sqrt(n_k) / N
+    <= sqrt(log(2J/delta)/2) * sqrt(J/N) (Cauchy-Schwarz). For J = 10, N = 200000, delta = 1e-6 this is
+    2.90 * 0.00707 = 0.0205 (the expected ECE is <= sqrt(J/N)/2 = 0.0035).
+    """
+    gen = torch.Generator().manual_seed(4)
+    n, n_bins, delta = 200_000, 10, 1e-6
+    probs = _dirichlet((4, n, 3), gen, concentration=0.7)
+    f_hat = probs.mean(0)
+    labels = torch.multinomial(f_hat, 1, generator=gen).squeeze(1)
+    tol = math.sqrt(math.log(2 * n_bins / delta) / 2) * math.sqrt(n_bins / n)
+    assert tol == pytest.approx(0.0205, abs=5e-4)
+    assert ece(probs, labels, n_bins) < tol
+    # Negative control: the same labels scored against a sharpened predictive (f_hat^3, renormalised,
+    # i.e. over-confident) give an ECE far above the tolerance, so the check above can fail.
+    sharp = f_hat**3 / (f_hat**3).sum(-1, keepdim=True)
+    assert ece(sharp.unsqueeze(0), labels, n_bins) > 5 * tol
+
+
+# ----------------------------------------------------------------------------------------------
+# all_scores
+# ----------------------------------------------------------------------------------------------
+
+
+def test_all_scores_keys_and_values():
+    gen = torch.Generator().manual_seed(5)
+    probs = _dirichlet((3, 100, 4), gen).float()
+    labels = torch.randint(0, 4, (100,), generator=gen)
+    scores = all_scores(probs, labels, n_bins=5)
+    assert list(scores) == [
+        "accuracy", "brier", "nll", "ece", "pred_entropy", "exp_entropy", "mutual_info", "epistemic_std"]
+    assert tuple(scores) == SCORE_KEYS
+    assert all(type(v) is float for v in scores.values())
+    assert scores["accuracy"] == accuracy(probs, labels)
+    assert scores["ece"] == ece(probs, labels, n_bins=5)
+    assert scores["mutual_info"] == pytest.approx(scores["pred_entropy"] - scores["exp_entropy"], abs=1e-12)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variance tables
+# ----------------------------------------------------------------------------------------------
+
+
+def test_params_variance_matches_torch_var():
+    gen = torch.Generator().manual_seed(6)
+    theta = torch.randn(20, 13, generator=gen) * torch.linspace(0.1, 3, 13)
+    assert params_variance(theta) == pytest.approx(torch.var(theta.double(), dim=0).mean().item(), rel=1e-12)
+    # unbiased 1/(S-1) estimator: samples 0 and 2 in one dimension give variance 2 (not 1)
+    assert params_variance(_t([[0.0], [2.0]])) == pytest.approx(2.0)
+    assert math.isnan(params_variance(theta[:1]))
+
+
+def test_logits_variance_matches_torch_var():
+    gen = torch.Generator().manual_seed(7)
+    logits3 = torch.randn(8, 30, 5, generator=gen, dtype=torch.float64)
+    logits2 = logits3[..., 0]
+    assert logits_variance(logits3) == pytest.approx(torch.var(logits3, dim=0).mean().item(), rel=1e-12)
+    assert logits_variance(logits2) == pytest.approx(torch.var(logits2, dim=0).mean().item(), rel=1e-12)
+    assert logits_variance(_t([[1.0, 5.0], [3.0, 5.0]])) == pytest.approx(1.0)  # (2 + 0) / 2
+    assert math.isnan(logits_variance(logits3[:1]))
+    assert math.isnan(logits_variance(logits2[:1]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+_GOOD = _t([[[0.3, 0.7], [0.9, 0.1]]])
+
+
+@pytest.mark.parametrize(
+    ("probs", "labels", "match"),
+    [
+        (_GOOD[0], torch.tensor([0, 1]), r"shape \(S, N, C\)"),
+        (_GOOD, torch.tensor([0, 1, 1]), r"3 entries but probs has N=2"),
+        (_GOOD, torch.tensor([[0, 1]]), r"labels must have shape \(N,\)"),
+        (_GOOD, torch.tensor([0, 2]), r"labels out of range"),
+        (_GOOD, torch.tensor([-1, 0]), r"labels out of range"),
+        (_GOOD, torch.tensor([0.0, 0.5]), r"integer class indices"),
+        (_t([[[0.3, math.nan], [0.9, 0.1]]]), torch.tensor([0, 1]), r"NaN or infinite"),
+        (_t([[[0.3, math.inf], [0.9, 0.1]]]), torch.tensor([0, 1]), r"NaN or infinite"),
+        (_t([[[0.3, 0.6], [0.9, 0.1]]]), torch.tensor([0, 1]), r"do not sum to 1"),
+        (_t([[[1.2, -0.2], [0.9, 0.1]]]), torch.tensor([0, 1]), r"negative probabilities"),
+        (_t([[[1.0], [1.0]]]), torch.tensor([0, 0]), r"at least 2 classes"),
+    ],
+)
+def test_validation_errors(probs, labels, match):
+    with pytest.raises(ValueError, match=match):
+        all_scores(probs, labels)
+
+
+def test_validation_errors_without_labels_and_variances():
+    with pytest.raises(ValueError, match=r"do not sum to 1"):
+        predictive_entropy(torch.randn(2, 3, 4, dtype=torch.float64).abs())
+    with pytest.raises(ValueError, match=r"n_bins must be a positive integer"):
+        ece(_GOOD, torch.tensor([0, 1]), n_bins=0)
+    with pytest.raises(ValueError, match=r"p must have shape \(S, N\)"):
+        binary_probs(torch.rand(2, 3, 1))
+    with pytest.raises(ValueError, match=r"probabilities in \[0, 1\]"):
+        binary_probs(_t([[0.5, 1.5]]))
+    with pytest.raises(ValueError, match=r"theta must have shape \(S, d\)"):
+        params_variance(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"logits contains NaN or infinite"):
+        logits_variance(_t([[0.0, math.inf], [1.0, 2.0]]))
+    with pytest.raises(ValueError, match=r"logits must have shape \(S, N\) or \(S, N, C\)"):
+        logits_variance(torch.zeros(2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"floor must be in"):
+        nll(_GOOD, torch.tensor([0, 1]), floor=0.0)
