@@ -4,6 +4,7 @@ The reference implementation of *Score-Based Martingale Posteriors for Deep Neur
 (Zhumekenov, Jasra, Maama, Tempone). Start with :func:`run_smp`.
 """
 
+from . import metrics
 from .fisher import estimate_fisher, fisher_vectors
 from .layout import ParamLayout
 from .likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood
@@ -14,7 +15,7 @@ from .recursion import DivergenceError, SMPResult, residual_variance_ratio, run_
 __all__ = [
     "Bernoulli", "Categorical", "ChainModel", "DivergenceError", "Gaussian", "ParamLayout", "Preconditioner",
     "SMPResult", "Structure", "as_chain_model", "build_preconditioner", "estimate_fisher", "fisher_vectors",
-    "get_likelihood", "lenet5", "predict", "preconditioner_from_name", "residual_variance_ratio", "run_smp",
+    "get_likelihood", "lenet5", "metrics", "predict", "preconditioner_from_name", "residual_variance_ratio", "run_smp",
     "toy_mlp",
 ]
 __version__ = "0.1.0"

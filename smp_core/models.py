@@ -151,20 +151,22 @@ class _AutogradChainModel:
         self.input_shape = tuple(input_shape)
         self.out_dim = _output_dim(module, self.input_shape)
 
-    def _batched(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def _batched(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def forward(self, theta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         _check_rows(theta, x, self.layout.dim)
-        leaf = theta.detach().requires_grad_(True)
+        # One contiguous leaf per parameter tensor: autograd then returns dense per-tensor gradients,
+        # joined by one cat, instead of scattering each into a zero-filled (B, d) slice.
+        leaves = [p.contiguous().requires_grad_(True) for p in self.layout.split(theta.detach())]
         with torch.enable_grad():
-            out = self._batched(leaf, x).reshape(theta.shape[0], self.out_dim)
-        return out.detach(), (leaf, out)
+            out = self._batched(leaves, x).reshape(theta.shape[0], self.out_dim)
+        return out.detach(), (leaves, out)
 
     def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False) -> torch.Tensor:
-        leaf, out = ctx
-        (grad,) = torch.autograd.grad(out, leaf, cotangent, retain_graph=retain)
-        return grad
+        leaves, out = ctx
+        grads = torch.autograd.grad(out, leaves, cotangent, retain_graph=retain)
+        return torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1)
 
 
 _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
@@ -184,9 +186,10 @@ class SequentialChainModel(_AutogradChainModel):
                              "activation, pooling and Flatten layers; use FunctionalChainModel instead")
         super().__init__(module, input_shape)
 
-    def _batched(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        params = iter(self.layout.split(theta))
-        h, batch = x, theta.shape[0]
+    def _batched(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        batch = x.shape[0]
+        params = iter(params)
+        h = x
         for layer in self.module:
             if isinstance(layer, nn.Linear):
                 weight = next(params)
@@ -246,14 +249,16 @@ class FunctionalChainModel(_AutogradChainModel):
     def __init__(self, module: nn.Module, input_shape: tuple[int, ...]):
         super().__init__(module, input_shape)
 
-        def single(theta_row: torch.Tensor, x_row: torch.Tensor) -> torch.Tensor:
-            params = self.layout.unflatten(theta_row)
-            return functional_call(self.module, params, (x_row.unsqueeze(0),)).reshape(-1)
+        names = self.layout.names
+
+        def single(params: tuple[torch.Tensor, ...], x_row: torch.Tensor) -> torch.Tensor:
+            named = dict(zip(names, params, strict=True))
+            return functional_call(self.module, named, (x_row.unsqueeze(0),)).reshape(-1)
 
         self._vmapped = vmap(single)
 
-    def _batched(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self._vmapped(theta, x)
+    def _batched(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return self._vmapped(tuple(params), x)
 
 
 # ---------------------------------------------------------------------------------------------
