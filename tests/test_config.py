@@ -1,0 +1,31 @@
+import pytest
+
+from smp_core.config import MNIST_TAU, SCALES, TOY_VARIANTS, get_config, toy_tau
+
+
+def test_paper_scale_uses_the_papers_settings():
+    toy = get_config("toy", "paper")
+    assert (toy["n_train"], toy["n_test"], toy["n_chains"], toy["n_steps"]) == (500, 5000, 1000, 5000)
+    assert (toy["ridge"], toy["beta"], toy["period"], toy["nuts_target_accept"]) == (1e-4, 0.98, 500, 0.95)
+    mnist = get_config("mnist", "paper")
+    assert (mnist["n_train"], mnist["n_val"], mnist["n_chains"], mnist["n_steps"]) == (54_000, 6_000, 100, 10**6)
+    assert (mnist["map_epochs"], mnist["map_batch"], mnist["map_lr"], mnist["map_weight_decay"]) == (20, 48, 1e-3, 1e-3)
+    assert MNIST_TAU == {"none": 1.0, "fixed-diag": 0.05, "ema-diag": 0.08, "periodic-diag": 0.05}
+    assert [toy_tau(v) for v in ("none", "ema-diag", "fixed-block", "periodic-dense")] == [1.0, 0.3, 0.3, 0.1]
+    assert len(TOY_VARIANTS) == 10
+
+
+def test_every_scale_exists_and_configs_are_copies():
+    for study in ("toy", "mnist"):
+        for scale in SCALES:
+            assert get_config(study, scale)["scale"] == scale
+    a = get_config("toy", "ci")
+    a["n_steps"] = -1
+    assert get_config("toy", "ci")["n_steps"] > 0
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError, match="unknown scale"):
+        get_config("toy", "huge")
+    with pytest.raises(ValueError, match="unknown study"):
+        get_config("cifar", "ci")

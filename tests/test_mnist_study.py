@@ -1,0 +1,15 @@
+import torch
+
+from smp_core import mnist_study as ms
+from smp_core.paper import paper_table
+
+
+def test_claims_on_the_papers_tables():
+    verdicts = ms.claims(paper_table("ex2_scores"), paper_table("ex2_variances")).set_index("claim")["verdict"]
+    assert (verdicts == "holds").all(), verdicts
+
+
+def test_ambiguous_three_rule():
+    probs = torch.tensor([[[0.9, 0.1], [0.5, 0.5], [0.6, 0.4], [0.5, 0.5]]])  # (S=1, n=4, C=2)
+    labels = torch.tensor([3, 3, 3, 1])
+    assert ms.ambiguous_three(probs, labels) == 1  # highest entropy among the 3s, not index 3

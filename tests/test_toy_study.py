@@ -1,0 +1,34 @@
+"""The claim criteria, applied to the paper's own numbers, must find the conclusions the paper draws."""
+
+import pandas as pd
+
+from smp_core import toy_study as ts
+from smp_core.paper import paper_table
+
+
+def test_claims_on_the_papers_tables():
+    scores, variances, elapsed = paper_table("ex1_scores"), paper_table("ex1_variances"), paper_table("ex1_elapsed")
+    std = scores * 0
+    verdicts = ts.claims(scores, std, variances, elapsed).set_index("claim")["verdict"]
+    assert len(verdicts) == 7
+    # the paper's reading of its own table
+    assert verdicts.filter(like="best compromise").item() in ("holds", "partly")
+    assert verdicts.filter(like="collapse to an almost deterministic").item() == "holds"
+    assert verdicts.filter(like="Dense preconditioners").item() == "holds"
+    assert verdicts.filter(like="SMP-none is diffuse").item() == "holds"
+    assert verdicts.filter(like="SMP-none collapses").item() == "holds"
+    assert verdicts.filter(like="SMP-ema-block: smaller").item() == "holds"
+    assert verdicts.filter(like="faster than NUTS").item() == "holds"
+
+
+def test_beside_paper_and_method_names():
+    assert ts.method_names()[:3] == ["NUTS", "NUTS-mean", "SMP-none"]
+    ours = pd.DataFrame({"accuracy": [0.5]}, index=["NUTS"])
+    table = ts.beside_paper(ours, paper_table("ex1_scores"), ours * 0 + 0.01)
+    assert table.loc["NUTS", ("accuracy", "paper")] == "0.9304"
+    assert table.loc["NUTS", ("accuracy", "ours")] == "0.5000 ± 0.0100"
+
+
+def test_replicate_seeds_differ():
+    a, b = ts.replicate_seeds(1, 0), ts.replicate_seeds(1, 1)
+    assert set(a.values()).isdisjoint(b.values())
