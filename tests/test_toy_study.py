@@ -1,6 +1,7 @@
 """The claim criteria, applied to the paper's own numbers, must find the conclusions the paper draws."""
 
 import pandas as pd
+import pytest
 
 from smp_core import toy_study as ts
 from smp_core.paper import paper_table
@@ -32,3 +33,15 @@ def test_beside_paper_and_method_names():
 def test_replicate_seeds_differ():
     a, b = ts.replicate_seeds(1, 0), ts.replicate_seeds(1, 1)
     assert set(a.values()).isdisjoint(b.values())
+
+
+def test_toy_brier_is_the_one_class_score():
+    import torch
+
+    from smp_core import metrics
+
+    p = torch.tensor([[0.9, 0.2, 0.6]])
+    y = torch.tensor([1, 0, 0])
+    two_class = metrics.brier(metrics.binary_probs(p), y)
+    one_class = float(((p[0] - y) ** 2).mean())
+    assert ts.one_class_brier(pd.Series([two_class]))[0] == pytest.approx(one_class)
