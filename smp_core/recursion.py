@@ -57,6 +57,7 @@ class SMPState:
     generator: torch.Generator
     trace: list[torch.Tensor] = field(default_factory=list)
     trace_steps: list[int] = field(default_factory=list)
+    elapsed_before: float = 0.0  # seconds spent on this run before the last resume from a checkpoint
 
 
 @dataclass
@@ -69,7 +70,8 @@ class SMPResult:
         diverged_step: ``(S,)`` the check step at which each diverged chain was caught (-1: never).
         trace: ``(n_saved, S, d)`` thinned trace on the CPU, or ``None``.
         trace_steps: the steps ``k`` of the trace rows.
-        elapsed: wall-clock seconds of the run (Fisher set-up included).
+        elapsed: wall-clock seconds of the run (Fisher set-up included), summed over the sessions of a
+            run resumed from a checkpoint.
         config: the settings of the run (JSON-serialisable).
     """
 
@@ -221,8 +223,9 @@ def _config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _save_checkpoint(path: Path, state: SMPState, key: str) -> None:
+def _save_checkpoint(path: Path, state: SMPState, key: str, started: float) -> None:
     payload = {
+        "elapsed": state.elapsed_before + time.perf_counter() - started,
         "key": key, "theta": state.theta.cpu(), "theta0": state.theta0.cpu(),
         "stat": [t.cpu() for t in state.precond.stat], "factor": [t.cpu() for t in state.precond.factor],
         "step": state.step, "diverged_step": state.diverged_step.cpu(),
@@ -245,7 +248,7 @@ def _load_checkpoint(path: Path, key: str, device: torch.device) -> SMPState | N
         precond=PreconditionerState(tuple(t.to(device) for t in payload["stat"]),
                                     tuple(t.to(device) for t in payload["factor"])),
         step=payload["step"], diverged_step=payload["diverged_step"].to(device), generator=gen,
-        trace=payload["trace"], trace_steps=payload["trace_steps"],
+        trace=payload["trace"], trace_steps=payload["trace_steps"], elapsed_before=payload.get("elapsed", 0.0),
     )
 
 
@@ -355,7 +358,7 @@ def run_smp(
             bar.set_postfix(diverged=int((s.diverged_step >= 0).sum()), refresh=False)
             if path is not None and checkpoint_every and (s.step // checkpoint_every
                                                            != last["step"] // checkpoint_every):
-                _save_checkpoint(path, s, key)
+                _save_checkpoint(path, s, key, started)
             last["step"] = s.step
 
         try:
@@ -365,7 +368,7 @@ def run_smp(
         finally:
             bar.close()
         if path is not None:
-            _save_checkpoint(path, state, key)
+            _save_checkpoint(path, state, key, started)
     diverged = state.diverged_step >= 0
     theta = state.theta.clone()
     theta[diverged] = float("nan")
@@ -374,4 +377,5 @@ def run_smp(
                       "their rows of theta are NaN", stacklevel=2)
     trace = torch.stack(state.trace) if state.trace else None
     return SMPResult(theta=theta, diverged=diverged, diverged_step=state.diverged_step.clone(), trace=trace,
-                     trace_steps=list(state.trace_steps), elapsed=time.perf_counter() - started, config=config)
+                     trace_steps=list(state.trace_steps), elapsed=state.elapsed_before + time.perf_counter() - started,
+                     config=config)

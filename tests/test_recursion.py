@@ -131,8 +131,12 @@ def test_checkpoint_resumes_and_extends_a_run(tmp_path):
     full = run_smp(net, "bernoulli", x, n_steps=100, **kw)
     path = tmp_path / "run.pt"
     run_smp(net, "bernoulli", x, n_steps=50, checkpoint=path, checkpoint_every=25, **kw)
+    first_saved = torch.load(path, weights_only=False)["elapsed"]
     resumed = run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **kw)
     assert torch.equal(full.theta, resumed.theta)
+    # the elapsed time of a resumed run includes the time spent before the resume
+    saved = torch.load(path, weights_only=False)["elapsed"]
+    assert resumed.elapsed >= saved > first_saved > 0
     with pytest.raises(ValueError, match="other settings"):
         run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **{**kw, "tau": 0.2})
     with pytest.raises(ValueError, match="beyond n_steps"):
