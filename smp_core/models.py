@@ -92,8 +92,13 @@ class ChainModel(Protocol):
         """Outputs ``(B, m)`` for ``theta`` ``(B, d)`` and ``x`` ``(B, *input_shape)``, and a context."""
         ...
 
-    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False) -> torch.Tensor:
-        """``J_b^T cotangent_b`` for every row: ``(B, d)``. ``retain=True`` allows another call."""
+    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """``J_b^T cotangent_b`` for every row: ``(B, d)``. ``retain=True`` allows another call.
+
+        ``out``, a ``(B, d)`` contiguous buffer, receives the result when given (the recursion
+        reuses one buffer for every step instead of allocating a fresh ``(S, d)`` tensor).
+        """
         ...
 
 
@@ -130,6 +135,12 @@ def _check_rows(theta: torch.Tensor, x: torch.Tensor, dim: int) -> None:
         raise ValueError(f"x has {x.shape[0]} rows but theta has {theta.shape[0]}: one input per chain row")
 
 
+def _check_out(out: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
+    if out.shape != (rows, dim) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous ({rows}, {dim}) tensor, got {tuple(out.shape)}")
+    return out
+
+
 def _output_dim(module: nn.Module, input_shape: tuple[int, ...]) -> int:
     param = next(module.parameters())
     with torch.no_grad():
@@ -163,59 +174,146 @@ class _AutogradChainModel:
             out = self._batched(leaves, x).reshape(theta.shape[0], self.out_dim)
         return out.detach(), (leaves, out)
 
-    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False) -> torch.Tensor:
-        leaves, out = ctx
-        grads = torch.autograd.grad(out, leaves, cotangent, retain_graph=retain)
-        return torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1)
+    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        leaves, output = ctx
+        grads = torch.autograd.grad(output, leaves, cotangent, retain_graph=retain)
+        return torch.cat([g.reshape(g.shape[0], -1) for g in grads], dim=1, out=out)
 
 
 _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.ELU, nn.LeakyReLU, nn.Softplus, nn.Identity)
 _PARAMETER_FREE = _ELEMENTWISE + (nn.MaxPool2d, nn.AvgPool2d, nn.Dropout)
 
 
-class SequentialChainModel(_AutogradChainModel):
+class SequentialChainModel:
     """``nn.Sequential`` of Linear / Conv2d / activation / pooling / Flatten layers, batched by hand.
 
-    A Linear layer becomes one ``baddbmm`` over chains; a Conv2d layer an ``unfold`` followed
-    by one ``baddbmm``; parameter-free layers act row by row as they are.
+    The forward pass reads each chain's weights as strided views of ``theta`` (no copy): a
+    Linear layer is one ``baddbmm`` over chains, a Conv2d layer an im2col (a strided view,
+    copied once) followed by one ``baddbmm``. The backward pass is derived by hand for the layers
+    with parameters and writes every gradient straight into its slice of the ``(B, d)`` result
+    (``grad W = delta h^T`` for Linear, ``grad W = delta cols^T`` for Conv2d, ``grad b = delta``
+    summed over positions); parameter-free layers (activations, pooling) are pulled back with a
+    local autograd call on their small activations.
     """
 
     def __init__(self, module: nn.Sequential, input_shape: tuple[int, ...]):
         if not sequential_supported(module):
             raise ValueError("SequentialChainModel needs an nn.Sequential of Linear, Conv2d (groups=1), "
                              "activation, pooling and Flatten layers; use FunctionalChainModel instead")
-        super().__init__(module, input_shape)
+        self.module = module
+        self.layout = ParamLayout.from_module(module)
+        self.input_shape = tuple(input_shape)
+        self.out_dim = _output_dim(module, self.input_shape)
+        # which layout entries belong to which layer: (weight index, bias index or None)
+        self._slots, position = [], 0
+        for layer in module:
+            if isinstance(layer, nn.Linear | nn.Conv2d):
+                bias = position + 1 if layer.bias is not None else None
+                self._slots.append((position, bias))
+                position += 1 + (layer.bias is not None)
+            else:
+                self._slots.append(None)
 
-    def _batched(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        batch = x.shape[0]
-        params = iter(params)
-        h = x
-        for layer in self.module:
+    def forward(self, theta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        _check_rows(theta, x, self.layout.dim)
+        theta = theta.detach()
+        params = self.layout.split(theta)
+        batch = theta.shape[0]
+        h, saved = x, []
+        for layer, slot in zip(self.module, self._slots, strict=True):
             if isinstance(layer, nn.Linear):
-                weight = next(params)
-                h = torch.bmm(weight, h.unsqueeze(-1)).squeeze(-1)
-                if layer.bias is not None:
-                    h = h + next(params)
+                weight = params[slot[0]]
+                saved.append((h, weight))
+                out = torch.bmm(weight, h.unsqueeze(-1)).squeeze(-1)
+                h = out if slot[1] is None else out.add_(params[slot[1]])
             elif isinstance(layer, nn.Conv2d):
-                weight = next(params)
-                height, width = h.shape[-2:]
-                cols = F.unfold(h, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
-                h = torch.bmm(weight.reshape(batch, layer.out_channels, -1), cols)
-                if layer.bias is not None:
-                    h = h + next(params).unsqueeze(-1)
-                out_hw = [
-                    (size + 2 * p - dil * (k - 1) - 1) // s + 1
-                    for size, p, dil, k, s in zip(
-                        (height, width), layer.padding, layer.dilation, layer.kernel_size, layer.stride,
-                        strict=True,
-                    )
-                ]
-                h = h.reshape(batch, layer.out_channels, *out_hw)
+                weight = params[slot[0]].reshape(batch, layer.out_channels, -1)
+                cols, out_hw = _im2col(h, layer)
+                saved.append((cols, weight, h.shape))
+                out = torch.bmm(weight, cols)
+                if slot[1] is not None:
+                    out.add_(params[slot[1]].unsqueeze(-1))
+                h = out.reshape(batch, layer.out_channels, *out_hw)
             elif isinstance(layer, nn.Flatten):
+                saved.append(h.shape)
                 h = h.flatten(1)
             else:
-                h = layer(h)
-        return h
+                h_in = h.detach().requires_grad_(True)
+                with torch.enable_grad():
+                    h_out = layer(h_in)
+                saved.append((h_in, h_out))
+                h = h_out.detach()
+        return h.reshape(batch, self.out_dim), saved
+
+    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        saved = ctx
+        batch = cotangent.shape[0]
+        dim = self.layout.dim
+        result = cotangent.new_empty(batch, dim) if out is None else _check_out(out, batch, dim)
+        grads = self.layout.split(result)
+        delta = cotangent
+        first_param_layer = next(i for i, s in enumerate(self._slots) if s is not None)
+        for i in reversed(range(len(self.module))):
+            layer, slot, record = self.module[i], self._slots[i], saved[i]
+            need_input = i > first_param_layer
+            if isinstance(layer, nn.Linear):
+                h, weight = record
+                delta = delta.reshape(batch, -1)
+                torch.mul(delta.unsqueeze(-1), h.unsqueeze(1), out=grads[slot[0]])
+                if slot[1] is not None:
+                    grads[slot[1]].copy_(delta)
+                if need_input:
+                    delta = torch.bmm(weight.transpose(1, 2), delta.unsqueeze(-1)).squeeze(-1)
+            elif isinstance(layer, nn.Conv2d):
+                cols, weight, in_shape = record
+                delta = delta.reshape(batch, layer.out_channels, -1)
+                grads[slot[0]].copy_(torch.bmm(delta, cols.transpose(1, 2)).view(grads[slot[0]].shape))
+                if slot[1] is not None:
+                    torch.sum(delta, dim=-1, out=grads[slot[1]])
+                if need_input:
+                    delta = _col2im(torch.bmm(weight.transpose(1, 2), delta), in_shape, layer)
+            elif isinstance(layer, nn.Flatten):
+                delta = delta.reshape(record)
+            else:
+                h_in, h_out = record
+                if need_input:
+                    (delta,) = torch.autograd.grad(h_out, h_in, delta.reshape(h_out.shape), retain_graph=retain)
+        return result
+
+
+def _im2col(h: torch.Tensor, layer: nn.Conv2d) -> tuple[torch.Tensor, list[int]]:
+    """``(B, C * kh * kw, L)`` patches of ``h`` ``(B, C, H, W)`` in ``F.unfold``'s order, and the output size."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    if ph or pw:
+        h = F.pad(h, (pw, pw, ph, ph))
+    batch, channels, height, width = h.shape
+    out_h = (height - dh * (kh - 1) - 1) // sh + 1
+    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    sb, sc, sy, sx = h.stride()
+    patches = h.as_strided((batch, channels, kh, kw, out_h, out_w), (sb, sc, dh * sy, dw * sx, sh * sy, sw * sx))
+    return patches.reshape(batch, channels * kh * kw, out_h * out_w), [out_h, out_w]
+
+
+def _col2im(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch.Tensor:
+    """The adjoint of :func:`_im2col`: sums the patch gradients back onto the input ``(B, C, H, W)``.
+
+    One strided in-place add per kernel offset (faster here than ``F.fold`` for small kernels).
+    """
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
+    batch, channels, height, width = in_shape
+    padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    out_h = (padded_h - dh * (kh - 1) - 1) // sh + 1
+    out_w = (padded_w - dw * (kw - 1) - 1) // sw + 1
+    patches = cols.view(batch, channels, kh, kw, out_h, out_w)
+    grad = cols.new_zeros(batch, channels, padded_h, padded_w)
+    sb, sc, sy, sx = grad.stride()
+    for i in range(kh):
+        for j in range(kw):
+            grad.as_strided((batch, channels, out_h, out_w), (sb, sc, sh * sy, sw * sx),
+                            i * dh * sy + j * dw * sx).add_(patches[:, :, i, j])
+    return grad[:, :, ph : ph + height, pw : pw + width]
 
 
 def sequential_supported(module: nn.Module) -> bool:
@@ -334,7 +432,8 @@ class MLPChainModel:
                 steps[-1].append((layer, pre, h))
         return h, (inputs, weights, steps)
 
-    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False) -> torch.Tensor:
+    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         inputs, weights, steps = ctx
         delta = cotangent
         grads: list[torch.Tensor] = []
@@ -345,7 +444,7 @@ class MLPChainModel:
             grads.append((delta.unsqueeze(-1) * inputs[i].unsqueeze(1)).flatten(1))  # weight
             if i > 0:
                 delta = torch.bmm(weights[i].transpose(1, 2), delta.unsqueeze(-1)).squeeze(-1)
-        return torch.cat(grads[::-1], dim=1)
+        return torch.cat(grads[::-1], dim=1, out=out)
 
 
 def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] | None = None) -> ChainModel:

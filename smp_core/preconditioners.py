@@ -82,6 +82,19 @@ class Structure:
             return (vectors.transpose(1, 2) @ vectors,)
         return tuple(vectors[..., b].transpose(1, 2) @ vectors[..., b] for b in self.blocks)
 
+    def ema_update_(self, stat: Stat, v: torch.Tensor, beta: float) -> Stat:
+        """In place: ``stat <- beta stat + (1 - beta) v v^T`` per row of ``v`` ``(S, d)``, restricted to the
+        structure (one fused kernel per tensor, no temporaries). ``stat`` must have ``C = S``."""
+        if self.name == "diag":
+            stat[0].mul_(beta).addcmul_(v, v, value=1 - beta)
+        elif self.name == "dense":
+            stat[0].baddbmm_(v.unsqueeze(-1), v.unsqueeze(-2), beta=beta, alpha=1 - beta)
+        elif self.name == "block":
+            for b, m in zip(self.blocks, stat, strict=True):
+                vb = v[:, b]
+                m.baddbmm_(vb.unsqueeze(-1), vb.unsqueeze(-2), beta=beta, alpha=1 - beta)
+        return stat
+
     def identity(self, batch: int = 1, dtype=torch.float32, device=None) -> Stat:
         """The statistic of the identity matrix (a neutral starting value)."""
         if self.name == "none":
@@ -119,22 +132,31 @@ class Structure:
             return (1.0 / (stat[0] + ridge),)
         return tuple(_spd_inverse(m, ridge) for m in stat)
 
-    def apply(self, factor: Stat, v: torch.Tensor) -> torch.Tensor:
-        """``P^{-1} v`` for ``v`` of shape ``(S, d)`` from a :meth:`factorize` factor (C = 1 or S)."""
+    def apply(self, factor: Stat, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``P^{-1} v`` for ``v`` of shape ``(S, d)`` from a :meth:`factorize` factor (C = 1 or S).
+
+        ``out``: an optional ``(S, d)`` buffer for the ``diag`` result (no fresh allocation per
+        step); the other structures return ``v`` itself (``none``) or a new tensor.
+        """
         if self.name == "none":
             return v
         if self.name == "diag":
-            return v * factor[0]
+            return torch.mul(v, factor[0], out=out)
         if self.name == "dense":
             return _batched_matvec(factor[0], v)
         return torch.cat([_batched_matvec(m, v[:, b]) for b, m in zip(self.blocks, factor, strict=True)], dim=1)
 
-    def solve(self, stat: Stat, ridge: float, v: torch.Tensor) -> torch.Tensor:
-        """``(stat + ridge I)^{-1} v`` directly (Cholesky solve; used when P changes every step)."""
+    def solve(self, stat: Stat, ridge: float, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``(stat + ridge I)^{-1} v`` directly (Cholesky solve; used when P changes every step).
+
+        ``out`` as in :meth:`apply`.
+        """
         if self.name == "none":
             return v
         if self.name == "diag":
-            return v / (stat[0] + ridge)
+            if out is None or stat[0].shape != v.shape:
+                return v / (stat[0] + ridge)
+            return torch.div(v, torch.add(stat[0], ridge, out=out), out=out)
         if self.name == "dense":
             return _spd_solve(stat[0], ridge, v)
         return torch.cat([_spd_solve(m, ridge, v[:, b]) for b, m in zip(self.blocks, stat, strict=True)], dim=1)
@@ -182,7 +204,8 @@ class Preconditioner:
       Fisher statistic at parameters ``theta`` ``(C, d)`` over the preconditioner's data set.
     * ``update(state, k, theta_k, s_k, curvature) -> state``: called after step ``k`` with the new
       parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
-    * ``solve(state, v) -> P^{-1} v`` for ``v`` ``(S, d)``.
+    * ``solve(state, v, out=None) -> P^{-1} v`` for ``v`` ``(S, d)``; ``out``, an optional buffer
+      that is not ``v``, may receive the result (the caller must use the returned tensor).
     """
 
     name: str
@@ -192,7 +215,7 @@ class Preconditioner:
     init: Callable[[torch.Tensor, Curvature | None], PreconditionerState]
     update: Callable[[PreconditionerState, int, torch.Tensor, torch.Tensor, Curvature | None],
                      PreconditionerState]
-    solve: Callable[[PreconditionerState, torch.Tensor], torch.Tensor]
+    solve: Callable[..., torch.Tensor]
     needs_curvature: bool
     hyper: dict[str, Any] = field(default_factory=dict)
 
@@ -268,7 +291,7 @@ def build_preconditioner(
             name, struct, "fixed", 0.0,
             init=lambda theta0, curvature: PreconditionerState((), ()),
             update=lambda state, k, theta, score, curvature: state,
-            solve=lambda state, v: v,
+            solve=lambda state, v, out=None: v,
             needs_curvature=False, hyper={},
         )
 
@@ -280,7 +303,7 @@ def build_preconditioner(
         return Preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
-            solve=lambda state, v: struct.apply(state.factor, v),
+            solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
             needs_curvature=True, hyper=hyper,
         )
 
@@ -297,7 +320,7 @@ def build_preconditioner(
 
         return Preconditioner(
             name, struct, strategy, ridge, init=init, update=update,
-            solve=lambda state, v: struct.apply(state.factor, v),
+            solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
             needs_curvature=True, hyper={**hyper, "period": int(period)},
         )
 
@@ -312,13 +335,11 @@ def build_preconditioner(
         return PreconditionerState(stat, ())
 
     def update(state, k, theta, score, curvature):
-        fresh = struct.outer_sum(score.unsqueeze(1))
-        stat = tuple(m.mul_(beta).add_(f, alpha=1 - beta) for m, f in zip(state.stat, fresh, strict=True))
-        return PreconditionerState(stat, ())
+        return PreconditionerState(struct.ema_update_(state.stat, score, beta), ())
 
     return Preconditioner(
         name, struct, strategy, ridge, init=init, update=update,
-        solve=lambda state, v: struct.solve(state.stat, ridge, v),
+        solve=lambda state, v, out=None: struct.solve(state.stat, ridge, v, out),
         needs_curvature=ema_init == "fisher", hyper={**hyper, "beta": beta, "ema_init": ema_init},
     )
 

@@ -184,6 +184,9 @@ def advance_smp(
     alive = (state.diverged_step < 0).unsqueeze(1)
     any_frozen = not bool(alive.all())
     k = state.step
+    # two (S, d) work buffers reused at every step: a fresh (S, d) tensor per step costs page
+    # faults that, for LeNet-5 on a CPU, take as long as the arithmetic.
+    score_buf, step_buf = torch.empty_like(theta), torch.empty_like(theta)
     while k < until:
         k_end = min(until, k + check_every)
         draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
@@ -191,11 +194,11 @@ def advance_smp(
             k += 1
             out, ctx = model.forward(theta, x_train.index_select(0, row))
             y = likelihood.sample(out, gen)
-            score = model.vjp(ctx, likelihood.residual(out, y))
-            step = precond.solve(state.precond, score)
-            if any_frozen:
-                step = torch.where(alive, step, 0.0)
-                score = torch.where(alive, score, 0.0)
+            score = model.vjp(ctx, likelihood.residual(out, y), out=score_buf)
+            step = precond.solve(state.precond, score, out=step_buf)
+            if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
+                step = step.masked_fill(~alive, 0.0) if step is score else step.masked_fill_(~alive, 0.0)
+                score = score.masked_fill_(~alive, 0.0)
             theta.add_(step, alpha=tau / (n_obs + k))
             state.precond = precond.update(state.precond, k, theta, score, curvature)
             if trace_every and k % trace_every == 0:

@@ -56,6 +56,10 @@ def _reference_vjp(module, layout, theta, x, cot):
         (lenet5(), (1, 28, 28), SequentialChainModel),
         (nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 16, 4)),
          (2, 8, 8), SequentialChainModel),
+        # a second convolution (its input gradient), dilation, padding, no biases, average pooling
+        (nn.Sequential(nn.Conv2d(1, 2, 3), nn.GELU(), nn.Conv2d(2, 3, (3, 2), padding=(2, 1), dilation=2, bias=False),
+                       nn.AvgPool2d(2), nn.Flatten(), nn.Linear(36, 2, bias=False)),
+         (1, 10, 9), SequentialChainModel),
         (Residual(), (3,), FunctionalChainModel),
     ],
 )
