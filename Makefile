@@ -74,6 +74,7 @@ browser-test:
 
 bench: venv
 	$(BIN)/python benchmarks/bench_recursion.py
+	$(BIN)/python benchmarks/bench_mnist.py
 
 clean:
 	rm -rf _build build $(GEN)

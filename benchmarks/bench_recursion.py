@@ -7,7 +7,9 @@ Usage (from the repository root)::
 
 Prints a markdown table. Times are wall-clock seconds of ``run_smp`` (Fisher set-up included) with
 ``torch.set_num_threads(--threads)``; the LeNet figure is milliseconds per recursion step (score of
-S chains, preconditioner solve and update), measured after a warm-up.
+S chains, preconditioner solve and update), measured after a warm-up. The last table is the floor
+that a per-step factorisation puts under the EMA variants: one batched Cholesky factorisation and
+solve of S symmetric positive-definite n x n matrices (LAPACK through torch), times K steps.
 """
 
 from __future__ import annotations
@@ -77,13 +79,34 @@ def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag")):
     return rows
 
 
+def bench_cholesky(n_chains, sizes=(20, 6, 3, 2), repeats=200):
+    """Milliseconds for one batched Cholesky factorisation + solve of ``n_chains`` matrices of each size."""
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for n in sizes:
+        a = torch.randn(n_chains, n, 2 * n, generator=gen)
+        m = a @ a.transpose(1, 2) / n + torch.eye(n)
+        v = torch.randn(n_chains, n, 1, generator=gen)
+        chol = torch.linalg.cholesky(m)
+        times = []
+        for fn in (lambda m=m: torch.linalg.cholesky_ex(m), lambda v=v, c=chol: torch.cholesky_solve(v, c)):
+            for _ in range(5):
+                fn()
+            started = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            times.append(1000 * (time.perf_counter() - started) / repeats)
+        rows.append((n, *times))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chains", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--variants", nargs="*", default=list(TOY_VARIANTS))
     parser.add_argument("--lenet-chains", type=int, default=100)
-    parser.add_argument("--lenet-steps", type=int, default=40)
+    parser.add_argument("--lenet-steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-lenet", action="store_true")
     args = parser.parse_args()
@@ -102,6 +125,11 @@ def main():
         print("|---|---|")
         for name, ms in bench_lenet(args.lenet_chains, args.lenet_steps):
             print(f"| SMP-{name} | {ms:.1f} |", flush=True)
+    print(f"\nBatched Cholesky of S = {args.chains} SPD n x n matrices (the per-step cost of an EMA preconditioner)\n")
+    print(f"| n | factorise (ms) | solve (ms) | x K = {args.steps} (s) |")
+    print("|---|---|---|---|")
+    for n, fact, solve in bench_cholesky(args.chains):
+        print(f"| {n} | {fact:.2f} | {solve:.2f} | {(fact + solve) * args.steps / 1000:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

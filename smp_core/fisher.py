@@ -44,6 +44,28 @@ def fisher_vectors(
     return torch.stack([model.vjp(ctx, factor[..., c], retain=c < r - 1) for c in range(r)], dim=1)
 
 
+# Below this many examples per pass (large models, many chains), copying theta into virtual rows
+# costs more than it saves: the examples are then taken one at a time for all chains at once.
+_MIN_VIRTUAL_BATCH = 32
+
+
+def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: Structure) -> Stat:
+    """The same statistic, one example at a time with one row per chain (no copies of ``theta``)."""
+    n_chains, n = theta.shape[0], x.shape[0]
+    total: list[torch.Tensor] | None = None
+    for i in range(n):
+        xi = x[i : i + 1].expand(n_chains, *x.shape[1:])
+        yi = None if y is None else y[i : i + 1].expand(n_chains)
+        v = fisher_vectors(model, likelihood, theta, xi, yi, kind)  # (C, r, d)
+        if structure.name == "diag" and total is not None:
+            for c in range(v.shape[1]):
+                total[0].addcmul_(v[:, c], v[:, c])
+            continue
+        part = structure.outer_sum(v)
+        total = list(part) if total is None else [t.add_(p) for t, p in zip(total, part, strict=True)]
+    return tuple(t / n for t in total)
+
+
 def estimate_fisher(
     model: ChainModel,
     likelihood,
@@ -88,6 +110,8 @@ def estimate_fisher(
     n_chains, dim = theta.shape
     per_row = dim * (model.out_dim if kind == "model" else 1)
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
+    if n_chains > 1 and batch < _MIN_VIRTUAL_BATCH:
+        return _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure)
     total: list[torch.Tensor] | None = None
     for start in range(0, n, batch):
         xb = x[start : start + batch]

@@ -84,3 +84,21 @@ def test_fisher_errors():
         estimate_fisher(model, Bernoulli(), theta, torch.full((3, 2), float("nan")), structure="diag")
     with pytest.raises(ValueError, match="unknown Fisher kind"):
         estimate_fisher(model, Bernoulli(), theta, torch.zeros(3, 2), kind="observed", structure="diag")
+
+
+@pytest.mark.parametrize("structure", ["diag", "block", "dense"])
+@pytest.mark.parametrize("kind", ["model", "empirical"])
+def test_example_by_example_path_equals_virtual_rows(structure, kind, generator):
+    # many chains of a large model take the examples one at a time; the result must not change
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
+    model = as_chain_model(net, (1, 6, 6))
+    thetas = model.layout.flatten(net) + 0.3 * torch.randn(4, model.layout.dim, generator=generator,
+                                                             dtype=torch.float64)
+    x = torch.rand(9, 1, 6, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (9,), generator=generator)
+    batched = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure)
+    one_by_one = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure, max_rows=8)
+    assert len(batched) == len(one_by_one)
+    for a, b in zip(batched, one_by_one, strict=True):
+        assert a.shape[0] == 4
+        assert torch.allclose(a, b, atol=1e-12)

@@ -1,0 +1,101 @@
+"""Wall time of the MNIST study's pieces: one MAP epoch, one SMP step, and what K = 10^6 costs.
+
+Usage (from the repository root; MNIST is fetched by the offline loader when missing)::
+
+    .venv/bin/python benchmarks/bench_mnist.py                   # CPU, and CUDA when present
+    .venv/bin/python benchmarks/bench_mnist.py --devices cpu --map-batches 300
+
+Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batches of 48 (the
+paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
+two ``run_smp`` calls of different lengths (so the Fisher set-up cancels), divided by the extra
+steps. The paper-scale SMP-none time (S = 100, K = 10^6, 10^8 score evaluations) is that step
+time times 10^6: a projection, labelled as such, not a measured run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from smp_core import lenet5, run_smp
+from smp_core.mnist import mnist_tensors
+
+PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
+    torch.manual_seed(0)
+    net = lenet5().to(device)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=1e-3)
+    x, y = x.to(device), y.to(device)
+    order = torch.randperm(len(y)).to(device)
+    batches = list(order.split(batch))
+
+    def run(some):
+        for idx in some:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(net(x[idx]), y[idx]).backward()
+            opt.step()
+
+    run(batches[:20])  # warm-up
+    _sync(device)
+    started = time.perf_counter()
+    run(batches[20 : 20 + n_batches])
+    _sync(device)
+    per_batch = (time.perf_counter() - started) / n_batches
+    return per_batch * (n_train / batch)
+
+
+def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps):
+    net = lenet5().to(device)
+    kw = dict(preconditioner=variant, tau=0.05, n_chains=n_chains, seed=0, progress=False,
+              input_shape=(1, 28, 28), fisher="empirical", fisher_data=(xv, yv))
+    x = x.to(device)
+    run_smp(net, "categorical", x, n_steps=5, **kw)  # warm-up
+    short = run_smp(net, "categorical", x, n_steps=5, **kw).elapsed
+    long = run_smp(net, "categorical", x, n_steps=5 + n_steps, **kw).elapsed
+    return (long - short) / n_steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when available")
+    parser.add_argument("--chains", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--map-batches", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="*", default=["none", "fixed-diag", "ema-diag", "periodic-diag"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+    data, _ = mnist_tensors("data", seed=0, subset=(6000, 600, 0))
+    (x, y), (xv, yv) = data["train"], data["val"]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    print(f"torch {torch.__version__}, {args.threads} CPU threads, {platform.machine()}, GPU: {gpu}, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print("| device | MAP epoch (s, 54,000 images) |")
+    print("|---|---|")
+    for name in devices:
+        print(f"| {name} | {bench_map_epoch(x, y, torch.device(name), args.map_batches):.1f} |", flush=True)
+    print(f"\nSMP step, LeNet-5 (d = 47,154), S = {args.chains}; periodic variants recompute the Fisher "
+          f"every 500 steps, not included here\n")
+    print("| device | variant | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
+    print("|---|---|---|---|---|")
+    for name in devices:
+        for variant in args.variants:
+            step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps)
+            paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
+            print(f"| {name} | SMP-{variant} | {1000 * step:.1f} | {step * 1e6:.0f} | {paper} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
