@@ -110,7 +110,7 @@ def estimate_fisher(
     n_chains, dim = theta.shape
     per_row = dim * (model.out_dim if kind == "model" else 1)
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
-    if n_chains > 1 and batch < _MIN_VIRTUAL_BATCH:
+    if n_chains > 1 and batch < min(n, _MIN_VIRTUAL_BATCH):
         return _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure)
     total: list[torch.Tensor] | None = None
     for start in range(0, n, batch):

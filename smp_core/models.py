@@ -136,8 +136,10 @@ def _check_rows(theta: torch.Tensor, x: torch.Tensor, dim: int) -> None:
 
 
 def _check_out(out: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
-    if out.shape != (rows, dim) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous ({rows}, {dim}) tensor, got {tuple(out.shape)}")
+    if out.shape != (rows, dim):
+        raise ValueError(f"out must have shape ({rows}, {dim}), got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous tensor (strides {out.stride()} given)")
     return out
 
 
@@ -241,7 +243,8 @@ class SequentialChainModel:
             else:
                 h_in = h.detach().requires_grad_(True)
                 with torch.enable_grad():
-                    h_out = layer(h_in)
+                    # an in-place layer (ReLU(inplace=True)) must not overwrite the autograd leaf
+                    h_out = layer(h_in.clone() if getattr(layer, "inplace", False) else h_in)
                 saved.append((h_in, h_out))
                 h = h_out.detach()
         return h.reshape(batch, self.out_dim), saved
@@ -255,7 +258,8 @@ class SequentialChainModel:
         grads = self.layout.split(result)
         delta = cotangent
         first_param_layer = next(i for i, s in enumerate(self._slots) if s is not None)
-        for i in reversed(range(len(self.module))):
+        # layers below the first one with parameters (e.g. a leading Flatten) need no pull-back
+        for i in reversed(range(first_param_layer, len(self.module))):
             layer, slot, record = self.module[i], self._slots[i], saved[i]
             need_input = i > first_param_layer
             if isinstance(layer, nn.Linear):

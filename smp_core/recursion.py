@@ -22,6 +22,7 @@ Module order follows posteriors' methods: what it builds (:func:`run_smp`), its 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -146,7 +147,7 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
                          f"{tuple(expected)}")
     if not torch.isfinite(x_train).all():
         raise ValueError("x_train contains NaN or infinite values")
-    return theta0.clone()
+    return theta0.contiguous().clone()
 
 
 def init_smp(
@@ -160,6 +161,13 @@ def init_smp(
         diverged_step=torch.full((theta0.shape[0],), -1, dtype=torch.long, device=theta0.device),
         generator=generator,
     )
+
+
+def _accepts_out(fn) -> bool:
+    try:
+        return "out" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def advance_smp(
@@ -186,7 +194,11 @@ def advance_smp(
     k = state.step
     # two (S, d) work buffers reused at every step: a fresh (S, d) tensor per step costs page
     # faults that, for LeNet-5 on a CPU, take as long as the arithmetic.
-    score_buf, step_buf = torch.empty_like(theta), torch.empty_like(theta)
+    score_buf = torch.empty_like(theta, memory_format=torch.contiguous_format)
+    step_buf = torch.empty_like(theta, memory_format=torch.contiguous_format)
+    # a user's chain model or preconditioner written without the optional out= still works
+    vjp_out = {"out": score_buf} if _accepts_out(model.vjp) else {}
+    solve_out = {"out": step_buf} if _accepts_out(precond.solve) else {}
     while k < until:
         k_end = min(until, k + check_every)
         draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
@@ -194,8 +206,8 @@ def advance_smp(
             k += 1
             out, ctx = model.forward(theta, x_train.index_select(0, row))
             y = likelihood.sample(out, gen)
-            score = model.vjp(ctx, likelihood.residual(out, y), out=score_buf)
-            step = precond.solve(state.precond, score, out=step_buf)
+            score = model.vjp(ctx, likelihood.residual(out, y), **vjp_out)
+            step = precond.solve(state.precond, score, **solve_out)
             if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
                 step = step.masked_fill(~alive, 0.0) if step is score else step.masked_fill_(~alive, 0.0)
                 score = score.masked_fill_(~alive, 0.0)

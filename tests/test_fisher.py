@@ -3,6 +3,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, jacrev
 
+import smp_core.fisher as fisher_module
+from smp_core.fisher import _fisher_example_by_example as example_by_example
 from smp_core.fisher import estimate_fisher
 from smp_core.likelihoods import Bernoulli, Categorical
 from smp_core.models import as_chain_model, toy_mlp
@@ -88,16 +90,21 @@ def test_fisher_errors():
 
 @pytest.mark.parametrize("structure", ["diag", "block", "dense"])
 @pytest.mark.parametrize("kind", ["model", "empirical"])
-def test_example_by_example_path_equals_virtual_rows(structure, kind, generator):
+def test_example_by_example_path_equals_virtual_rows(structure, kind, generator, monkeypatch):
     # many chains of a large model take the examples one at a time; the result must not change
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double()
     model = as_chain_model(net, (1, 6, 6))
     thetas = model.layout.flatten(net) + 0.3 * torch.randn(4, model.layout.dim, generator=generator,
                                                              dtype=torch.float64)
-    x = torch.rand(9, 1, 6, 6, generator=generator, dtype=torch.float64)
-    y = torch.randint(0, 3, (9,), generator=generator)
+    x = torch.rand(40, 1, 6, 6, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (40,), generator=generator)
+    calls = []
+    monkeypatch.setattr(fisher_module, "_fisher_example_by_example",
+                        lambda *a: calls.append(1) or example_by_example(*a))
     batched = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure)
+    assert not calls  # 40 examples x 4 chains fit in one virtual batch
     one_by_one = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure, max_rows=8)
+    assert calls  # 8 rows for 4 chains: 2 examples per pass, below the threshold
     assert len(batched) == len(one_by_one)
     for a, b in zip(batched, one_by_one, strict=True):
         assert a.shape[0] == 4

@@ -60,6 +60,13 @@ def _reference_vjp(module, layout, theta, x, cot):
         (nn.Sequential(nn.Conv2d(1, 2, 3), nn.GELU(), nn.Conv2d(2, 3, (3, 2), padding=(2, 1), dilation=2, bias=False),
                        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(36, 2, bias=False)),
          (1, 10, 9), SequentialChainModel),
+        # a leading Flatten (nothing to pull back below the first Linear), in-place activations,
+        # stride together with dilation
+        (nn.Sequential(nn.Flatten(), nn.Linear(12, 3), nn.ReLU(inplace=True), nn.Linear(3, 2), nn.Tanh()),
+         (3, 4), SequentialChainModel),
+        (nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, dilation=2, padding=1), nn.ReLU(inplace=True),
+                       nn.MaxPool2d(2, stride=1), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)),
+         (2, 11, 11), SequentialChainModel),
         (Residual(), (3,), FunctionalChainModel),
     ],
 )
@@ -74,7 +81,10 @@ def test_chain_model_matches_autograd_per_row(module, shape, cls, generator):
     assert torch.allclose(out, torch.stack([full[i, i] for i in range(rows)]), atol=1e-5)
     cot = torch.randn(out.shape, generator=generator)
     expected = _reference_vjp(module, model.layout, theta, x, cot)
-    assert torch.allclose(model.vjp(ctx, cot), expected, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(model.vjp(ctx, cot, retain=True), expected, atol=1e-5, rtol=1e-4)
+    buffer = torch.full((rows, model.layout.dim), float("nan"))
+    assert model.vjp(ctx, cot, out=buffer) is buffer  # written into a work buffer, every entry
+    assert torch.allclose(buffer, expected, atol=1e-5, rtol=1e-4)
 
 
 def test_chain_model_errors():

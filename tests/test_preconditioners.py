@@ -81,6 +81,12 @@ def test_contract(structure, strategy, generator):
     assert (torch.linalg.eigvalsh(matrix) > 0).all()
     expected = torch.linalg.solve(matrix, v.unsqueeze(-1)).squeeze(-1)
     assert torch.allclose(out, expected, atol=1e-8, rtol=1e-6)
+    # the same with a work buffer (pre-filled with NaN, which must not survive), and v untouched
+    v_before = v.clone()
+    buffer = torch.full_like(v, float("nan"))
+    out_buffered = pre.solve(state, v, out=buffer)
+    assert torch.allclose(out_buffered, expected, atol=1e-8, rtol=1e-6)
+    assert torch.equal(v, v_before)
 
 
 def test_fixed_shares_one_fisher_when_chains_start_together(generator):

@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from smp_core.likelihoods import Gaussian
-from smp_core.models import toy_mlp
-from smp_core.recursion import DivergenceError, residual_variance_ratio, run_smp
+from smp_core.likelihoods import Gaussian, get_likelihood
+from smp_core.models import as_chain_model, toy_mlp
+from smp_core.preconditioners import preconditioner_from_name
+from smp_core.recursion import DivergenceError, advance_smp, init_smp, residual_variance_ratio, run_smp
 
 Z_MAX = 4.5  # two-sided p = 7e-6 per test: family-wise false alarm < 1e-3 over the ~100 z-tests here
 
@@ -121,6 +122,51 @@ def test_divergence_is_detected_reported_and_never_averaged():
     with pytest.raises(DivergenceError, match="tau = 1000000.0 is too large"):
         run_smp(net, "bernoulli", x, preconditioner="fixed-diag", tau=1e6, n_steps=50, n_chains=8, seed=0,
                 progress=False)
+
+
+@pytest.mark.parametrize("name", ["ema-diag", "ema-dense", "none"])
+def test_frozen_chains_with_a_nan_preconditioner_stay_frozen(name):
+    # a diverged chain's EMA statistic is NaN; the frozen chain must stay exactly at theta0 and
+    # the NaN must not reach the other chains
+    net = toy_mlp()
+    model, lik = as_chain_model(net), get_likelihood("bernoulli")
+    x = torch.rand(50, 2) * 2 - 1
+    precond = preconditioner_from_name(name, dim=20, ema_init="identity")
+    theta0 = model.layout.flatten(net).expand(8, 20).clone()
+    state = init_smp(model, lik, theta0, precond, None, seed=0)
+    for m in state.precond.stat:
+        m[2] = float("nan")
+    state.diverged_step[2] = 0
+    advance_smp(state, model, lik, x, precond, None, tau=0.3, n_obs=50, until=40, check_every=10)
+    assert torch.equal(state.theta[2], theta0[2])
+    others = torch.arange(8) != 2
+    assert torch.isfinite(state.theta[others]).all()
+    assert (state.theta[others] != theta0[others]).any(1).all()
+    assert (state.diverged_step[others] < 0).all()
+
+
+def test_non_contiguous_theta0_and_objects_without_out_arguments():
+    net = toy_mlp()
+    x = torch.rand(40, 2) * 2 - 1
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    theta0 = flat.expand(6, 20).T.contiguous().T  # (6, 20) with transposed strides
+    assert not theta0.is_contiguous()
+    kw = dict(preconditioner="fixed-diag", tau=0.3, n_steps=30, n_chains=6, seed=3, progress=False)
+    reference = run_smp(net, "bernoulli", x, theta0=theta0.contiguous(), **kw)
+    assert torch.equal(run_smp(net, "bernoulli", x, theta0=theta0, **kw).theta, reference.theta)
+
+    class OldStyleModel:  # a user's chain model written before vjp took out=
+        def __init__(self, inner):
+            self.inner, self.layout, self.out_dim, self.module = inner, inner.layout, inner.out_dim, inner.module
+
+        def forward(self, theta, xb):
+            return self.inner.forward(theta, xb)
+
+        def vjp(self, ctx, cotangent, retain=False):
+            return self.inner.vjp(ctx, cotangent, retain)
+
+    old = run_smp(OldStyleModel(as_chain_model(net)), "bernoulli", x, theta0=theta0, **kw)
+    assert torch.equal(old.theta, reference.theta)
 
 
 def test_checkpoint_resumes_and_extends_a_run(tmp_path):
