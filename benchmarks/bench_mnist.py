@@ -48,10 +48,13 @@ def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
 
     run(batches[:20])  # warm-up
     _sync(device)
+    timed = batches[20 : 20 + n_batches]
+    if len(timed) < n_batches:
+        raise ValueError(f"only {len(timed)} batches after the warm-up; load more training images")
     started = time.perf_counter()
-    run(batches[20 : 20 + n_batches])
+    run(timed)
     _sync(device)
-    per_batch = (time.perf_counter() - started) / n_batches
+    per_batch = (time.perf_counter() - started) / len(timed)
     return per_batch * (n_train / batch)
 
 
@@ -77,7 +80,7 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-    data, _ = mnist_tensors("data", seed=0, subset=(6000, 600, 0))
+    data, _ = mnist_tensors("data", seed=0, subset=(48 * (args.map_batches + 20), 600, 0))
     (x, y), (xv, yv) = data["train"], data["val"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"torch {torch.__version__}, {args.threads} CPU threads, {platform.machine()}, GPU: {gpu}, "

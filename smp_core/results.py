@@ -31,11 +31,12 @@ def results_dir(scale: str, study: str, root: str | os.PathLike = "results") -> 
 
 
 def git_revision() -> str:
-    """The current commit, with ``-dirty`` when the work tree has uncommitted changes."""
+    """The current commit, with ``-dirty`` when the code (anything outside ``results/``) has uncommitted changes."""
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        # results/ is rewritten by the runs themselves: changes there do not make the code dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results"],
+                               capture_output=True, text=True, check=True).stdout.strip()
         return rev + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
