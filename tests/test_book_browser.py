@@ -29,6 +29,7 @@ import http.server
 import json
 import os
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -468,3 +469,14 @@ def test_page_renders_offline(page, html_root, server, browser):
     assert not server_errors, f"{page}: the local server answered with errors: {server_errors}"
     assert not problems, f"{page}: " + "; ".join(problems)
     assert Path(state["screenshot"]).stat().st_size > 0
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_no_markdown_left_unrendered(page, html_root):
+    # a notebook's Markdown output (the claim tables) printed as text instead of a table
+    path = html_root / page
+    if not path.is_file():
+        pytest.skip(f"{page} was not built")
+    text = re.sub(r"<[^>]+>", " ", path.read_text(encoding="utf-8"))
+    leftovers = re.findall(r"\|\s*:?[-\u2013\u2014]{3,}", text)
+    assert not leftovers, f"{page}: a Markdown table was printed as text: {leftovers[:3]}"
