@@ -217,7 +217,10 @@ def advance_smp(
                 state.trace.append(theta.detach().cpu().clone())
                 state.trace_steps.append(k)
         state.step = k
-        bad = ~torch.isfinite(theta).all(1) | ((theta - theta0).abs().amax(1) > divergence_threshold)
+        # largest move of each chain from theta0, computed in the work buffer (no (S, d) temporaries);
+        # a NaN or infinite parameter makes it non-finite
+        move = torch.sub(theta, theta0, out=step_buf).abs_().amax(1)
+        bad = ~torch.isfinite(move) | (move > divergence_threshold)
         new = bad & alive.squeeze(1)
         if bool(new.any()):
             state.diverged_step[new] = k
