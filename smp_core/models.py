@@ -155,14 +155,18 @@ def _output_dim(module: nn.Module, input_shape: tuple[int, ...]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-class _AutogradChainModel:
-    """Shared autograd machinery: ``forward`` records a graph, ``vjp`` pulls a cotangent back."""
+class _ModuleChainModel:
+    """What every chain model of a user's module records: the module, its layout, input and output sizes."""
 
     def __init__(self, module: nn.Module, input_shape: tuple[int, ...]):
         self.module = module
         self.layout = ParamLayout.from_module(module)
         self.input_shape = tuple(input_shape)
         self.out_dim = _output_dim(module, self.input_shape)
+
+
+class _AutogradChainModel(_ModuleChainModel):
+    """Shared autograd machinery: ``forward`` records a graph, ``vjp`` pulls a cotangent back."""
 
     def _batched(self, params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -187,7 +191,7 @@ _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.ELU, nn.Leaky
 _PARAMETER_FREE = _ELEMENTWISE + (nn.MaxPool2d, nn.AvgPool2d, nn.Dropout)
 
 
-class SequentialChainModel:
+class SequentialChainModel(_ModuleChainModel):
     """``nn.Sequential`` of Linear / Conv2d / activation / pooling / Flatten layers, batched by hand.
 
     The forward pass reads each chain's weights as strided views of ``theta`` (no copy): a
@@ -203,10 +207,7 @@ class SequentialChainModel:
         if not sequential_supported(module):
             raise ValueError("SequentialChainModel needs an nn.Sequential of Linear, Conv2d (groups=1), "
                              "activation, pooling and Flatten layers; use FunctionalChainModel instead")
-        self.module = module
-        self.layout = ParamLayout.from_module(module)
-        self.input_shape = tuple(input_shape)
-        self.out_dim = _output_dim(module, self.input_shape)
+        super().__init__(module, input_shape)
         # which layout entries belong to which layer: (weight index, bias index or None)
         self._slots, position = [], 0
         for layer in module:
@@ -216,6 +217,8 @@ class SequentialChainModel:
                 position += 1 + (layer.bias is not None)
             else:
                 self._slots.append(None)
+        # layers below the first one with parameters (e.g. a leading Flatten) need no pull-back
+        self._first_param_layer = next(i for i, slot in enumerate(self._slots) if slot is not None)
 
     def forward(self, theta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
         _check_rows(theta, x, self.layout.dim)
@@ -257,11 +260,10 @@ class SequentialChainModel:
         result = cotangent.new_empty(batch, dim) if out is None else _check_out(out, batch, dim)
         grads = self.layout.split(result)
         delta = cotangent
-        first_param_layer = next(i for i, s in enumerate(self._slots) if s is not None)
-        # layers below the first one with parameters (e.g. a leading Flatten) need no pull-back
-        for i in reversed(range(first_param_layer, len(self.module))):
+        first = self._first_param_layer
+        for i in reversed(range(first, len(self.module))):
             layer, slot, record = self.module[i], self._slots[i], saved[i]
-            need_input = i > first_param_layer
+            need_input = i > first
             if isinstance(layer, nn.Linear):
                 h, weight = record
                 delta = delta.reshape(batch, -1)
@@ -287,14 +289,18 @@ class SequentialChainModel:
         return result
 
 
+def _conv_output_size(padded_h: int, padded_w: int, layer: nn.Conv2d) -> tuple[int, int]:
+    (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
+    return (padded_h - dh * (kh - 1) - 1) // sh + 1, (padded_w - dw * (kw - 1) - 1) // sw + 1
+
+
 def _im2col(h: torch.Tensor, layer: nn.Conv2d) -> tuple[torch.Tensor, list[int]]:
     """``(B, C * kh * kw, L)`` patches of ``h`` ``(B, C, H, W)`` in ``F.unfold``'s order, and the output size."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
     if ph or pw:
         h = F.pad(h, (pw, pw, ph, ph))
     batch, channels, height, width = h.shape
-    out_h = (height - dh * (kh - 1) - 1) // sh + 1
-    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    out_h, out_w = _conv_output_size(height, width, layer)
     sb, sc, sy, sx = h.stride()
     patches = h.as_strided((batch, channels, kh, kw, out_h, out_w), (sb, sc, dh * sy, dw * sx, sh * sy, sw * sx))
     return patches.reshape(batch, channels * kh * kw, out_h * out_w), [out_h, out_w]
@@ -308,8 +314,7 @@ def _col2im(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
     batch, channels, height, width = in_shape
     padded_h, padded_w = height + 2 * ph, width + 2 * pw
-    out_h = (padded_h - dh * (kh - 1) - 1) // sh + 1
-    out_w = (padded_w - dw * (kw - 1) - 1) // sw + 1
+    out_h, out_w = _conv_output_size(padded_h, padded_w, layer)
     patches = cols.view(batch, channels, kh, kw, out_h, out_w)
     grad = cols.new_zeros(batch, channels, padded_h, padded_w)
     sb, sc, sy, sx = grad.stride()

@@ -209,8 +209,9 @@ def advance_smp(
             score = model.vjp(ctx, likelihood.residual(out, y), **vjp_out)
             step = precond.solve(state.precond, score, **solve_out)
             if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
-                step = step.masked_fill(~alive, 0.0) if step is score else step.masked_fill_(~alive, 0.0)
-                score = score.masked_fill_(~alive, 0.0)
+                score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
+                if step is not score:
+                    step.masked_fill_(~alive, 0.0)
             theta.add_(step, alpha=tau / (n_obs + k))
             state.precond = precond.update(state.precond, k, theta, score, curvature)
             if trace_every and k % trace_every == 0:
