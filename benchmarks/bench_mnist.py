@@ -9,7 +9,10 @@ Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batc
 paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
 two ``run_smp`` calls of different lengths (so the Fisher set-up cancels), divided by the extra
 steps. The paper-scale SMP-none time (S = 100, K = 10^6, 10^8 score evaluations) is that step
-time times 10^6: a projection, labelled as such, not a measured run.
+time times 10^6: a projection, labelled as such, not a measured run. The last table times one
+periodic recomputation of the diagonal empirical Fisher for every chain (``--fisher-examples``
+validation images), by the two paths of ``smp_core.fisher``: virtual rows (theta copied per
+example) and one example at a time for all chains (the path used for large models).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from smp_core import lenet5, run_smp
+import smp_core.fisher as fisher_module
+from smp_core import as_chain_model, lenet5, run_smp
+from smp_core.likelihoods import Categorical
 from smp_core.mnist import mnist_tensors
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
@@ -69,6 +74,28 @@ def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps):
     return (long - short) / n_steps
 
 
+def bench_fisher(xv, yv, device, n_chains, n_examples):
+    """Seconds for the per-chain diagonal empirical Fisher over ``n_examples``, by each path."""
+    torch.manual_seed(0)
+    net = lenet5().to(device)
+    model = as_chain_model(net, (1, 28, 28))
+    theta = model.layout.flatten(net) + 0.01 * torch.randn(n_chains, model.layout.dim, device=device)
+    x, y = xv[:n_examples].to(device), yv[:n_examples].to(device)
+    rows = []
+    default = fisher_module._MIN_VIRTUAL_BATCH
+    try:
+        for name, threshold in (("virtual rows", 0), ("one example at a time", default)):
+            fisher_module._MIN_VIRTUAL_BATCH = threshold
+            _sync(device)
+            started = time.perf_counter()
+            fisher_module.estimate_fisher(model, Categorical(), theta, x, y, kind="empirical", structure="diag")
+            _sync(device)
+            rows.append((name, time.perf_counter() - started))
+    finally:
+        fisher_module._MIN_VIRTUAL_BATCH = default
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when available")
@@ -76,6 +103,7 @@ def main():
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--map-batches", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--fisher-examples", type=int, default=200)
     parser.add_argument("--variants", nargs="*", default=["none", "fixed-diag", "ema-diag", "periodic-diag"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,6 +126,12 @@ def main():
             step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps)
             paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
             print(f"| {name} | SMP-{variant} | {1000 * step:.1f} | {step * 1e6:.0f} | {paper} |", flush=True)
+    print(f"\nDiagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} validation images\n")
+    print("| device | path | seconds |")
+    print("|---|---|---|")
+    for name in devices:
+        for path, seconds in bench_fisher(xv, yv, torch.device(name), args.chains, args.fisher_examples):
+            print(f"| {name} | {path} | {seconds:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
