@@ -16,8 +16,8 @@ Three implementations, chosen by :func:`as_chain_model`:
 * :class:`MLPChainModel`: ``nn.Sequential`` of ``Linear`` layers and element-wise
   activations, with a hand-derived backward pass (the toy network; fastest).
 * :class:`SequentialChainModel`: ``nn.Sequential`` of ``Linear``, ``Conv2d``, activations,
-  pooling and ``Flatten`` (the LeNet-5-like network), batched with ``bmm`` and ``unfold``,
-  differentiated by autograd.
+  pooling and ``Flatten`` (the LeNet-5-like network), batched with ``bmm`` and a strided im2col,
+  with a hand-derived backward pass (autograd only for the less common parameter-free layers).
 * :class:`FunctionalChainModel`: any other module, through ``torch.func.functional_call``
   and ``torch.func.vmap``, differentiated by autograd.
 """
@@ -195,12 +195,15 @@ class SequentialChainModel(_ModuleChainModel):
     """``nn.Sequential`` of Linear / Conv2d / activation / pooling / Flatten layers, batched by hand.
 
     The forward pass reads each chain's weights as strided views of ``theta`` (no copy): a
-    Linear layer is one ``baddbmm`` over chains, a Conv2d layer an im2col (a strided view,
-    copied once) followed by one ``baddbmm``. The backward pass is derived by hand for the layers
-    with parameters and writes every gradient straight into its slice of the ``(B, d)`` result
+    Linear layer is one ``bmm`` over chains (in row form, see :func:`_row_times_transposed`), a
+    Conv2d layer an im2col (a strided view, copied once) followed by one ``bmm``. The backward
+    pass is derived by hand for the layers with parameters and writes every gradient straight into
+    its slice of the ``(B, d)`` result
     (``grad W = delta h^T`` for Linear, ``grad W = delta cols^T`` for Conv2d, ``grad b = delta``
-    summed over positions); parameter-free layers (activations, pooling) are pulled back with a
-    local autograd call on their small activations.
+    summed over positions). ReLU, GELU, tanh, sigmoid and identity use their hand-derived
+    derivatives, ``MaxPool2d`` the ATen forward-with-indices and backward kernels directly; other
+    parameter-free layers (average pooling, dropout, other activations or subclasses that change
+    ``forward``) are pulled back with a local autograd call on their small activations.
     """
 
     def __init__(self, module: nn.Sequential, input_shape: tuple[int, ...]):
@@ -230,7 +233,7 @@ class SequentialChainModel(_ModuleChainModel):
             if isinstance(layer, nn.Linear):
                 weight = params[slot[0]]
                 saved.append((h, weight))
-                out = torch.bmm(weight, h.unsqueeze(-1)).squeeze(-1)
+                out = _row_times_transposed(h, weight)
                 h = out if slot[1] is None else out.add_(params[slot[1]])
             elif isinstance(layer, nn.Conv2d):
                 weight = params[slot[0]].reshape(batch, layer.out_channels, -1)
@@ -243,6 +246,14 @@ class SequentialChainModel(_ModuleChainModel):
             elif isinstance(layer, nn.Flatten):
                 saved.append(h.shape)
                 h = h.flatten(1)
+            elif _hand_activation(layer):
+                pre, h = h, _activation(layer, h)
+                saved.append((pre, h))
+            elif _plain_max_pool(layer):
+                pre = h
+                # the ATen kernels directly: the same numbers as autograd, without its bookkeeping
+                h, argmax = torch.ops.aten.max_pool2d_with_indices(pre, *_max_pool_args(layer))
+                saved.append((pre, argmax))
             else:
                 h_in = h.detach().requires_grad_(True)
                 with torch.enable_grad():
@@ -271,7 +282,7 @@ class SequentialChainModel(_ModuleChainModel):
                 if slot[1] is not None:
                     grads[slot[1]].copy_(delta)
                 if need_input:
-                    delta = torch.bmm(weight.transpose(1, 2), delta.unsqueeze(-1)).squeeze(-1)
+                    delta = torch.bmm(delta.unsqueeze(1), weight).squeeze(1)
             elif isinstance(layer, nn.Conv2d):
                 cols, weight, in_shape = record
                 delta = delta.reshape(batch, layer.out_channels, -1)
@@ -282,11 +293,42 @@ class SequentialChainModel(_ModuleChainModel):
                     delta = _col2im(torch.bmm(weight.transpose(1, 2), delta), in_shape, layer)
             elif isinstance(layer, nn.Flatten):
                 delta = delta.reshape(record)
+            elif _hand_activation(layer):
+                pre, post = record
+                delta = _activation_derivative(layer, pre, post, delta.reshape(post.shape))
+            elif _plain_max_pool(layer):
+                pre, argmax = record
+                delta = torch.ops.aten.max_pool2d_with_indices_backward(
+                    delta.reshape(argmax.shape), pre, *_max_pool_args(layer), argmax)
             else:
                 h_in, h_out = record
-                if need_input:
-                    (delta,) = torch.autograd.grad(h_out, h_in, delta.reshape(h_out.shape), retain_graph=retain)
+                (delta,) = torch.autograd.grad(h_out, h_in, delta.reshape(h_out.shape), retain_graph=retain)
         return result
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+def _plain_max_pool(layer: nn.Module) -> bool:
+    """A ``MaxPool2d`` (any window, stride, padding, dilation) that returns values only."""
+    return type(layer) is nn.MaxPool2d and not layer.return_indices
+
+
+def _max_pool_args(layer: nn.MaxPool2d) -> list:
+    stride = layer.stride if layer.stride is not None else layer.kernel_size
+    return [list(_pair(layer.kernel_size)), list(_pair(stride)), list(_pair(layer.padding)),
+            list(_pair(layer.dilation)), layer.ceil_mode]
+
+
+def _row_times_transposed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight_b h_b`` for every row: ``(B, out)`` from ``h`` ``(B, in)`` and ``weight`` ``(B, out, in)``.
+
+    Computed as the row vector ``h_b^T W_b^T`` (a ``(B, 1, in) x (B, in, out)`` ``bmm``): with MKL
+    on some CPUs that is several times faster than the column form ``W_b h_b`` for the same
+    numbers (``benchmarks/bench_recursion.py`` times both).
+    """
+    return torch.bmm(h.unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
 
 
 def _conv_output_size(padded_h: int, padded_w: int, layer: nn.Conv2d) -> tuple[int, int]:
@@ -373,12 +415,34 @@ class FunctionalChainModel(_AutogradChainModel):
 # ---------------------------------------------------------------------------------------------
 
 
+_MLP_ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Identity)
+
+
+def _hand_activation(layer: nn.Module) -> bool:
+    """One of the activations with a hand-derived derivative (exact type: a subclass may change forward)."""
+    return type(layer) in _MLP_ACTIVATIONS
+
+
+def _activation(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The activation applied out of place (an ``inplace=True`` layer must not overwrite saved inputs)."""
+    if isinstance(layer, nn.ReLU):
+        return torch.relu(h)
+    if isinstance(layer, nn.GELU):
+        return F.gelu(h, approximate=layer.approximate)
+    if isinstance(layer, nn.Tanh):
+        return torch.tanh(h)
+    if isinstance(layer, nn.Sigmoid):
+        return torch.sigmoid(h)
+    return h
+
+
 def _activation_derivative(layer: nn.Module, pre: torch.Tensor, post: torch.Tensor, grad: torch.Tensor):
     """``grad * act'(pre)`` for the element-wise activations of :class:`MLPChainModel`."""
     if isinstance(layer, nn.Identity):
         return grad
     if isinstance(layer, nn.ReLU):
-        return grad * (pre > 0)
+        # grad where post > 0, else 0: the kernel autograd uses (a masked select is several times slower)
+        return torch.ops.aten.threshold_backward(grad, post, 0)
     if isinstance(layer, nn.GELU):
         return torch.ops.aten.gelu_backward(grad, pre, approximate=layer.approximate)
     if isinstance(layer, nn.Tanh):
@@ -386,9 +450,6 @@ def _activation_derivative(layer: nn.Module, pre: torch.Tensor, post: torch.Tens
     if isinstance(layer, nn.Sigmoid):
         return grad * post * (1 - post)
     raise TypeError(f"no hand-derived derivative for {type(layer).__name__}")
-
-
-_MLP_ACTIVATIONS = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.Identity)
 
 
 def mlp_supported(module: nn.Module) -> bool:
@@ -401,7 +462,7 @@ def mlp_supported(module: nn.Module) -> bool:
         if isinstance(layer, nn.Linear):
             if layer.bias is None:
                 return False
-        elif not isinstance(layer, _MLP_ACTIVATIONS):
+        elif not _hand_activation(layer):
             return False
     return True
 
@@ -433,11 +494,11 @@ class MLPChainModel:
                 weight, bias = next(params), next(params)
                 inputs.append(h)
                 weights.append(weight)
-                h = torch.baddbmm(bias.unsqueeze(-1), weight, h.unsqueeze(-1)).squeeze(-1)
+                h = torch.baddbmm(bias.unsqueeze(1), h.unsqueeze(1), weight.transpose(1, 2)).squeeze(1)
                 steps.append([])
             else:
                 pre = h
-                h = layer(pre)
+                h = _activation(layer, pre)
                 steps[-1].append((layer, pre, h))
         return h, (inputs, weights, steps)
 
@@ -452,7 +513,7 @@ class MLPChainModel:
             grads.append(delta)  # bias
             grads.append((delta.unsqueeze(-1) * inputs[i].unsqueeze(1)).flatten(1))  # weight
             if i > 0:
-                delta = torch.bmm(weights[i].transpose(1, 2), delta.unsqueeze(-1)).squeeze(-1)
+                delta = torch.bmm(delta.unsqueeze(1), weights[i]).squeeze(1)
         return torch.cat(grads[::-1], dim=1, out=out)
 
 

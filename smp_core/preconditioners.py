@@ -181,7 +181,8 @@ def _spd_solve(m: torch.Tensor, ridge: float, v: torch.Tensor) -> torch.Tensor:
 def _batched_matvec(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if m.shape[0] == 1:
         return v @ m[0]  # symmetric: v P^{-1} = (P^{-1} v^T)^T
-    return torch.bmm(m, v.unsqueeze(-1)).squeeze(-1)
+    # symmetric, so P v = (v^T P)^T; the row form is the faster bmm (see models._row_times_transposed)
+    return torch.bmm(v.unsqueeze(1), m).squeeze(1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +207,9 @@ class Preconditioner:
       parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
     * ``solve(state, v, out=None) -> P^{-1} v`` for ``v`` ``(S, d)``; ``out``, an optional buffer
       that is not ``v``, may receive the result (the caller must use the returned tensor).
+    * ``inverse_diagonal(state) -> (C, d)`` (optional): when ``P^{-1}`` is a stored diagonal
+      (fixed and periodic ``diag``), its entries, so that the recursion can fuse the solve into the
+      parameter update (``theta += gamma * s * P^{-1}`` in one pass over the ``(S, d)`` arrays).
     """
 
     name: str
@@ -218,6 +222,7 @@ class Preconditioner:
     solve: Callable[..., torch.Tensor]
     needs_curvature: bool
     hyper: dict[str, Any] = field(default_factory=dict)
+    inverse_diagonal: Callable[[PreconditionerState], torch.Tensor] | None = None
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
@@ -295,6 +300,9 @@ def build_preconditioner(
             needs_curvature=False, hyper={},
         )
 
+    # fixed and periodic diag keep 1 / (F + ridge) as their factor
+    stored_diagonal = (lambda state: state.factor[0]) if structure == "diag" else None
+
     if strategy == "fixed":
         def init(theta0, curvature):
             stat = _require(curvature, name)(_shared_theta(theta0))
@@ -304,7 +312,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper=hyper,
+            needs_curvature=True, hyper=hyper, inverse_diagonal=stored_diagonal,
         )
 
     if strategy == "periodic":
@@ -321,7 +329,7 @@ def build_preconditioner(
         return Preconditioner(
             name, struct, strategy, ridge, init=init, update=update,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper={**hyper, "period": int(period)},
+            needs_curvature=True, hyper={**hyper, "period": int(period)}, inverse_diagonal=stored_diagonal,
         )
 
     # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.

@@ -199,6 +199,7 @@ def advance_smp(
     # a user's chain model or preconditioner written without the optional out= still works
     vjp_out = {"out": score_buf} if _accepts_out(model.vjp) else {}
     solve_out = {"out": step_buf} if _accepts_out(precond.solve) else {}
+    inverse_diagonal = getattr(precond, "inverse_diagonal", None)
     while k < until:
         k_end = min(until, k + check_every)
         draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
@@ -207,12 +208,16 @@ def advance_smp(
             out, ctx = model.forward(theta, x_train.index_select(0, row))
             y = likelihood.sample(out, gen)
             score = model.vjp(ctx, likelihood.residual(out, y), **vjp_out)
-            step = precond.solve(state.precond, score, **solve_out)
-            if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
-                score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
-                if step is not score:
-                    step.masked_fill_(~alive, 0.0)
-            theta.add_(step, alpha=tau / (n_obs + k))
+            if inverse_diagonal is not None and not any_frozen:
+                # a stored diagonal P^{-1}: solve and update fused, one pass instead of two
+                theta.addcmul_(score, inverse_diagonal(state.precond), value=tau / (n_obs + k))
+            else:
+                step = precond.solve(state.precond, score, **solve_out)
+                if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
+                    score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
+                    if step is not score:
+                        step.masked_fill_(~alive, 0.0)
+                theta.add_(step, alpha=tau / (n_obs + k))
             state.precond = precond.update(state.precond, k, theta, score, curvature)
             if trace_every and k % trace_every == 0:
                 state.trace.append(theta.detach().cpu().clone())

@@ -39,6 +39,20 @@ class Residual(nn.Module):
         return self.b(torch.tanh(self.a(x)) + x)
 
 
+class DoubledReLU(nn.ReLU):
+    """A subclass that changes forward: must not take the hand-derived ReLU path."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _with_head(features, shape, n_out=2):
+    """``features`` followed by Flatten and a Linear layer sized to its output for inputs of ``shape``."""
+    with torch.no_grad():
+        n_in = features(torch.zeros(1, *shape)).numel()
+    return nn.Sequential(*features, nn.Flatten(), nn.Linear(n_in, n_out))
+
+
 def _reference_vjp(module, layout, theta, x, cot):
     grads = []
     for t, xi, ci in zip(theta, x, cot, strict=True):
@@ -67,6 +81,14 @@ def _reference_vjp(module, layout, theta, x, cot):
         (nn.Sequential(nn.Conv2d(2, 3, 3, stride=2, dilation=2, padding=1), nn.ReLU(inplace=True),
                        nn.MaxPool2d(2, stride=1), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)),
          (2, 11, 11), SequentialChainModel),
+        # max-pooling with padding, ceil mode and dilation (the ATen kernels called directly), sigmoid,
+        # identity, and an activation subclass that must fall back to autograd
+        (_with_head(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Sigmoid(),
+                                  nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+                                  nn.Identity(), nn.Conv2d(2, 2, 2), DoubledReLU(),
+                                  nn.MaxPool2d((2, 3), stride=(1, 2), dilation=(2, 1))), (1, 11, 12)),
+         (1, 11, 12), SequentialChainModel),
+        (nn.Sequential(nn.Linear(3, 4), DoubledReLU(), nn.Linear(4, 2)), (3,), SequentialChainModel),
         (Residual(), (3,), FunctionalChainModel),
     ],
 )
