@@ -10,7 +10,8 @@ Prints a markdown table. Times are wall-clock seconds of ``run_smp`` (Fisher set
 S chains, preconditioner solve and update), measured after a warm-up. The last table is the floor
 that a per-step factorisation puts under the EMA variants: one batched Cholesky factorisation and
 solve of S symmetric positive-definite n x n matrices (LAPACK through torch), times K steps.
-Between them, a LeNet step split into its parts and the two forms of the batched matrix-vector
+Between them, a LeNet step split into its parts, the LeNet step with and without the allocator
+setting of ``smp_core.memory`` (fresh processes), and the two forms of the batched matrix-vector
 product of its fully connected layers.
 """
 
@@ -135,6 +136,37 @@ def bench_matvec(n_chains, shapes=((128, 256), (84, 128), (10, 84)), repeats=5, 
     return rows
 
 
+def _allocator_probe(n_chains, n_steps):
+    """Run in a subprocess: ms per LeNet-5 step (none) and minor page faults per step, one line."""
+    import resource
+
+    ms = bench_lenet(n_chains, n_steps, variants=("none",))[0][1]
+    torch.manual_seed(0)
+    x = torch.rand(2000, 1, 28, 28)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    run_smp(lenet5(), "categorical", x, preconditioner="none", n_steps=n_steps, n_chains=n_chains, seed=0,
+            progress=False, input_shape=(1, 28, 28))
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n_steps
+    print(f"{ms} {faults}")
+
+
+def bench_allocator(n_chains, n_steps, threads, runs=3):
+    """The LeNet step with glibc's default allocator thresholds and with smp_core.memory's, in fresh processes."""
+    import os
+    import subprocess
+    import sys
+
+    rows = []
+    for label, flag in (("glibc default (adaptive)", "0"), ("retain freed memory (smp_core default)", "1")):
+        for _ in range(runs):
+            env = {**os.environ, "SMP_RETAIN_FREED_MEMORY": flag}
+            out = subprocess.run([sys.executable, __file__, "--allocator-probe", "--lenet-chains", str(n_chains),
+                                  "--lenet-steps", str(n_steps), "--threads", str(threads)],
+                                 env=env, capture_output=True, text=True, check=True).stdout.split()
+            rows.append((label, float(out[-2]), float(out[-1])))
+    return rows
+
+
 def bench_cholesky(n_chains, sizes=(20, 6, 3, 2), repeats=200):
     """Milliseconds for one batched Cholesky factorisation + solve of ``n_chains`` matrices of each size."""
     rows = []
@@ -165,8 +197,12 @@ def main():
     parser.add_argument("--lenet-steps", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-lenet", action="store_true")
+    parser.add_argument("--allocator-probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.allocator_probe:
+        _allocator_probe(args.lenet_chains, args.lenet_steps)
+        return
     print(f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
           f"{time.strftime('%Y-%m-%d')}\n")
     print(f"Toy recursion: S = {args.chains}, K = {args.steps} (paper: 6 Julia threads)\n")
@@ -186,6 +222,12 @@ def main():
         print("|---|---|")
         for part, ms in bench_lenet_parts(args.lenet_chains):
             print(f"| {part} | {ms:.2f} |", flush=True)
+        print(f"\nOne LeNet-5 step (SMP-none, S = {args.lenet_chains}) in fresh processes, with glibc's adaptive "
+              "allocator thresholds and with the fixed ones smp_core sets (smp_core.memory); three processes each\n")
+        print("| allocator | ms / step | page faults / step |")
+        print("|---|---|---|")
+        for label, ms, faults in bench_allocator(args.lenet_chains, args.lenet_steps, args.threads):
+            print(f"| {label} | {ms:.1f} | {faults:.0f} |", flush=True)
         print(f"\nBatched matrix-vector product W_b h_b of the fully connected layers, S = {args.lenet_chains}: "
               "column form bmm(W, h) against the row form bmm(h^T, W^T) that smp_core uses\n")
         print("| W (out x in) | column (ms) | row (ms) |")

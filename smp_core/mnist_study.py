@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from . import metrics
 from .config import MNIST_TAU, MNIST_VARIANTS
 from .fisher import estimate_fisher
+from .memory import retain_freed_memory
 from .models import as_chain_model, lenet5, predict
 from .recursion import residual_variance_ratio, run_smp
 
@@ -42,6 +43,8 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     accuracy per epoch and the training time.
     """
     device = device or default_device()
+    if device.type == "cpu":
+        retain_freed_memory()
     torch.manual_seed(cfg["seed"])
     net = lenet5().to(device)
     opt = torch.optim.Adam(net.parameters(), lr=cfg["map_lr"], weight_decay=cfg["map_weight_decay"])

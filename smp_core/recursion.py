@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from .fisher import estimate_fisher
 from .likelihoods import get_likelihood
+from .memory import retain_freed_memory
 from .models import ChainModel, as_chain_model
 from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name
 
@@ -326,6 +327,9 @@ def run_smp(
         checkpoint: a file to save the state to every ``checkpoint_every`` steps and to resume from.
         progress: show a tqdm progress bar.
 
+    On the CPU it sets glibc's allocator to keep freed memory for reuse (once per process; see
+    :mod:`smp_core.memory`, ``SMP_RETAIN_FREED_MEMORY=0`` turns that off).
+
     Returns:
         An :class:`SMPResult`.
     """
@@ -335,6 +339,8 @@ def run_smp(
     if theta0 is None:
         theta0 = net.layout.flatten(net.module)
     device, dtype = theta0.device, theta0.dtype
+    if device.type == "cpu":
+        retain_freed_memory()  # no page faults from re-allocating each step's activations (smp_core.memory)
     x_train = x_train.to(device=device, dtype=dtype)
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
     if isinstance(preconditioner, str):
