@@ -265,11 +265,60 @@ class SequentialChainModel(_ModuleChainModel):
 
     def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
             out: torch.Tensor | None = None) -> torch.Tensor:
-        saved = ctx
-        batch = cotangent.shape[0]
-        dim = self.layout.dim
+        batch, dim = cotangent.shape[0], self.layout.dim
         result = cotangent.new_empty(batch, dim) if out is None else _check_out(out, batch, dim)
         grads = self.layout.split(result)
+
+        def emit(index: int, grad: torch.Tensor) -> None:
+            grads[index].copy_(grad.view(grads[index].shape))
+
+        def emit_outer(index: int, delta: torch.Tensor, h: torch.Tensor) -> None:
+            torch.mul(delta.unsqueeze(-1), h.unsqueeze(1), out=grads[index])
+
+        self._pull_back(ctx, cotangent, retain, emit, emit_outer)
+        return result
+
+    def vjp_update_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, scale: float,
+                    inverse_diagonal: torch.Tensor | None = None) -> None:
+        """``theta += scale * D * J^T cotangent`` in place, without forming the ``(B, d)`` score.
+
+        ``D`` is ``inverse_diagonal`` (``(1, d)`` or ``(B, d)``), or the identity when ``None``:
+        the update of SMP-none and of a stored diagonal preconditioner (eq. 2.14). Each layer's
+        parameters are updated as soon as its input gradient has been pulled back through its
+        current weights, so every weight is read and written once, with no score array written
+        and read back: the step of a large model on a CPU is bound by memory traffic, not by
+        arithmetic. ``ctx`` must come from :meth:`forward` at this ``theta`` and is used up.
+        """
+        params = self.layout.split(theta)
+        scales = None if inverse_diagonal is None else self.layout.split(inverse_diagonal)
+
+        def emit(index: int, grad: torch.Tensor) -> None:
+            target = params[index]
+            if scales is None:
+                target.add_(grad.view(target.shape), alpha=scale)
+            else:
+                target.addcmul_(grad.view(target.shape), scales[index], value=scale)
+
+        def emit_outer(index: int, delta: torch.Tensor, h: torch.Tensor) -> None:
+            target = params[index]
+            if scales is None:  # the outer product is never formed: one pass over the weights
+                target.addcmul_(delta.unsqueeze(-1), h.unsqueeze(1), value=scale)
+                return
+            # the outer product of a few rows at a time (small enough to stay in cache)
+            rows = max(1, _OUTER_CHUNK_ELEMENTS // (target.shape[1] * target.shape[2]))
+            for start in range(0, target.shape[0], rows):
+                part = slice(start, start + rows)
+                outer = delta[part].unsqueeze(-1) * h[part].unsqueeze(1)
+                weight = scales[index] if scales[index].shape[0] == 1 else scales[index][part]
+                target[part].addcmul_(outer, weight, value=scale)
+
+        self._pull_back(ctx, cotangent, False, emit, emit_outer)
+
+    def _pull_back(self, saved: Any, cotangent: torch.Tensor, retain: bool, emit, emit_outer) -> None:
+        """The backward pass; ``emit(index, grad)`` / ``emit_outer(index, delta, h)`` receive each
+        parameter tensor's gradient (``delta h^T`` given as its two factors) after the layer's input
+        gradient has been computed from its weights."""
+        batch = cotangent.shape[0]
         delta = cotangent
         first = self._first_param_layer
         for i in reversed(range(first, len(self.module))):
@@ -277,20 +326,20 @@ class SequentialChainModel(_ModuleChainModel):
             need_input = i > first
             if isinstance(layer, nn.Linear):
                 h, weight = record
-                delta = delta.reshape(batch, -1)
-                torch.mul(delta.unsqueeze(-1), h.unsqueeze(1), out=grads[slot[0]])
-                if slot[1] is not None:
-                    grads[slot[1]].copy_(delta)
+                delta_out = delta.reshape(batch, -1)
                 if need_input:
-                    delta = torch.bmm(delta.unsqueeze(1), weight).squeeze(1)
+                    delta = torch.bmm(delta_out.unsqueeze(1), weight).squeeze(1)
+                emit_outer(slot[0], delta_out, h)
+                if slot[1] is not None:
+                    emit(slot[1], delta_out)
             elif isinstance(layer, nn.Conv2d):
                 cols, weight, in_shape = record
-                delta = delta.reshape(batch, layer.out_channels, -1)
-                grads[slot[0]].copy_(torch.bmm(delta, cols.transpose(1, 2)).view(grads[slot[0]].shape))
-                if slot[1] is not None:
-                    torch.sum(delta, dim=-1, out=grads[slot[1]])
+                delta_out = delta.reshape(batch, layer.out_channels, -1)
                 if need_input:
-                    delta = _col2im(torch.bmm(weight.transpose(1, 2), delta), in_shape, layer)
+                    delta = _col2im(torch.bmm(weight.transpose(1, 2), delta_out), in_shape, layer)
+                emit(slot[0], torch.bmm(delta_out, cols.transpose(1, 2)))
+                if slot[1] is not None:
+                    emit(slot[1], delta_out.sum(-1))
             elif isinstance(layer, nn.Flatten):
                 delta = delta.reshape(record)
             elif _hand_activation(layer):
@@ -303,7 +352,9 @@ class SequentialChainModel(_ModuleChainModel):
             else:
                 h_in, h_out = record
                 (delta,) = torch.autograd.grad(h_out, h_in, delta.reshape(h_out.shape), retain_graph=retain)
-        return result
+
+
+_OUTER_CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32 per chunk of outer products in vjp_update_
 
 
 def _pair(value) -> tuple[int, int]:

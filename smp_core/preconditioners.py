@@ -207,9 +207,13 @@ class Preconditioner:
       parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
     * ``solve(state, v, out=None) -> P^{-1} v`` for ``v`` ``(S, d)``; ``out``, an optional buffer
       that is not ``v``, may receive the result (the caller must use the returned tensor).
-    * ``inverse_diagonal(state) -> (C, d)`` (optional): when ``P^{-1}`` is a stored diagonal
-      (fixed and periodic ``diag``), its entries, so that the recursion can fuse the solve into the
-      parameter update (``theta += gamma * s * P^{-1}`` in one pass over the ``(S, d)`` arrays).
+    * ``inverse_diagonal(state) -> (C, d) | None`` (optional): when ``P^{-1}`` is a stored
+      diagonal (fixed and periodic ``diag``), its entries, and ``None`` for the identity (``none``),
+      so that the recursion can fuse the solve into the parameter update
+      (``theta += gamma * P^{-1} s`` in one pass over the ``(S, d)`` arrays).
+    * ``update_uses_score``: ``False`` when ``update`` ignores ``s_k`` (none, fixed, periodic); the
+      recursion may then pass ``None`` for it and never form the score array (see
+      :meth:`smp_core.models.SequentialChainModel.vjp_update_`).
     """
 
     name: str
@@ -222,7 +226,8 @@ class Preconditioner:
     solve: Callable[..., torch.Tensor]
     needs_curvature: bool
     hyper: dict[str, Any] = field(default_factory=dict)
-    inverse_diagonal: Callable[[PreconditionerState], torch.Tensor] | None = None
+    inverse_diagonal: Callable[[PreconditionerState], torch.Tensor | None] | None = None
+    update_uses_score: bool = True
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
@@ -297,7 +302,7 @@ def build_preconditioner(
             init=lambda theta0, curvature: PreconditionerState((), ()),
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: v,
-            needs_curvature=False, hyper={},
+            needs_curvature=False, hyper={}, inverse_diagonal=lambda state: None, update_uses_score=False,
         )
 
     # fixed and periodic diag keep 1 / (F + ridge) as their factor
@@ -312,7 +317,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper=hyper, inverse_diagonal=stored_diagonal,
+            needs_curvature=True, hyper=hyper, inverse_diagonal=stored_diagonal, update_uses_score=False,
         )
 
     if strategy == "periodic":
@@ -330,6 +335,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init, update=update,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
             needs_curvature=True, hyper={**hyper, "period": int(period)}, inverse_diagonal=stored_diagonal,
+            update_uses_score=False,
         )
 
     # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.

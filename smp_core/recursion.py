@@ -200,25 +200,38 @@ def advance_smp(
     # a user's chain model or preconditioner written without the optional out= still works
     vjp_out = {"out": score_buf} if _accepts_out(model.vjp) else {}
     solve_out = {"out": step_buf} if _accepts_out(precond.solve) else {}
+    # a diagonal (or identity) P^{-1} is folded into the update; when the preconditioner's update
+    # does not read the score either, a model with vjp_update_ never forms the (S, d) score
     inverse_diagonal = getattr(precond, "inverse_diagonal", None)
+    fused_vjp = (getattr(model, "vjp_update_", None)
+                 if inverse_diagonal is not None and not getattr(precond, "update_uses_score", True) else None)
     while k < until:
         k_end = min(until, k + check_every)
         draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
         for row in draws:
             k += 1
+            gamma = tau / (n_obs + k)
             out, ctx = model.forward(theta, x_train.index_select(0, row))
-            y = likelihood.sample(out, gen)
-            score = model.vjp(ctx, likelihood.residual(out, y), **vjp_out)
-            if inverse_diagonal is not None and not any_frozen:
-                # a stored diagonal P^{-1}: solve and update fused, one pass instead of two
-                theta.addcmul_(score, inverse_diagonal(state.precond), value=tau / (n_obs + k))
+            residual = likelihood.residual(out, likelihood.sample(out, gen))
+            if fused_vjp is not None and not any_frozen:
+                fused_vjp(ctx, residual, theta, gamma, inverse_diagonal(state.precond))
+                score = None
+            elif inverse_diagonal is not None and not any_frozen:
+                # a stored diagonal P^{-1} (or none): solve and update in one pass instead of two
+                score = model.vjp(ctx, residual, **vjp_out)
+                scale = inverse_diagonal(state.precond)
+                if scale is None:
+                    theta.add_(score, alpha=gamma)
+                else:
+                    theta.addcmul_(score, scale, value=gamma)
             else:
+                score = model.vjp(ctx, residual, **vjp_out)
                 step = precond.solve(state.precond, score, **solve_out)
                 if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
                     score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
                     if step is not score:
                         step.masked_fill_(~alive, 0.0)
-                theta.add_(step, alpha=tau / (n_obs + k))
+                theta.add_(step, alpha=gamma)
             state.precond = precond.update(state.precond, k, theta, score, curvature)
             if trace_every and k % trace_every == 0:
                 state.trace.append(theta.detach().cpu().clone())

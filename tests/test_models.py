@@ -109,6 +109,31 @@ def test_chain_model_matches_autograd_per_row(module, shape, cls, generator):
     assert torch.allclose(buffer, expected, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1 << 18, 7])  # 7 elements: one chain per chunk of outer products
+@pytest.mark.parametrize("scales", ["identity", "shared", "per-chain"])
+def test_fused_update_equals_the_score_then_the_update(scales, chunk, generator, monkeypatch):
+    import smp_core.models as models
+
+    monkeypatch.setattr(models, "_OUTER_CHUNK_ELEMENTS", chunk)
+    module = _with_head(nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 2, 2, bias=False)),
+                        (1, 9, 9), n_out=3)
+    model = as_chain_model(module, (1, 9, 9))
+    rows, dim = 4, model.layout.dim
+    theta = model.layout.flatten(module) + 0.1 * torch.randn(rows, dim, generator=generator)
+    x = torch.randn(rows, 1, 9, 9, generator=generator)
+    cot = torch.randn(rows, 3, generator=generator)
+    diagonal = {"identity": None, "shared": torch.rand(1, dim, generator=generator) + 0.5,
+                "per-chain": torch.rand(rows, dim, generator=generator) + 0.5}[scales]
+    out, ctx = model.forward(theta, x)
+    score = model.vjp(ctx, cot, retain=True)
+    expected = theta + 0.3 * (score if diagonal is None else diagonal * score)
+    fused = theta.clone()
+    _, ctx = model.forward(fused, x)
+    model.vjp_update_(ctx, cot, fused, 0.3, diagonal)
+    assert torch.allclose(fused, expected, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(fused, theta)  # every chain moved
+
+
 def test_chain_model_errors():
     model = as_chain_model(toy_mlp())
     with pytest.raises(ValueError, match="one input per chain row"):
