@@ -32,6 +32,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .layout import ParamLayout
+from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule
 
 # ---------------------------------------------------------------------------------------------
 # The paper's two networks
@@ -251,8 +252,7 @@ class SequentialChainModel(_ModuleChainModel):
                 saved.append((pre, h))
             elif _plain_max_pool(layer):
                 pre = h
-                # the ATen kernels directly: the same numbers as autograd, without its bookkeeping
-                h, argmax = torch.ops.aten.max_pool2d_with_indices(pre, *_max_pool_args(layer))
+                h, argmax = _max_pool_forward(pre, layer)
                 saved.append((pre, argmax))
             else:
                 h_in = h.detach().requires_grad_(True)
@@ -278,41 +278,54 @@ class SequentialChainModel(_ModuleChainModel):
         self._pull_back(ctx, cotangent, retain, emit, emit_outer)
         return result
 
-    def vjp_update_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, scale: float,
-                    inverse_diagonal: torch.Tensor | None = None) -> None:
-        """``theta += scale * D * J^T cotangent`` in place, without forming the ``(B, d)`` score.
+    def vjp_apply_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, rule: ElementwiseRule,
+                   tensors: tuple[torch.Tensor, ...], gamma: float) -> None:
+        """The step ``theta += gamma P^{-1} J^T cotangent`` of an element-wise preconditioner, in place,
+        without forming the ``(B, d)`` score (eq. 2.14).
 
-        ``D`` is ``inverse_diagonal`` (``(1, d)`` or ``(B, d)``), or the identity when ``None``:
-        the update of SMP-none and of a stored diagonal preconditioner (eq. 2.14). Each layer's
-        parameters are updated as soon as its input gradient has been pulled back through its
-        current weights, so every weight is read and written once, with no score array written
-        and read back: the step of a large model on a CPU is bound by memory traffic, not by
-        arithmetic. ``ctx`` must come from :meth:`forward` at this ``theta`` and is used up.
+        ``rule`` is the preconditioner's :class:`~smp_core.preconditioners.ElementwiseRule` and
+        ``tensors`` its state tensors (``rule.tensors(state)``, each ``(1, d)`` or ``(B, d)``). Each
+        layer's parameters are stepped as soon as its input gradient has been pulled back through its
+        current weights; the gradient of a linear layer is handed over as its two outer-product factors
+        (when the rule takes them) or formed a few chains at a time (small enough to stay in cache).
+        So every weight, and every state entry the rule uses, is read and written once, with no score
+        array written and read back: the step of a large model on a CPU is bound by memory traffic,
+        not by arithmetic. ``ctx`` must come from :meth:`forward` at this ``theta`` and is used up.
         """
         params = self.layout.split(theta)
-        scales = None if inverse_diagonal is None else self.layout.split(inverse_diagonal)
+        parts = [self.layout.split(t) for t in tensors]
+
+        def pieces(index: int, rows: slice | None = None) -> list[torch.Tensor]:
+            return [p[index] if rows is None or p[index].shape[0] == 1 else p[index][rows] for p in parts]
 
         def emit(index: int, grad: torch.Tensor) -> None:
             target = params[index]
-            if scales is None:
-                target.add_(grad.view(target.shape), alpha=scale)
-            else:
-                target.addcmul_(grad.view(target.shape), scales[index], value=scale)
+            rule.apply_(target, grad.view(target.shape), pieces(index), gamma)
 
         def emit_outer(index: int, delta: torch.Tensor, h: torch.Tensor) -> None:
             target = params[index]
-            if scales is None:  # the outer product is never formed: one pass over the weights
-                target.addcmul_(delta.unsqueeze(-1), h.unsqueeze(1), value=scale)
+            if rule.apply_outer_ is not None:
+                rule.apply_outer_(target, delta, h, pieces(index), gamma)
                 return
-            # the outer product of a few rows at a time (small enough to stay in cache)
             rows = max(1, _OUTER_CHUNK_ELEMENTS // (target.shape[1] * target.shape[2]))
             for start in range(0, target.shape[0], rows):
                 part = slice(start, start + rows)
                 outer = delta[part].unsqueeze(-1) * h[part].unsqueeze(1)
-                weight = scales[index] if scales[index].shape[0] == 1 else scales[index][part]
-                target[part].addcmul_(outer, weight, value=scale)
+                rule.apply_(target[part], outer, pieces(index, part), gamma)
 
         self._pull_back(ctx, cotangent, False, emit, emit_outer)
+
+    def vjp_update_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, scale: float,
+                    inverse_diagonal: torch.Tensor | None = None) -> None:
+        """``theta += scale * D * J^T cotangent`` in place, without forming the ``(B, d)`` score.
+
+        ``D`` is ``inverse_diagonal`` (``(1, d)`` or ``(B, d)``), or the identity when ``None``: the
+        update of SMP-none and of a stored diagonal preconditioner, through :meth:`vjp_apply_`.
+        """
+        if inverse_diagonal is None:
+            self.vjp_apply_(ctx, cotangent, theta, IDENTITY_RULE, (), scale)
+        else:
+            self.vjp_apply_(ctx, cotangent, theta, STORED_INVERSE_RULE, (inverse_diagonal,), scale)
 
     def _pull_back(self, saved: Any, cotangent: torch.Tensor, retain: bool, emit, emit_outer) -> None:
         """The backward pass; ``emit(index, grad)`` / ``emit_outer(index, delta, h)`` receive each
@@ -347,14 +360,13 @@ class SequentialChainModel(_ModuleChainModel):
                 delta = _activation_derivative(layer, pre, post, delta.reshape(post.shape))
             elif _plain_max_pool(layer):
                 pre, argmax = record
-                delta = torch.ops.aten.max_pool2d_with_indices_backward(
-                    delta.reshape(argmax.shape), pre, *_max_pool_args(layer), argmax)
+                delta = _max_pool_backward(delta.reshape(argmax.shape), pre, argmax, layer)
             else:
                 h_in, h_out = record
                 (delta,) = torch.autograd.grad(h_out, h_in, delta.reshape(h_out.shape), retain_graph=retain)
 
 
-_OUTER_CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32 per chunk of outer products in vjp_update_
+_OUTER_CHUNK_ELEMENTS = 1 << 18  # 1 MB of float32 per chunk of outer products in vjp_apply_
 
 
 def _pair(value) -> tuple[int, int]:
@@ -370,6 +382,17 @@ def _max_pool_args(layer: nn.MaxPool2d) -> list:
     stride = layer.stride if layer.stride is not None else layer.kernel_size
     return [list(_pair(layer.kernel_size)), list(_pair(stride)), list(_pair(layer.padding)),
             list(_pair(layer.dilation)), layer.ceil_mode]
+
+
+def _max_pool_forward(pre: torch.Tensor, layer: nn.MaxPool2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """Max-pooling values and argmax indices by the ATen kernel directly (the numbers autograd uses,
+    without its bookkeeping)."""
+    return torch.ops.aten.max_pool2d_with_indices(pre, *_max_pool_args(layer))
+
+
+def _max_pool_backward(grad: torch.Tensor, pre: torch.Tensor, argmax: torch.Tensor, layer: nn.MaxPool2d):
+    """The adjoint of :func:`_max_pool_forward`: ``grad`` routed to the argmax of each window."""
+    return torch.ops.aten.max_pool2d_with_indices_backward(grad, pre, *_max_pool_args(layer), argmax)
 
 
 def _row_times_transposed(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -402,8 +425,18 @@ def _im2col(h: torch.Tensor, layer: nn.Conv2d) -> tuple[torch.Tensor, list[int]]
 def _col2im(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch.Tensor:
     """The adjoint of :func:`_im2col`: sums the patch gradients back onto the input ``(B, C, H, W)``.
 
-    One strided in-place add per kernel offset (faster here than ``F.fold`` for small kernels).
+    On the CPU :func:`_col2im_indexed` (two kernels: the step of a small CNN is bound by the number
+    of kernels it launches), elsewhere :func:`_col2im_strided` (CUDA's ``index_add_`` adds with
+    atomics, in no fixed order). Both add the patches of every input position in the same order,
+    so they give the same numbers to the bit.
     """
+    if cols.device.type == "cpu":
+        return _col2im_indexed(cols, in_shape, layer)
+    return _col2im_strided(cols, in_shape, layer)
+
+
+def _col2im_strided(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch.Tensor:
+    """:func:`_col2im` by one strided in-place add per kernel offset."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = layer.kernel_size, layer.stride, layer.padding, layer.dilation
     batch, channels, height, width = in_shape
     padded_h, padded_w = height + 2 * ph, width + 2 * pw
@@ -416,6 +449,36 @@ def _col2im(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch
             grad.as_strided((batch, channels, out_h, out_w), (sb, sc, sh * sy, sw * sx),
                             i * dh * sy + j * dw * sx).add_(patches[:, :, i, j])
     return grad[:, :, ph : ph + height, pw : pw + width]
+
+
+def _col2im_indexed(cols: torch.Tensor, in_shape: torch.Size, layer: nn.Conv2d) -> torch.Tensor:
+    """:func:`_col2im` by one ``index_add_`` over a cached map from patch entries to input positions."""
+    (ph, pw) = layer.padding
+    batch, channels, height, width = in_shape
+    padded_h, padded_w = height + 2 * ph, width + 2 * pw
+    index = _col2im_index(channels, padded_h, padded_w, layer, cols.device)
+    grad = cols.new_zeros(batch, channels * padded_h * padded_w)
+    grad.index_add_(1, index, cols.reshape(batch, -1))
+    return grad.view(batch, channels, padded_h, padded_w)[:, :, ph : ph + height, pw : pw + width]
+
+
+_COL2IM_INDEX: dict[tuple, torch.Tensor] = {}
+
+
+def _col2im_index(channels: int, padded_h: int, padded_w: int, layer: nn.Conv2d, device) -> torch.Tensor:
+    """For every entry of the ``(C * kh * kw, L)`` patch matrix of :func:`_im2col`, the flat position
+    ``c * Hp * Wp + y * Wp + x`` of the padded input it was read from (cached per geometry)."""
+    key = (channels, padded_h, padded_w, layer.kernel_size, layer.stride, layer.dilation, str(device))
+    index = _COL2IM_INDEX.get(key)
+    if index is None:
+        (kh, kw), (sh, sw), (dh, dw) = layer.kernel_size, layer.stride, layer.dilation
+        out_h, out_w = _conv_output_size(padded_h, padded_w, layer)
+        c = torch.arange(channels).view(channels, 1, 1, 1, 1)
+        y = (torch.arange(kh) * dh).view(1, kh, 1, 1, 1) + (torch.arange(out_h) * sh).view(1, 1, 1, out_h, 1)
+        x = (torch.arange(kw) * dw).view(1, 1, kw, 1, 1) + (torch.arange(out_w) * sw).view(1, 1, 1, 1, out_w)
+        index = (c * padded_h * padded_w + y * padded_w + x).reshape(-1).to(device)
+        _COL2IM_INDEX[key] = index
+    return index
 
 
 def sequential_supported(module: nn.Module) -> bool:

@@ -198,6 +198,64 @@ class PreconditionerState(NamedTuple):
 
 
 @dataclass(frozen=True)
+class ElementwiseRule:
+    """The step ``theta += gamma P^{-1} s`` of a preconditioner whose ``P^{-1}`` acts entry by entry,
+    as an in-place rule on matching pieces of the parameters, the score and the state.
+
+    * ``tensors(state)``: the ``(C, d)`` state tensors the rule reads (and, when ``covers_update``,
+      writes), ``C`` = 1 (shared by the chains) or ``S``;
+    * ``apply_(theta_part, score_part, parts, gamma)``: the step on one piece, with ``parts`` the
+      matching pieces of ``tensors(state)`` (rows of length 1 broadcast over the chains);
+    * ``apply_outer_(theta_part, delta, h, parts, gamma)`` (optional): the same for a score piece
+      given as the outer products ``delta_b h_b^T`` of a linear layer, without forming them;
+    * ``covers_update``: ``True`` when ``apply_`` also folds the score into the state (EMA), so the
+      recursion does not call ``update`` after a step made by the rule.
+
+    Any piece of the vector gives the same numbers as the whole vector at once: the recursion may
+    cut the parameters by layer and by chains however suits the memory hierarchy.
+    """
+
+    tensors: Callable[[PreconditionerState], tuple[torch.Tensor, ...]]
+    apply_: Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], float], None]
+    apply_outer_: (Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor], float], None]
+                   | None) = None
+    covers_update: bool = False
+
+
+def _identity_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
+    theta.add_(score, alpha=gamma)
+
+
+def _identity_outer_step_(theta: torch.Tensor, delta: torch.Tensor, h: torch.Tensor, parts, gamma: float) -> None:
+    theta.addcmul_(delta.unsqueeze(-1), h.unsqueeze(-2), value=gamma)  # one pass, the outer product never formed
+
+
+def _scaled_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
+    theta.addcmul_(score, parts[0], value=gamma)
+
+
+IDENTITY_RULE = ElementwiseRule(tensors=lambda state: (), apply_=_identity_step_, apply_outer_=_identity_outer_step_)
+"""``P = I`` (``none``)."""
+
+STORED_INVERSE_RULE = ElementwiseRule(tensors=lambda state: (state.factor[0],), apply_=_scaled_step_)
+"""A stored diagonal ``P^{-1} = 1 / (F + lambda)`` (fixed and periodic ``diag``)."""
+
+
+def ema_diagonal_rule(beta: float, ridge: float) -> ElementwiseRule:
+    """EMA ``diag``: ``theta += gamma s / (I_k + lambda)``, then ``I_{k+1} = beta I_k + (1 - beta) s^2``.
+
+    The step uses the statistic before ``s_k`` is folded in, so ``P_k`` stays ``F_{k-1}``-measurable.
+    """
+
+    def apply_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
+        (stat,) = parts
+        theta.addcdiv_(score, stat + ridge, value=gamma)
+        stat.mul_(beta).addcmul_(score, score, value=1 - beta)
+
+    return ElementwiseRule(tensors=lambda state: (state.stat[0],), apply_=apply_, covers_update=True)
+
+
+@dataclass(frozen=True)
 class Preconditioner:
     """A preconditioner as pure functions, called by :func:`smp_core.recursion.run_smp`.
 
@@ -207,13 +265,12 @@ class Preconditioner:
       parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
     * ``solve(state, v, out=None) -> P^{-1} v`` for ``v`` ``(S, d)``; ``out``, an optional buffer
       that is not ``v``, may receive the result (the caller must use the returned tensor).
-    * ``inverse_diagonal(state) -> (C, d) | None`` (optional): when ``P^{-1}`` is a stored
-      diagonal (fixed and periodic ``diag``), its entries, and ``None`` for the identity (``none``),
-      so that the recursion can fuse the solve into the parameter update
-      (``theta += gamma * P^{-1} s`` in one pass over the ``(S, d)`` arrays).
-    * ``update_uses_score``: ``False`` when ``update`` ignores ``s_k`` (none, fixed, periodic); the
-      recursion may then pass ``None`` for it and never form the score array (see
-      :meth:`smp_core.models.SequentialChainModel.vjp_update_`).
+    * ``elementwise`` (optional): for the preconditioners whose ``P^{-1}`` acts entry by entry
+      (``none`` and every ``diag``), an :class:`ElementwiseRule` that performs the step (and, for
+      EMA, the update) on any piece of the parameter vector. The recursion then applies it layer by
+      layer and block of chains by block of chains while the score piece is still in cache, and
+      never forms the ``(S, d)`` score (see
+      :meth:`smp_core.models.SequentialChainModel.vjp_apply_`).
     """
 
     name: str
@@ -226,8 +283,7 @@ class Preconditioner:
     solve: Callable[..., torch.Tensor]
     needs_curvature: bool
     hyper: dict[str, Any] = field(default_factory=dict)
-    inverse_diagonal: Callable[[PreconditionerState], torch.Tensor | None] | None = None
-    update_uses_score: bool = True
+    elementwise: ElementwiseRule | None = None
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
@@ -302,11 +358,11 @@ def build_preconditioner(
             init=lambda theta0, curvature: PreconditionerState((), ()),
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: v,
-            needs_curvature=False, hyper={}, inverse_diagonal=lambda state: None, update_uses_score=False,
+            needs_curvature=False, hyper={}, elementwise=IDENTITY_RULE,
         )
 
     # fixed and periodic diag keep 1 / (F + ridge) as their factor
-    stored_diagonal = (lambda state: state.factor[0]) if structure == "diag" else None
+    stored_inverse = STORED_INVERSE_RULE if structure == "diag" else None
 
     if strategy == "fixed":
         def init(theta0, curvature):
@@ -317,7 +373,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper=hyper, inverse_diagonal=stored_diagonal, update_uses_score=False,
+            needs_curvature=True, hyper=hyper, elementwise=stored_inverse,
         )
 
     if strategy == "periodic":
@@ -334,8 +390,7 @@ def build_preconditioner(
         return Preconditioner(
             name, struct, strategy, ridge, init=init, update=update,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper={**hyper, "period": int(period)}, inverse_diagonal=stored_diagonal,
-            update_uses_score=False,
+            needs_curvature=True, hyper={**hyper, "period": int(period)}, elementwise=stored_inverse,
         )
 
     # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.
@@ -355,6 +410,7 @@ def build_preconditioner(
         name, struct, strategy, ridge, init=init, update=update,
         solve=lambda state, v, out=None: struct.solve(state.stat, ridge, v, out),
         needs_curvature=ema_init == "fisher", hyper={**hyper, "beta": beta, "ema_init": ema_init},
+        elementwise=ema_diagonal_rule(beta, ridge) if structure == "diag" else None,
     )
 
 

@@ -200,11 +200,13 @@ def advance_smp(
     # a user's chain model or preconditioner written without the optional out= still works
     vjp_out = {"out": score_buf} if _accepts_out(model.vjp) else {}
     solve_out = {"out": step_buf} if _accepts_out(precond.solve) else {}
-    # a diagonal (or identity) P^{-1} is folded into the update; when the preconditioner's update
-    # does not read the score either, a model with vjp_update_ never forms the (S, d) score
-    inverse_diagonal = getattr(precond, "inverse_diagonal", None)
-    fused_vjp = (getattr(model, "vjp_update_", None)
-                 if inverse_diagonal is not None and not getattr(precond, "update_uses_score", True) else None)
+    # an element-wise P^{-1} (none, every diag) is applied by its rule in one pass with the update; a
+    # model with vjp_apply_ then never forms the (S, d) score, and an EMA rule folds the score into
+    # the statistic on the way (so update() is not called after such a step)
+    rule = getattr(precond, "elementwise", None)
+    fused_vjp = getattr(model, "vjp_apply_", None) if rule is not None else None
+    # without the fused model path the EMA rule is not used: the plain path below keeps its update
+    plain_rule = rule if rule is not None and not rule.covers_update else None
     while k < until:
         k_end = min(until, k + check_every)
         draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
@@ -214,16 +216,13 @@ def advance_smp(
             out, ctx = model.forward(theta, x_train.index_select(0, row))
             residual = likelihood.residual(out, likelihood.sample(out, gen))
             if fused_vjp is not None and not any_frozen:
-                fused_vjp(ctx, residual, theta, gamma, inverse_diagonal(state.precond))
-                score = None
-            elif inverse_diagonal is not None and not any_frozen:
-                # a stored diagonal P^{-1} (or none): solve and update in one pass instead of two
+                fused_vjp(ctx, residual, theta, rule, rule.tensors(state.precond), gamma)
+                score, updated = None, rule.covers_update
+            elif plain_rule is not None and not any_frozen:
+                # solve and update in one pass instead of two
                 score = model.vjp(ctx, residual, **vjp_out)
-                scale = inverse_diagonal(state.precond)
-                if scale is None:
-                    theta.add_(score, alpha=gamma)
-                else:
-                    theta.addcmul_(score, scale, value=gamma)
+                plain_rule.apply_(theta, score, plain_rule.tensors(state.precond), gamma)
+                updated = False
             else:
                 score = model.vjp(ctx, residual, **vjp_out)
                 step = precond.solve(state.precond, score, **solve_out)
@@ -232,7 +231,9 @@ def advance_smp(
                     if step is not score:
                         step.masked_fill_(~alive, 0.0)
                 theta.add_(step, alpha=gamma)
-            state.precond = precond.update(state.precond, k, theta, score, curvature)
+                updated = False
+            if not updated:
+                state.precond = precond.update(state.precond, k, theta, score, curvature)
             if trace_every and k % trace_every == 0:
                 state.trace.append(theta.detach().cpu().clone())
                 state.trace_steps.append(k)

@@ -144,3 +144,24 @@ def test_chain_model_errors():
         as_chain_model(lenet5())
     with pytest.raises(TypeError, match="torch.nn.Module"):
         as_chain_model("not a module")
+
+
+@pytest.mark.parametrize(
+    "layer, in_shape",
+    [
+        (nn.Conv2d(6, 16, 5), (4, 6, 12, 12)),  # LeNet-5's second convolution
+        (nn.Conv2d(2, 3, (3, 2), padding=(2, 1), dilation=2, stride=(2, 1)), (3, 2, 10, 9)),
+        (nn.Conv2d(1, 2, 3, stride=3), (2, 1, 7, 8)),  # stride larger than needed: rows left out
+    ],
+)
+def test_col2im_paths_agree_to_the_bit_and_are_the_adjoint_of_im2col(layer, in_shape, generator):
+    from smp_core.models import _col2im_indexed, _col2im_strided, _im2col
+
+    h = torch.randn(in_shape, generator=generator)
+    cols, _ = _im2col(h, layer)
+    upstream = torch.randn(cols.shape, generator=generator)
+    indexed = _col2im_indexed(upstream, torch.Size(in_shape), layer)
+    strided = _col2im_strided(upstream, torch.Size(in_shape), layer)
+    assert torch.equal(indexed, strided)
+    # adjoint: <im2col(h), u> = <h, col2im(u)>
+    assert torch.allclose((cols * upstream).sum(), (h * indexed).sum(), rtol=1e-5)

@@ -132,3 +132,44 @@ def test_names_and_errors():
         Structure("block", DIM, (slice(0, 3), slice(4, 7)))
     with pytest.raises(ValueError, match="needs a Fisher"):
         build_preconditioner("diag", "fixed", dim=DIM).init(torch.zeros(1, DIM), None)
+
+
+@pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
+def test_elementwise_rule_on_pieces_equals_solve_then_update(name, generator):
+    # the rule applied to pieces of the vector (by parameter blocks and by chains, as the fused
+    # model path cuts it) must give the step and the next state of solve() then update()
+    chains = 4
+    precond = preconditioner_from_name(name, dim=DIM, ridge=RIDGE, beta=0.9, period=3)
+    theta0 = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+
+    def curvature(theta):
+        return Structure("diag", DIM).outer_sum(_vectors(generator, theta.shape[0]))
+
+    state = precond.init(theta0, curvature if precond.needs_curvature else None)
+    if name != "none":  # chains with different statistics: per-chain pieces must line up
+        state = type(state)(tuple(t.expand(chains, DIM).clone() + torch.rand(chains, DIM, generator=generator,
+                                                                               dtype=torch.float64)
+                                  for t in state.stat),
+                            tuple(t.expand(chains, DIM).clone() for t in state.factor))
+    score = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+    gamma = 0.3
+    expected_theta = theta0 + gamma * precond.solve(state, score)
+    expected_state = precond.update(type(state)(tuple(t.clone() for t in state.stat), state.factor), 1,
+                                    expected_theta, score, curvature)
+
+    rule = precond.elementwise
+    assert rule is not None
+    theta = theta0.clone()
+    tensors = rule.tensors(state)
+    for cols in (slice(0, 2), slice(2, 7)):
+        for rows in (slice(0, 1), slice(1, 4)):
+            rule.apply_(theta[rows, cols], score[rows, cols], [t[rows, cols] for t in tensors], gamma)
+    assert torch.allclose(theta, expected_theta, rtol=1e-12, atol=1e-12)
+    if rule.covers_update:  # EMA: the statistic was updated in place
+        assert torch.allclose(state.stat[0], expected_state.stat[0], rtol=1e-12, atol=1e-12)
+
+
+def test_only_elementwise_preconditioners_have_a_rule():
+    for structure, strategy in VARIANTS:
+        precond = build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS)
+        assert (precond.elementwise is not None) == (structure in ("none", "diag"))

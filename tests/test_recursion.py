@@ -155,8 +155,8 @@ def test_fused_diagonal_update_equals_solve_then_add(name):
     x = torch.rand(50, 2) * 2 - 1
     kw = dict(dim=20, ridge=1e-2, period=7)
     fused = preconditioner_from_name(name, **kw)
-    assert fused.inverse_diagonal is not None
-    plain = dataclasses.replace(fused, inverse_diagonal=None)
+    assert fused.elementwise is not None
+    plain = dataclasses.replace(fused, elementwise=None)
     run = dict(tau=0.3, n_steps=40, n_chains=12, seed=5, check_every=10, progress=False)
     a = run_smp(net, "bernoulli", x, preconditioner=fused, **run)
     b = run_smp(net, "bernoulli", x, preconditioner=plain, **run)
@@ -164,10 +164,11 @@ def test_fused_diagonal_update_equals_solve_then_add(name):
     assert torch.allclose(a.theta, b.theta, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag"])
+@pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
 def test_fused_score_and_update_equal_the_plain_recursion(name):
     # for a SequentialChainModel the recursion never forms the score for these preconditioners
-    # (vjp_update_); hiding that method gives the plain path, which must agree up to rounding
+    # (vjp_apply_; for ema-diag the statistic is updated on the way); hiding that method gives the
+    # plain path (score, solve, add, update), which must agree up to rounding
     from smp_core.models import SequentialChainModel
 
     class WithoutFusedUpdate:
