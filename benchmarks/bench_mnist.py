@@ -18,7 +18,6 @@ example) and one example at a time for all chains (the path used for large model
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
@@ -28,6 +27,7 @@ import smp_core.fisher as fisher_module
 from smp_core import as_chain_model, lenet5, run_smp
 from smp_core.likelihoods import Categorical
 from smp_core.mnist import mnist_tensors
+from smp_core.results import cpu_model
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
 
@@ -112,7 +112,7 @@ def main():
     data, _ = mnist_tensors("data", seed=0, subset=(48 * (args.map_batches + 20), 600, 0))
     (x, y), (xv, yv) = data["train"], data["val"]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
-    print(f"torch {torch.__version__}, {args.threads} CPU threads, {platform.machine()}, GPU: {gpu}, "
+    print(f"torch {torch.__version__}, {args.threads} CPU threads, {cpu_model()}, GPU: {gpu}, "
           f"{time.strftime('%Y-%m-%d')}\n")
     print("| device | MAP epoch (s, 54,000 images) |")
     print("|---|---|")

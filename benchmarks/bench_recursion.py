@@ -18,12 +18,13 @@ product of its fully connected layers.
 from __future__ import annotations
 
 import argparse
-import platform
+import os
 import time
 
 import torch
 
 from smp_core import lenet5, run_smp, toy_mlp
+from smp_core.results import cpu_model
 from smp_core.toy import make_toy_data
 
 # The paper's step-size scales (Section 3.2.3) and the targets of issue 2 (seconds, this 2-core CPU).
@@ -152,7 +153,6 @@ def _allocator_probe(n_chains, n_steps):
 
 def bench_allocator(n_chains, n_steps, threads, runs=3):
     """The LeNet step with glibc's default allocator thresholds and with smp_core.memory's, in fresh processes."""
-    import os
     import subprocess
     import sys
 
@@ -203,7 +203,7 @@ def main():
     if args.allocator_probe:
         _allocator_probe(args.lenet_chains, args.lenet_steps)
         return
-    print(f"torch {torch.__version__}, {args.threads} threads, {platform.processor() or platform.machine()}, "
+    print(f"torch {torch.__version__}, {args.threads} threads, {cpu_model()} ({os.cpu_count()} cores), "
           f"{time.strftime('%Y-%m-%d')}\n")
     print(f"Toy recursion: S = {args.chains}, K = {args.steps} (paper: 6 Julia threads)\n")
     print("| variant | tau | seconds | target (s) | paper (s) | diverged |")

@@ -42,8 +42,19 @@ def git_revision() -> str:
         return "unknown"
 
 
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo`` on Linux), so that timings name their machine."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def environment() -> dict[str, Any]:
-    """Package versions, Python, platform, device and thread count."""
+    """Package versions, Python, platform, device, processor and thread count."""
     versions = {}
     for name in PACKAGES:
         try:
@@ -53,7 +64,7 @@ def environment() -> dict[str, Any]:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or "cpu")
     return {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
             "device": device, "cuda": torch.cuda.is_available(), "torch_threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count()}
+            "cpu_model": cpu_model(), "cpu_count": os.cpu_count()}
 
 
 def write_manifest(path: Path, config: dict[str, Any], seeds: dict[str, Any], wall_time: float,

@@ -31,4 +31,5 @@ def test_manifest_records_config_seeds_and_versions(tmp_path):
     assert manifest["config"] == {"n": 3} and manifest["seeds"] == {"smp": 7}
     assert manifest["wall_time_s"] == 1.23 and manifest["study"] == "x"
     assert manifest["environment"]["packages"]["torch"]
+    assert manifest["environment"]["cpu_model"]
     assert "git" in manifest
