@@ -292,6 +292,10 @@ class SequentialChainModel(_ModuleChainModel):
         array written and read back: the step of a large model on a CPU is bound by memory traffic,
         not by arithmetic. ``ctx`` must come from :meth:`forward` at this ``theta`` and is used up.
         """
+        if rule.covers_update and any(t.shape[0] != theta.shape[0] for t in tensors):
+            # one shared row would receive the update of every chain in turn
+            raise ValueError(f"a rule that updates its state needs one state row per chain ({theta.shape[0]}), got "
+                             f"rows {[t.shape[0] for t in tensors]}")
         params = self.layout.split(theta)
         parts = [self.layout.split(t) for t in tensors]
 

@@ -209,7 +209,9 @@ class ElementwiseRule:
     * ``apply_outer_(theta_part, delta, h, parts, gamma)`` (optional): the same for a score piece
       given as the outer products ``delta_b h_b^T`` of a linear layer, without forming them;
     * ``covers_update``: ``True`` when ``apply_`` also folds the score into the state (EMA), so the
-      recursion does not call ``update`` after a step made by the rule.
+      recursion does not call ``update`` after a step made by the rule. Such a rule needs one state
+      row per chain (``C = S``). When it is ``False``, ``update`` must not read the score: after a
+      step by the rule the recursion passes ``None`` for it (the score was never formed).
 
     Any piece of the vector gives the same numbers as the whole vector at once: the recursion may
     cut the parameters by layer and by chains however suits the memory hierarchy.

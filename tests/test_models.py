@@ -152,6 +152,9 @@ def test_chain_model_errors():
         (nn.Conv2d(6, 16, 5), (4, 6, 12, 12)),  # LeNet-5's second convolution
         (nn.Conv2d(2, 3, (3, 2), padding=(2, 1), dilation=2, stride=(2, 1)), (3, 2, 10, 9)),
         (nn.Conv2d(1, 2, 3, stride=3), (2, 1, 7, 8)),  # stride larger than needed: rows left out
+        # the same channels and input size as the row above, other stride and dilation: another index map
+        (nn.Conv2d(1, 2, 3, stride=2, dilation=2), (2, 1, 7, 8)),
+        (nn.Conv2d(1, 2, 3, padding=1), (2, 1, 5, 6)),  # padded to 7 x 8, like the rows above
     ],
 )
 def test_col2im_paths_agree_to_the_bit_and_are_the_adjoint_of_im2col(layer, in_shape, generator):

@@ -164,12 +164,16 @@ def test_fused_diagonal_update_equals_solve_then_add(name):
     assert torch.allclose(a.theta, b.theta, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1 << 18, 7])  # 7 elements: the outer products one chain at a time
 @pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
-def test_fused_score_and_update_equal_the_plain_recursion(name):
+def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypatch):
     # for a SequentialChainModel the recursion never forms the score for these preconditioners
     # (vjp_apply_; for ema-diag the statistic is updated on the way); hiding that method gives the
     # plain path (score, solve, add, update), which must agree up to rounding
+    import smp_core.models as models
     from smp_core.models import SequentialChainModel
+
+    monkeypatch.setattr(models, "_OUTER_CHUNK_ELEMENTS", chunk)
 
     class WithoutFusedUpdate:
         def __init__(self, inner):
@@ -238,6 +242,35 @@ def test_checkpoint_resumes_and_extends_a_run(tmp_path):
         run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **{**kw, "tau": 0.2})
     with pytest.raises(ValueError, match="beyond n_steps"):
         run_smp(net, "bernoulli", x, n_steps=10, checkpoint=path, **kw)
+
+
+def test_checkpoint_resumes_a_fused_ema_run(tmp_path):
+    # ema-diag on a hand-batched CNN updates its statistic in place inside the backward pass: a run
+    # saved half-way and resumed must equal the uninterrupted run to the bit
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
+    x, y = torch.rand(30, 1, 6, 6), torch.randint(0, 3, (30,))
+    kw = dict(preconditioner="ema-diag", tau=0.05, n_chains=6, seed=4, check_every=10, input_shape=(1, 6, 6),
+              fisher="empirical", fisher_data=(x, y), progress=False)
+    full = run_smp(net, "categorical", x, n_steps=60, **kw)
+    path = tmp_path / "ema.pt"
+    run_smp(net, "categorical", x, n_steps=30, checkpoint=path, checkpoint_every=10, **kw)
+    resumed = run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw)
+    assert full.n_diverged == 0
+    assert torch.equal(full.theta, resumed.theta)
+    assert not torch.equal(full.theta[0], full.theta[1])
+
+
+def test_a_rule_that_updates_a_shared_state_is_refused():
+    from smp_core.preconditioners import ema_diagonal_rule
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+    model = as_chain_model(net, (1, 6, 6))
+    theta = model.layout.flatten(net).expand(4, -1).clone()
+    out, ctx = model.forward(theta, torch.rand(4, 1, 6, 6))
+    with pytest.raises(ValueError, match="one state row per chain"):
+        model.vjp_apply_(ctx, torch.randn(4, 3), theta, ema_diagonal_rule(0.9, 1e-4),
+                         (torch.ones(1, model.layout.dim),), 0.1)
 
 
 def test_residual_variance_ratio():
