@@ -11,8 +11,9 @@ two ``run_smp`` calls of different lengths (so the Fisher set-up cancels; each t
 three runs), divided by the extra steps. The paper-scale SMP-none time (S = 100, K = 10^6, 10^8
 score evaluations) is that step time times 10^6: a projection, labelled as such, not a measured
 run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
-chain (``--fisher-examples`` validation images), by the two paths of ``smp_core.fisher``: virtual rows (theta copied per
-example) and one example at a time for all chains (the path used for large models).
+chain (``--fisher-examples`` validation images) by the three paths of ``smp_core.fisher``: virtual
+rows (theta copied per example), one example at a time for all chains, and by layers (per chain,
+one batched forward and backward pass of the module; the path ``estimate_fisher`` takes for it).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import smp_core.fisher as fisher_module
 from smp_core import as_chain_model, lenet5, run_smp
 from smp_core.likelihoods import Categorical
 from smp_core.mnist import mnist_tensors
+from smp_core.preconditioners import Structure
 from smp_core.results import cpu_model
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
@@ -75,25 +77,41 @@ def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps):
     return (long - short) / n_steps
 
 
+def _virtual_rows(model, lik, theta, x, y):
+    """estimate_fisher with the threshold for one example at a time set to 0: it then pairs chains and examples."""
+    default = fisher_module._MIN_VIRTUAL_BATCH
+    try:
+        fisher_module._MIN_VIRTUAL_BATCH = 0
+        return fisher_module.estimate_fisher(model, lik, theta, x, y, kind="empirical", structure="diag")
+    finally:
+        fisher_module._MIN_VIRTUAL_BATCH = default
+
+
 def bench_fisher(xv, yv, device, n_chains, n_examples):
-    """Seconds for the per-chain diagonal empirical Fisher over ``n_examples``, by each path."""
+    """Seconds for the per-chain diagonal empirical Fisher over ``n_examples``, by each path of smp_core.fisher."""
     torch.manual_seed(0)
     net = lenet5().to(device)
     model = as_chain_model(net, (1, 28, 28))
     theta = model.layout.flatten(net) + 0.01 * torch.randn(n_chains, model.layout.dim, device=device)
     x, y = xv[:n_examples].to(device), yv[:n_examples].to(device)
+    lik, diag = Categorical(), Structure("diag", model.layout.dim)
+    fisher_module.diagonal_empirical_fisher_by_layers(model, lik, theta[:1], x[:8], y[:8])  # warm-up
+    paths = {
+        # every chain paired with every example of a batch, one backward pass (theta copied per example)
+        "virtual rows": lambda: _virtual_rows(model, lik, theta, x, y),
+        # one example at a time for all chains (the general path for large models)
+        "one example at a time": lambda: fisher_module._fisher_example_by_example(model, lik, theta, x, y,
+                                                                                  "empirical", diag),
+        # per chain, all examples in one forward and backward pass of the module (the default here)
+        "by layers": lambda: fisher_module.diagonal_empirical_fisher_by_layers(model, lik, theta, x, y),
+    }
     rows = []
-    default = fisher_module._MIN_VIRTUAL_BATCH
-    try:
-        for name, threshold in (("virtual rows", 0), ("one example at a time", default)):
-            fisher_module._MIN_VIRTUAL_BATCH = threshold
-            _sync(device)
-            started = time.perf_counter()
-            fisher_module.estimate_fisher(model, Categorical(), theta, x, y, kind="empirical", structure="diag")
-            _sync(device)
-            rows.append((name, time.perf_counter() - started))
-    finally:
-        fisher_module._MIN_VIRTUAL_BATCH = default
+    for name, run in paths.items():
+        _sync(device)
+        started = time.perf_counter()
+        run()
+        _sync(device)
+        rows.append((name, time.perf_counter() - started))
     return rows
 
 

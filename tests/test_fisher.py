@@ -101,6 +101,8 @@ def test_example_by_example_path_equals_virtual_rows(structure, kind, generator,
     calls = []
     monkeypatch.setattr(fisher_module, "_fisher_example_by_example",
                         lambda *a: calls.append(1) or example_by_example(*a))
+    # the empirical diagonal would take the by-layers path (tested on its own below): this test is for the others
+    monkeypatch.setattr(fisher_module, "diagonal_empirical_fisher_by_layers", lambda *a, **k: None)
     batched = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure)
     assert not calls  # 40 examples x 4 chains fit in one virtual batch
     one_by_one = estimate_fisher(model, Categorical(), thetas, x, y, kind=kind, structure=structure, max_rows=8)
@@ -109,3 +111,76 @@ def test_example_by_example_path_equals_virtual_rows(structure, kind, generator,
     for a, b in zip(batched, one_by_one, strict=True):
         assert a.shape[0] == 4
         assert torch.allclose(a, b, atol=1e-12)
+
+
+class _Twice(nn.Module):
+    """One Linear layer used twice per input (shared weights): the by-layers path must decline."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+def _cnn(in_place):
+    return nn.Sequential(nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(inplace=in_place),
+                         nn.Conv2d(3, 2, (3, 2), dilation=(1, 2), bias=False), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(2 * 2 * 2, 4))
+
+
+@pytest.mark.parametrize(
+    "module, shape, lik",
+    [
+        (_cnn(False), (2, 8, 8), Categorical()),
+        (_cnn(True), (2, 8, 8), Categorical()),  # in-place ReLU after a recorded layer output
+        (toy_mlp().double(), (2,), Bernoulli()),
+        (nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 3, bias=False)), (3,), Categorical()),
+    ],
+)
+@pytest.mark.parametrize("chains", [1, 3])
+def test_diagonal_empirical_fisher_by_layers_equals_the_per_example_gradients(module, shape, lik, chains, generator):
+    from smp_core.fisher import diagonal_empirical_fisher_by_layers
+
+    dtype = next(module.parameters()).dtype
+    model = as_chain_model(module, shape)
+    theta = model.layout.flatten(module) + 0.3 * torch.randn(chains, model.layout.dim, generator=generator,
+                                                             dtype=dtype)
+    n = 13
+    x = torch.randn(n, *shape, generator=generator, dtype=dtype)
+    y = torch.randint(0, 2, (n,), generator=generator)
+    # the reference: every per-example score by autograd, squared and averaged
+    expected = torch.zeros(chains, model.layout.dim, dtype=dtype)
+    for c in range(chains):
+        for i in range(n):
+            t = theta[c].clone().requires_grad_(True)
+            out = functional_call(module, model.layout.unflatten(t), (x[i : i + 1],)).reshape(1, -1)
+            (grad,) = torch.autograd.grad(lik.log_prob(out, y[i : i + 1]).sum(), t)
+            expected[c] += grad * grad / n
+    (diag,) = diagonal_empirical_fisher_by_layers(model, lik, theta, x, y, batch_size=5)  # batches of 5, 5, 3
+    assert torch.allclose(diag, expected, rtol=1e-5, atol=1e-9)
+    assert (diag > 0).sum() > model.layout.dim // 2  # not trivially zero
+    # estimate_fisher takes this path for one chain and for large models; every path agrees
+    (general,) = fisher_module.estimate_fisher(model, lik, theta, x, y, kind="empirical", structure="diag")
+    assert torch.allclose(general, expected, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "module, shape",
+    [
+        (_Twice(), (3,)),  # a layer that runs twice
+        (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), (3,)),  # a parameter outside the layers
+        (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 2)), (2, 4, 4)),  # grouped conv
+        (nn.Sequential(nn.Linear(3, 2)), (4, 3)),  # a linear layer on 2-D inputs per example
+    ],
+)
+def test_diagonal_empirical_fisher_by_layers_declines_what_it_cannot_do(module, shape, generator):
+    from smp_core.fisher import diagonal_empirical_fisher_by_layers
+
+    model = as_chain_model(module, shape)
+    theta = model.layout.flatten(module).unsqueeze(0)
+    x = torch.randn(6, *shape, generator=generator)
+    y = torch.randint(0, 2, (6,), generator=generator)
+    assert diagonal_empirical_fisher_by_layers(model, Categorical(), theta, x, y) is None
