@@ -95,21 +95,25 @@ def bench_fisher(xv, yv, device, n_chains, n_examples):
     theta = model.layout.flatten(net) + 0.01 * torch.randn(n_chains, model.layout.dim, device=device)
     x, y = xv[:n_examples].to(device), yv[:n_examples].to(device)
     lik, diag = Categorical(), Structure("diag", model.layout.dim)
-    fisher_module.diagonal_empirical_fisher_by_layers(model, lik, theta[:1], x[:8], y[:8])  # warm-up
     paths = {
-        # every chain paired with every example of a batch, one backward pass (theta copied per example)
-        "virtual rows": lambda: _virtual_rows(model, lik, theta, x, y),
+        # every chain paired with every example of a batch, one backward pass (theta copied per example);
+        # with one chain estimate_fisher takes the by-layers path instead, so this row needs several
+        "virtual rows": lambda t, xs, ys: _virtual_rows(model, lik, t, xs, ys),
         # one example at a time for all chains (the general path for large models)
-        "one example at a time": lambda: fisher_module._fisher_example_by_example(model, lik, theta, x, y,
-                                                                                  "empirical", diag),
-        # per chain, all examples in one forward and backward pass of the module (the default here)
-        "by layers": lambda: fisher_module.diagonal_empirical_fisher_by_layers(model, lik, theta, x, y),
+        "one example at a time": lambda t, xs, ys: fisher_module._fisher_example_by_example(
+            model, lik, t, xs, ys, "empirical", diag),
+        # per chain, all examples in one forward and backward pass of the module (what estimate_fisher
+        # takes for LeNet-5 from about 45 chains up, and for one chain)
+        "by layers": lambda t, xs, ys: fisher_module.diagonal_empirical_fisher_by_layers(model, lik, t, xs, ys),
     }
+    if n_chains < 2:
+        del paths["virtual rows"]
     rows = []
     for name, run in paths.items():
+        run(theta[:2], x[:4], y[:4])  # warm-up
         _sync(device)
         started = time.perf_counter()
-        run()
+        run(theta, x, y)
         _sync(device)
         rows.append((name, time.perf_counter() - started))
     return rows

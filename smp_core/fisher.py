@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .models import ChainModel, _im2col
+from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col
 from .preconditioners import Stat, Structure
 
 
@@ -121,7 +121,7 @@ def estimate_fisher(
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
     example_by_example = n_chains > 1 and batch < min(n, _MIN_VIRTUAL_BATCH)
     if kind == "empirical" and structure.name == "diag" and y is not None and (example_by_example or n_chains == 1):
-        stat = diagonal_empirical_fisher_by_layers(model, likelihood, theta, x, y)
+        stat = diagonal_empirical_fisher_by_layers(model, likelihood, theta, x, y, max_elements=max_elements)
         if stat is not None:
             return stat
     if example_by_example:
@@ -141,11 +141,21 @@ def estimate_fisher(
 
 def _layers_covering(model: ChainModel) -> list[tuple[nn.Module, str | None, str | None]] | None:
     """``(layer, weight name, bias name)`` for every ``Linear`` / ``Conv2d`` of the module, when these
-    layers own every parameter of the layout exactly once; ``None`` otherwise."""
+    layers own every parameter of the layout exactly once; ``None`` otherwise.
+
+    Only the networks that :mod:`smp_core.models` batches by hand qualify (an ``nn.Sequential`` of
+    exactly ``Linear`` / ``Conv2d`` layers and per-example parameter-free layers): their forward pass is
+    known, so no weight enters the output outside its layer's call, the rows of every layer are the
+    examples, and no layer mixes examples (a user's ``forward`` could do any of these).
+    """
+    if not isinstance(model, SequentialChainModel | MLPChainModel):
+        return None
     names = set(model.layout.names)
     layers, covered = [], []
     for prefix, layer in model.module.named_modules():
         if isinstance(layer, nn.Linear | nn.Conv2d):
+            if type(layer) not in (nn.Linear, nn.Conv2d):
+                return None  # a subclass may change forward
             if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"
                                                  or isinstance(layer.padding, str)):
                 return None
@@ -160,8 +170,30 @@ def _layers_covering(model: ChainModel) -> list[tuple[nn.Module, str | None, str
     return layers
 
 
+def _elements_per_example(model: ChainModel, layers, theta_row: torch.Tensor, x1: torch.Tensor) -> int:
+    """Numbers held per example by the convolutions' patches and per-example weight gradients (one
+    forward pass of one example to learn the layers' input sizes)."""
+    sizes: dict[nn.Module, torch.Size] = {}
+    hooks = [layer.register_forward_hook(lambda m, i, o: sizes.__setitem__(m, i[0].shape)) for layer, _, _ in layers]
+    try:
+        with torch.no_grad():
+            functional_call(model.module, model.layout.unflatten(theta_row.detach()), (x1,))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = 1
+    for layer, _, _ in layers:
+        if isinstance(layer, nn.Conv2d) and layer in sizes:
+            _, channels, height, width = sizes[layer]
+            (kh, kw), (ph, pw) = layer.kernel_size, layer.padding
+            out_h, out_w = _conv_output_size(height + 2 * ph, width + 2 * pw, layer)
+            total += channels * kh * kw * (out_h * out_w + layer.out_channels)
+    return total
+
+
 def diagonal_empirical_fisher_by_layers(
     model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512,
+    max_elements: int = 2**26,
 ) -> Stat | None:
     """``diag((1/n) sum_i s_i s_i^T)`` with ``s_i = grad log f_theta(y_i | x_i)``, for every row of ``theta``.
 
@@ -174,16 +206,18 @@ def diagonal_empirical_fisher_by_layers(
     squares of its per-example weight gradients ``delta_i cols_i^T`` (``cols``: the patches of its
     input) and of ``delta_i`` summed over positions.
 
-    Returns ``None`` (the caller then uses the general path) when the module has other parameters, a
-    layer runs more than once per forward pass (shared weights) or a linear layer sees inputs with
-    more than one dimension per example.
+    Returns ``None`` (the caller then uses the general path) unless the model is one that
+    :mod:`smp_core.models` batches by hand (see :func:`_layers_covering`) with floating-point inputs.
+    ``batch_size`` examples go through at a time, fewer when a convolution's patches and per-example
+    weight gradients for that many would exceed ``max_elements`` numbers.
     """
     layers = _layers_covering(model)
-    if layers is None:
+    if layers is None or not x.is_floating_point():
         return None
     theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
     index = {name: i for i, name in enumerate(model.layout.names)}
     n = x.shape[0]
+    batch_size = max(1, min(batch_size, max_elements // _elements_per_example(model, layers, theta[0], x[:1])))
     totals = [theta.new_zeros(theta.shape[0], e.size) for e in model.layout.entries]
     for chain, row in enumerate(theta):
         params = model.layout.unflatten(row.detach())
@@ -213,6 +247,8 @@ def diagonal_empirical_fisher_by_layers(
                 if delta is None:
                     continue  # the layer does not reach the output: zero gradient
                 h = record[layer][0][0]
+                if h.shape[0] != xb.shape[0]:
+                    return None  # the rows of this layer are not the examples
                 if isinstance(layer, nn.Linear):
                     if h.ndim != 2:
                         return None

@@ -486,17 +486,21 @@ def _col2im_index(channels: int, padded_h: int, padded_w: int, layer: nn.Conv2d,
 
 
 def sequential_supported(module: nn.Module) -> bool:
-    """Whether :class:`SequentialChainModel` can batch this module."""
+    """Whether :class:`SequentialChainModel` can batch this module.
+
+    Layers with parameters must be exactly ``nn.Linear`` or ``nn.Conv2d``: a subclass may change
+    ``forward``, which the hand-derived passes would silently ignore.
+    """
     if not isinstance(module, nn.Sequential) or len(module) == 0:
         return False
     for layer in module:
-        if isinstance(layer, nn.Linear):
+        if type(layer) is nn.Linear:
             continue
-        if isinstance(layer, nn.Conv2d):
+        if type(layer) is nn.Conv2d:
             if layer.groups != 1 or layer.padding_mode != "zeros" or isinstance(layer.padding, str):
                 return False
             continue
-        if isinstance(layer, nn.Flatten):
+        if type(layer) is nn.Flatten:
             if layer.start_dim != 1 or layer.end_dim != -1:
                 return False
             continue
@@ -571,13 +575,13 @@ def _activation_derivative(layer: nn.Module, pre: torch.Tensor, post: torch.Tens
 
 
 def mlp_supported(module: nn.Module) -> bool:
-    """Whether :class:`MLPChainModel` applies: Linear layers with biases and simple activations."""
+    """Whether :class:`MLPChainModel` applies: exactly ``nn.Linear`` layers with biases and simple activations."""
     if not isinstance(module, nn.Sequential) or len(module) == 0:
         return False
-    if not isinstance(module[0], nn.Linear):
+    if type(module[0]) is not nn.Linear:
         return False
     for layer in module:
-        if isinstance(layer, nn.Linear):
+        if type(layer) is nn.Linear:
             if layer.bias is None:
                 return False
         elif not _hand_activation(layer):

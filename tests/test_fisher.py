@@ -6,7 +6,7 @@ from torch.func import functional_call, jacrev
 import smp_core.fisher as fisher_module
 from smp_core.fisher import _fisher_example_by_example as example_by_example
 from smp_core.fisher import estimate_fisher
-from smp_core.likelihoods import Bernoulli, Categorical
+from smp_core.likelihoods import Bernoulli, Categorical, Gaussian
 from smp_core.models import as_chain_model, toy_mlp
 from smp_core.preconditioners import Structure
 
@@ -113,6 +113,22 @@ def test_example_by_example_path_equals_virtual_rows(structure, kind, generator,
         assert torch.allclose(a, b, atol=1e-12)
 
 
+class _TiedDecoder(nn.Module):
+    """An encoder whose weight is used again, transposed, outside the layer (weight tying)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return nn.functional.linear(torch.tanh(self.enc(x)), self.enc.weight.t())
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return nn.functional.linear(x, 2 * self.weight, self.bias)
+
+
 class _Twice(nn.Module):
     """One Linear layer used twice per input (shared weights): the by-layers path must decline."""
 
@@ -138,6 +154,8 @@ def _cnn(in_place):
         (_cnn(True), (2, 8, 8), Categorical()),  # in-place ReLU after a recorded layer output
         (toy_mlp().double(), (2,), Bernoulli()),
         (nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 3, bias=False)), (3,), Categorical()),
+        (_cnn(False).double(), (2, 8, 8), Categorical()),
+        (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), (3,), Gaussian(0.7)),  # 2 outputs
     ],
 )
 @pytest.mark.parametrize("chains", [1, 3])
@@ -151,6 +169,8 @@ def test_diagonal_empirical_fisher_by_layers_equals_the_per_example_gradients(mo
     n = 13
     x = torch.randn(n, *shape, generator=generator, dtype=dtype)
     y = torch.randint(0, 2, (n,), generator=generator)
+    if isinstance(lik, Gaussian):
+        y = torch.randn(n, 2, generator=generator, dtype=dtype)
     # the reference: every per-example score by autograd, squared and averaged
     expected = torch.zeros(chains, model.layout.dim, dtype=dtype)
     for c in range(chains):
@@ -162,9 +182,32 @@ def test_diagonal_empirical_fisher_by_layers_equals_the_per_example_gradients(mo
     (diag,) = diagonal_empirical_fisher_by_layers(model, lik, theta, x, y, batch_size=5)  # batches of 5, 5, 3
     assert torch.allclose(diag, expected, rtol=1e-5, atol=1e-9)
     assert (diag > 0).sum() > model.layout.dim // 2  # not trivially zero
-    # estimate_fisher takes this path for one chain and for large models; every path agrees
+    # so few numbers allowed per pass that the examples go one at a time: the same result
+    (small,) = diagonal_empirical_fisher_by_layers(model, lik, theta, x, y, max_elements=1)
+    assert torch.allclose(small, expected, rtol=1e-5, atol=1e-9)
+    if chains > 1 and isinstance(lik, Gaussian):
+        return  # the virtual-rows path takes one label per example (a different matter)
     (general,) = fisher_module.estimate_fisher(model, lik, theta, x, y, kind="empirical", structure="diag")
     assert torch.allclose(general, expected, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("chains, max_rows, path", [(1, 2**16, "by layers"), (4, 8, "by layers"), (4, 2**16, "other")])
+def test_estimate_fisher_takes_the_by_layers_path_for_one_chain_or_instead_of_one_example_at_a_time(
+        chains, max_rows, path, generator, monkeypatch):
+    module = _cnn(False)
+    model = as_chain_model(module, (2, 8, 8))
+    theta = model.layout.flatten(module).expand(chains, -1)
+    x, y = torch.randn(40, 2, 8, 8, generator=generator), torch.randint(0, 4, (40,), generator=generator)
+    calls = []
+    original = fisher_module.diagonal_empirical_fisher_by_layers
+    monkeypatch.setattr(fisher_module, "diagonal_empirical_fisher_by_layers",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
+    fisher_module.estimate_fisher(model, Categorical(), theta, x, y, kind="empirical", structure="diag",
+                                  max_rows=max_rows)
+    assert bool(calls) == (path == "by layers")
+    calls.clear()
+    fisher_module.estimate_fisher(model, Categorical(), theta, x, y, kind="model", structure="diag", max_rows=max_rows)
+    assert not calls  # only the empirical Fisher
 
 
 @pytest.mark.parametrize(
@@ -174,6 +217,10 @@ def test_diagonal_empirical_fisher_by_layers_equals_the_per_example_gradients(mo
         (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), (3,)),  # a parameter outside the layers
         (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 2)), (2, 4, 4)),  # grouped conv
         (nn.Sequential(nn.Linear(3, 2)), (4, 3)),  # a linear layer on 2-D inputs per example
+        (_TiedDecoder(), (3,)),  # a weight that also enters the output outside its layer's call
+        (nn.Sequential(_DoubledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)), (3,)),  # a subclass changes forward
+        # batch statistics would mix examples (train mode); in eval mode too it is not a hand-batched network
+        (nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2)).eval(), (3,)),
     ],
 )
 def test_diagonal_empirical_fisher_by_layers_declines_what_it_cannot_do(module, shape, generator):
@@ -183,4 +230,15 @@ def test_diagonal_empirical_fisher_by_layers_declines_what_it_cannot_do(module, 
     theta = model.layout.flatten(module).unsqueeze(0)
     x = torch.randn(6, *shape, generator=generator)
     y = torch.randint(0, 2, (6,), generator=generator)
+    buffers = {k: v.clone() for k, v in module.state_dict().items()}
     assert diagonal_empirical_fisher_by_layers(model, Categorical(), theta, x, y) is None
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in buffers.items())  # the module is left alone
+
+
+def test_diagonal_empirical_fisher_by_layers_declines_integer_inputs():
+    from smp_core.fisher import diagonal_empirical_fisher_by_layers
+
+    module = nn.Sequential(nn.Linear(3, 2))
+    model = as_chain_model(module, (3,))
+    x, y = torch.randint(0, 3, (5, 3)), torch.randint(0, 2, (5,))
+    assert diagonal_empirical_fisher_by_layers(model, Categorical(), model.layout.flatten(module), x, y) is None

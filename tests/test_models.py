@@ -168,3 +168,23 @@ def test_col2im_paths_agree_to_the_bit_and_are_the_adjoint_of_im2col(layer, in_s
     assert torch.equal(indexed, strided)
     # adjoint: <im2col(h), u> = <h, col2im(u)>
     assert torch.allclose((cols * upstream).sum(), (h * indexed).sum(), rtol=1e-5)
+
+
+class _ScaledLinear(nn.Linear):
+    """A Linear subclass that changes forward: the hand-batched models must not take it."""
+
+    def forward(self, x):
+        return nn.functional.linear(x, 2 * self.weight, self.bias)
+
+
+@pytest.mark.parametrize("module, shape", [
+    (nn.Sequential(_ScaledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)), (3,)),
+    (nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), _ScaledLinear(8, 2)), (1, 4, 4)),
+])
+def test_subclasses_of_layers_with_parameters_take_the_general_path(module, shape, generator):
+    model = as_chain_model(module, shape)
+    assert isinstance(model, FunctionalChainModel)
+    theta = model.layout.flatten(module).expand(3, -1)
+    x = torch.randn(3, *shape, generator=generator)
+    out, _ = model.forward(theta, x)
+    assert torch.allclose(out, module(x), atol=1e-6)
