@@ -8,7 +8,8 @@ Usage (from the repository root; MNIST is fetched by the offline loader when mis
 Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batches of 48 (the
 paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
 two ``run_smp`` calls of different lengths (so the Fisher set-up cancels; each the fastest of
-three runs), divided by the extra steps. The paper-scale SMP-none time (S = 100, K = 10^6, 10^8
+three runs), divided by the extra steps; on a GPU it is timed twice, step by step and in blocks
+of 50 steps replayed as CUDA graphs (``run_smp(cuda_graph=...)``). The paper-scale SMP-none time (S = 100, K = 10^6, 10^8
 score evaluations) is that step time times 10^6: a projection, labelled as such, not a measured
 run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
 chain (``--fisher-examples`` validation images) by the three paths of ``smp_core.fisher``: virtual
@@ -65,15 +66,18 @@ def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
     return per_batch * (n_train / batch)
 
 
-def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps):
+def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, cuda_graph=False):
     net = lenet5().to(device)
     kw = dict(preconditioner=variant, tau=0.05, n_chains=n_chains, seed=0, progress=False,
-              input_shape=(1, 28, 28), fisher="empirical", fisher_data=(xv, yv))
+              input_shape=(1, 28, 28), fisher="empirical", fisher_data=(xv, yv), cuda_graph=cuda_graph)
     x = x.to(device)
-    run_smp(net, "categorical", x, n_steps=5, **kw)  # warm-up
+    # with CUDA graphs the first block of 50 steps is the warm-up and the second is captured: both
+    # runs include them, so that the difference is replays only
+    base = 105 if cuda_graph else 5
+    run_smp(net, "categorical", x, n_steps=base, **kw)  # warm-up
     # the fastest of three runs of each length: the least disturbed by other work on the machine
-    short = min(run_smp(net, "categorical", x, n_steps=5, **kw).elapsed for _ in range(3))
-    long = min(run_smp(net, "categorical", x, n_steps=5 + n_steps, **kw).elapsed for _ in range(3))
+    short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(3))
+    long = min(run_smp(net, "categorical", x, n_steps=base + n_steps, **kw).elapsed for _ in range(3))
     return (long - short) / n_steps
 
 
@@ -123,7 +127,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when available")
     parser.add_argument("--chains", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="a multiple of 50 (the CUDA-graph block)")
     parser.add_argument("--map-batches", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fisher-examples", type=int, default=200)
@@ -142,13 +146,18 @@ def main():
         print(f"| {name} | {bench_map_epoch(x, y, torch.device(name), args.map_batches):.1f} |", flush=True)
     print(f"\nSMP step, LeNet-5 (d = 47,154), S = {args.chains}; periodic variants recompute the Fisher "
           f"every 500 steps, not included here\n")
-    print("| device | variant | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
-    print("|---|---|---|---|---|")
+    print("| device | variant | steps | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
+    print("|---|---|---|---|---|---|")
     for name in devices:
+        # on a GPU, the step-by-step loop and blocks of 50 steps replayed as CUDA graphs
+        modes = [False, True] if name.startswith("cuda") else [False]
         for variant in args.variants:
-            step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps)
-            paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
-            print(f"| {name} | SMP-{variant} | {1000 * step:.1f} | {step * 1e6:.0f} | {paper} |", flush=True)
+            for graphed in modes:
+                step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps, graphed)
+                paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
+                mode = "CUDA graphs" if graphed else "one by one"
+                print(f"| {name} | SMP-{variant} | {mode} | {1000 * step:.2f} | {step * 1e6:.0f} | {paper} |",
+                      flush=True)
     print(f"\nDiagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} validation images\n")
     print("| device | path | seconds |")
     print("|---|---|---|")

@@ -132,7 +132,8 @@ def estimate_fisher(
         b = xb.shape[0]
         rows_theta = theta.repeat_interleave(b, dim=0)  # chain-major: (C*b, d)
         rows_x = xb.repeat(n_chains, *([1] * (xb.ndim - 1)))
-        rows_y = None if y is None else y[start : start + batch].repeat(n_chains)
+        yb = None if y is None else y[start : start + batch]
+        rows_y = None if yb is None else yb.repeat(n_chains, *([1] * (yb.ndim - 1)))  # (C*b, ...) like rows_x
         v = fisher_vectors(model, likelihood, rows_theta, rows_x, rows_y, kind)  # (C*b, r, d)
         part = structure.outer_sum(v.reshape(n_chains, -1, dim))
         total = list(part) if total is None else [t.add_(p) for t, p in zip(total, part, strict=True)]

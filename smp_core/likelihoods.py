@@ -4,6 +4,10 @@ Each likelihood works on the network output ``out`` of shape ``(B, m)`` and prov
 
 * ``sample(out, generator)``: draws ``Y ~ f(. | x)`` (the predictive-resampling step of
   Algorithm 1),
+* ``draw_noise(rows, out_dim, generator, device, dtype)`` and ``sample_from_noise(out, noise)``:
+  the same draw split in two, the randomness first (uniforms or standard normals, for several
+  steps at once) and then a deterministic transform of it; the recursion's step blocks (CUDA
+  graphs, :mod:`smp_core.recursion`) use them, since a captured graph draws no random numbers,
 * ``log_prob(out, y)``: ``log f(y | x)`` per row,
 * ``residual(out, y)``: ``d log f(y | x) / d out`` of shape ``(B, m)``; the score is then
   ``s = J^T residual`` with ``J = d out / d theta`` (eq. 2.2 with the empirical design),
@@ -35,6 +39,15 @@ class Bernoulli:
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         u = torch.rand(out.shape[0], generator=generator, device=out.device, dtype=out.dtype)
         return (u < torch.sigmoid(out[:, 0])).to(out.dtype)
+
+    def draw_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
+                   device=None, dtype=torch.float32) -> torch.Tensor:
+        """``U(0, 1)`` uniforms of shape ``rows``, one per response."""
+        return torch.rand(rows, generator=generator, device=device, dtype=dtype)
+
+    def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """``Y = 1{U < sigmoid(g)}`` for the uniforms ``noise`` ``(B,)``: a ``Bernoulli(sigmoid(g))`` draw."""
+        return (noise < torch.sigmoid(out[:, 0])).to(out.dtype)
 
     def _check_y(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if out.ndim != 2 or out.shape[1] != 1:
@@ -69,6 +82,18 @@ class Categorical:
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return torch.multinomial(torch.softmax(out, dim=-1), 1, generator=generator).squeeze(-1)
+
+    def draw_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
+                   device=None, dtype=torch.float32) -> torch.Tensor:
+        """``U(0, 1)`` uniforms of shape ``rows``, one per response."""
+        return torch.rand(rows, generator=generator, device=device, dtype=dtype)
+
+    def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Inverse-CDF draw: ``Y`` = the number of cumulative class probabilities below the uniform
+        ``U`` (``noise``, ``(B,)``), so ``P(Y = c) = pi_c``; clamped to the last class against rounding
+        (a total just below 1)."""
+        cdf = torch.softmax(out, dim=-1).cumsum_(-1)
+        return (cdf < noise.unsqueeze(-1)).sum(-1).clamp_(max=out.shape[-1] - 1)
 
     def _check_y(self, out: torch.Tensor, y: torch.Tensor) -> None:
         if y.shape != (out.shape[0],):
@@ -107,6 +132,15 @@ class Gaussian:
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         noise = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
+        return out + self.sigma * noise
+
+    def draw_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
+                   device=None, dtype=torch.float32) -> torch.Tensor:
+        """Standard normals of shape ``(*rows, out_dim)``."""
+        return torch.randn((*rows, out_dim), generator=generator, device=device, dtype=dtype)
+
+    def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """``Y = g + sigma Z`` for the standard normals ``noise`` ``(B, m)``."""
         return out + self.sigma * noise
 
     def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

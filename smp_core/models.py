@@ -279,9 +279,10 @@ class SequentialChainModel(_ModuleChainModel):
         return result
 
     def vjp_apply_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, rule: ElementwiseRule,
-                   tensors: tuple[torch.Tensor, ...], gamma: float) -> None:
+                   tensors: tuple[torch.Tensor, ...], gamma: float | torch.Tensor) -> None:
         """The step ``theta += gamma P^{-1} J^T cotangent`` of an element-wise preconditioner, in place,
-        without forming the ``(B, d)`` score (eq. 2.14).
+        without forming the ``(B, d)`` score (eq. 2.14). ``gamma`` is a float or a 0-d tensor (see
+        :class:`~smp_core.preconditioners.ElementwiseRule`).
 
         ``rule`` is the preconditioner's :class:`~smp_core.preconditioners.ElementwiseRule` and
         ``tensors`` its state tensors (``rule.tensors(state)``, each ``(1, d)`` or ``(B, d)``). Each

@@ -214,26 +214,40 @@ class ElementwiseRule:
       step by the rule the recursion passes ``None`` for it (the score was never formed).
 
     Any piece of the vector gives the same numbers as the whole vector at once: the recursion may
-    cut the parameters by layer and by chains however suits the memory hierarchy.
+    cut the parameters by layer and by chains however suits the memory hierarchy. ``gamma`` is a
+    Python float, or a 0-d tensor on the parameters' device in the recursion's step blocks (a CUDA
+    graph replays the same kernels with a new step size each step, so it cannot bake in a float);
+    the built-in rules take both, and give the same numbers up to rounding.
     """
 
     tensors: Callable[[PreconditionerState], tuple[torch.Tensor, ...]]
-    apply_: Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], float], None]
-    apply_outer_: (Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor], float], None]
-                   | None) = None
+    apply_: Callable[[torch.Tensor, torch.Tensor, Sequence[torch.Tensor], float | torch.Tensor], None]
+    apply_outer_: (Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor],
+                             float | torch.Tensor], None] | None) = None
     covers_update: bool = False
 
 
-def _identity_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
-    theta.add_(score, alpha=gamma)
+def _identity_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float | torch.Tensor) -> None:
+    if isinstance(gamma, torch.Tensor):
+        theta.add_(score * gamma)
+    else:
+        theta.add_(score, alpha=gamma)
 
 
-def _identity_outer_step_(theta: torch.Tensor, delta: torch.Tensor, h: torch.Tensor, parts, gamma: float) -> None:
-    theta.addcmul_(delta.unsqueeze(-1), h.unsqueeze(-2), value=gamma)  # one pass, the outer product never formed
+def _identity_outer_step_(theta: torch.Tensor, delta: torch.Tensor, h: torch.Tensor, parts,
+                          gamma: float | torch.Tensor) -> None:
+    # one pass, the outer product never formed; a tensor gamma scales the small factor delta
+    if isinstance(gamma, torch.Tensor):
+        theta.addcmul_((delta * gamma).unsqueeze(-1), h.unsqueeze(-2))
+    else:
+        theta.addcmul_(delta.unsqueeze(-1), h.unsqueeze(-2), value=gamma)
 
 
-def _scaled_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
-    theta.addcmul_(score, parts[0], value=gamma)
+def _scaled_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float | torch.Tensor) -> None:
+    if isinstance(gamma, torch.Tensor):
+        theta.addcmul_(score * gamma, parts[0])
+    else:
+        theta.addcmul_(score, parts[0], value=gamma)
 
 
 IDENTITY_RULE = ElementwiseRule(tensors=lambda state: (), apply_=_identity_step_, apply_outer_=_identity_outer_step_)
@@ -249,9 +263,12 @@ def ema_diagonal_rule(beta: float, ridge: float) -> ElementwiseRule:
     The step uses the statistic before ``s_k`` is folded in, so ``P_k`` stays ``F_{k-1}``-measurable.
     """
 
-    def apply_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float) -> None:
+    def apply_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float | torch.Tensor) -> None:
         (stat,) = parts
-        theta.addcdiv_(score, stat + ridge, value=gamma)
+        if isinstance(gamma, torch.Tensor):
+            theta.addcdiv_(score * gamma, stat + ridge)
+        else:
+            theta.addcdiv_(score, stat + ridge, value=gamma)
         stat.mul_(beta).addcmul_(score, score, value=1 - beta)
 
     return ElementwiseRule(tensors=lambda state: (state.stat[0],), apply_=apply_, covers_update=True)
@@ -273,6 +290,11 @@ class Preconditioner:
       layer and block of chains by block of chains while the score piece is still in cache, and
       never forms the ``(S, d)`` score (see
       :meth:`smp_core.models.SequentialChainModel.vjp_apply_`).
+    * ``update_every`` (optional): ``0`` when ``update`` never changes the state (``none``,
+      ``fixed``), ``T`` when it changes it only at steps ``k`` that are multiples of ``T``
+      (``periodic``), ``None`` (the default) when it may change it at any step. With an
+      element-wise rule, a known value lets the recursion run blocks of steps without calling
+      ``update`` in between (CUDA graphs).
     """
 
     name: str
@@ -286,6 +308,7 @@ class Preconditioner:
     needs_curvature: bool
     hyper: dict[str, Any] = field(default_factory=dict)
     elementwise: ElementwiseRule | None = None
+    update_every: int | None = None
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
@@ -360,7 +383,7 @@ def build_preconditioner(
             init=lambda theta0, curvature: PreconditionerState((), ()),
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: v,
-            needs_curvature=False, hyper={}, elementwise=IDENTITY_RULE,
+            needs_curvature=False, hyper={}, elementwise=IDENTITY_RULE, update_every=0,
         )
 
     # fixed and periodic diag keep 1 / (F + ridge) as their factor
@@ -375,7 +398,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper=hyper, elementwise=stored_inverse,
+            needs_curvature=True, hyper=hyper, elementwise=stored_inverse, update_every=0,
         )
 
     if strategy == "periodic":
@@ -393,6 +416,7 @@ def build_preconditioner(
             name, struct, strategy, ridge, init=init, update=update,
             solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
             needs_curvature=True, hyper={**hyper, "period": int(period)}, elementwise=stored_inverse,
+            update_every=int(period),
         )
 
     # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.

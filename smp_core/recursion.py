@@ -171,6 +171,121 @@ def _accepts_out(fn) -> bool:
         return False
 
 
+def step_blocks_unavailable(model: ChainModel, likelihood, precond: Preconditioner) -> str | None:
+    """Why the recursion cannot run steps in blocks for this combination, or ``None`` when it can.
+
+    A block of steps needs an element-wise preconditioner rule (``none`` and every ``diag``) whose
+    state changes only through the rule itself (EMA) or at known steps (``update_every``: fixed,
+    periodic), and a likelihood that draws its responses from pre-drawn noise
+    (``draw_noise`` / ``sample_from_noise``).
+    """
+    rule = getattr(precond, "elementwise", None)
+    if rule is None:
+        return f"the '{precond.name}' preconditioner has no element-wise rule (only none and the diag ones have)"
+    if not rule.covers_update and getattr(precond, "update_every", None) is None:
+        return f"the '{precond.name}' preconditioner does not say at which steps its update changes its state"
+    if not (hasattr(likelihood, "draw_noise") and hasattr(likelihood, "sample_from_noise")):
+        return "the likelihood has no draw_noise / sample_from_noise"
+    return None
+
+
+def _steps_from_noise(model: ChainModel, likelihood, x_train: torch.Tensor, theta: torch.Tensor, rule,
+                      tensors: tuple[torch.Tensor, ...], fused_vjp, draws: torch.Tensor, noise: torch.Tensor,
+                      gammas: torch.Tensor) -> None:
+    """Steps of Algorithm 1 with the covariate indices ``draws`` ``(n, S)``, the response noise
+    ``noise`` ``(n, S, ...)`` and the step sizes ``gammas`` ``(n,)`` given as tensors: no random
+    number is drawn, nothing is read back to the host and the step size is a tensor, so the same
+    kernels can be captured once in a CUDA graph and replayed with new inputs."""
+    for j in range(draws.shape[0]):
+        out, ctx = model.forward(theta, x_train.index_select(0, draws[j]))
+        residual = likelihood.residual(out, likelihood.sample_from_noise(out, noise[j]))
+        if fused_vjp is not None:
+            fused_vjp(ctx, residual, theta, rule, tensors, gammas[j])
+        else:
+            rule.apply_(theta, model.vjp(ctx, residual), tensors, gammas[j])
+
+
+class _StepBlocks:
+    """Runs blocks of steps by :func:`_steps_from_noise`, on CUDA as replays of captured graphs.
+
+    The random numbers of a block (covariate indices and response noise) are drawn from the run's
+    generator before the block, and its step sizes ``tau / (N + k)`` computed, then copied into
+    the static input buffers of the block's graph. A block length is captured the second time it is
+    met (the first run, uncaptured, is the warm-up that CUDA graphs need); a capture that fails
+    warns and leaves the run uncaptured. On a CPU nothing is captured: the blocks run as they are.
+    """
+
+    _MAX_GRAPHS = 4
+
+    def __init__(self, model, likelihood, x_train, theta, rule, tensors, capture: bool):
+        self.model, self.likelihood, self.x_train, self.theta, self.rule = model, likelihood, x_train, theta, rule
+        self.tensors = tuple(tensors)
+        self.fused_vjp = getattr(model, "vjp_apply_", None)
+        self.capture = capture and theta.is_cuda
+        self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.seen: set[int] = set()
+        self.out_dim = model.out_dim
+
+    def set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        """The rule's state tensors after a preconditioner update: copied into the captured ones
+        (same shapes), else the graphs are dropped and captured again."""
+        tensors = tuple(tensors)
+        if all(new is old for new, old in zip(tensors, self.tensors, strict=True)):
+            return
+        if self.graphs and all(new.shape == old.shape for new, old in zip(tensors, self.tensors, strict=True)):
+            for new, old in zip(tensors, self.tensors, strict=True):
+                old.copy_(new)
+            return
+        self.tensors, self.graphs = tensors, {}
+
+    def run(self, k: int, n: int, tau: float, n_obs: int, n_data: int, gen: torch.Generator) -> None:
+        """Steps ``k + 1, ..., k + n``."""
+        theta = self.theta
+        n_chains, device, dtype = theta.shape[0], theta.device, theta.dtype
+        draws = torch.randint(n_data, (n, n_chains), generator=gen, device=device)
+        noise = self.likelihood.draw_noise((n, n_chains), self.out_dim, gen, device, dtype)
+        gammas = torch.tensor([tau / (n_obs + k + j) for j in range(1, n + 1)], dtype=torch.float64)
+        gammas = gammas.to(device=device, dtype=dtype)
+        graph = self.graphs.get(n)
+        if graph is None and self.capture and n in self.seen and len(self.graphs) < self._MAX_GRAPHS:
+            graph = self._capture(draws, noise, gammas)
+        self.seen.add(n)
+        if graph is None:
+            args = (self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors, self.fused_vjp,
+                    draws, noise, gammas)
+            if self.capture:  # the warm-up before a capture runs on a side stream (lazy CUDA set-up there)
+                side = torch.cuda.Stream(device=device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    _steps_from_noise(*args)
+                torch.cuda.current_stream(device).wait_stream(side)
+            else:
+                _steps_from_noise(*args)
+            return
+        cuda_graph, static_draws, static_noise, static_gammas = graph
+        static_draws.copy_(draws)
+        static_noise.copy_(noise)
+        static_gammas.copy_(gammas)
+        cuda_graph.replay()
+
+    def _capture(self, draws, noise, gammas):
+        n = draws.shape[0]
+        static = (draws.clone(), noise.clone(), gammas.clone())
+        try:
+            torch.cuda.synchronize()
+            cuda_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cuda_graph):
+                _steps_from_noise(self.model, self.likelihood, self.x_train, self.theta, self.rule, self.tensors,
+                                  self.fused_vjp, *static)
+        except Exception as error:  # noqa: BLE001 - any failure to capture falls back to uncaptured blocks
+            warnings.warn(f"capturing a block of {n} SMP steps in a CUDA graph failed ({error!r}); the run goes on "
+                          "without CUDA graphs", stacklevel=3)
+            self.capture = False
+            return None
+        self.graphs[n] = (cuda_graph, *static)
+        return self.graphs[n]
+
+
 def advance_smp(
     state: SMPState,
     model: ChainModel,
@@ -186,8 +301,17 @@ def advance_smp(
     divergence_threshold: float = 1e3,
     trace_every: int | None = None,
     on_check=None,
+    cuda_graph: bool | None = False,
 ) -> SMPState:
-    """Run steps ``state.step + 1, ..., until`` of Algorithm 1 in place and return the state."""
+    """Run steps ``state.step + 1, ..., until`` of Algorithm 1 in place and return the state.
+
+    ``cuda_graph``: ``False`` runs step by step; ``True`` runs blocks of steps from pre-drawn noise
+    (:class:`_StepBlocks`), captured as CUDA graphs on a GPU and run as they are on a CPU, and
+    raises when this model, likelihood and preconditioner cannot (:func:`step_blocks_unavailable`);
+    ``None`` runs blocks when the parameters are on a CUDA device and they can, else step by step.
+    Blocks draw their random numbers in another order than the step-by-step loop, so the two give
+    different (equally valid) samples from the same seed.
+    """
     theta, theta0, gen = state.theta, state.theta0, state.generator
     n_data, n_chains = x_train.shape[0], theta.shape[0]
     alive = (state.diverged_step < 0).unsqueeze(1)
@@ -207,36 +331,54 @@ def advance_smp(
     fused_vjp = getattr(model, "vjp_apply_", None) if rule is not None else None
     # without the fused model path the EMA rule is not used: the plain path below keeps its update
     plain_rule = rule if rule is not None and not rule.covers_update else None
+    blocks = _make_step_blocks(cuda_graph, state, model, likelihood, x_train, precond)
+    update_every = getattr(precond, "update_every", None)
     while k < until:
         k_end = min(until, k + check_every)
-        draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
-        for row in draws:
-            k += 1
-            gamma = tau / (n_obs + k)
-            out, ctx = model.forward(theta, x_train.index_select(0, row))
-            residual = likelihood.residual(out, likelihood.sample(out, gen))
-            if fused_vjp is not None and not any_frozen:
-                fused_vjp(ctx, residual, theta, rule, rule.tensors(state.precond), gamma)
-                score, updated = None, rule.covers_update
-            elif plain_rule is not None and not any_frozen:
-                # solve and update in one pass instead of two
-                score = model.vjp(ctx, residual, **vjp_out)
-                plain_rule.apply_(theta, score, plain_rule.tensors(state.precond), gamma)
-                updated = False
-            else:
-                score = model.vjp(ctx, residual, **vjp_out)
-                step = precond.solve(state.precond, score, **solve_out)
-                if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
-                    score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
-                    if step is not score:
-                        step.masked_fill_(~alive, 0.0)
-                theta.add_(step, alpha=gamma)
-                updated = False
-            if not updated:
-                state.precond = precond.update(state.precond, k, theta, score, curvature)
-            if trace_every and k % trace_every == 0:
-                state.trace.append(theta.detach().cpu().clone())
-                state.trace_steps.append(k)
+        if blocks is not None and not any_frozen:
+            while k < k_end:
+                # a block ends where the preconditioner may change, or a trace row is due
+                n = k_end - k
+                for every in (update_every, trace_every):
+                    if every:
+                        n = min(n, every - k % every)
+                blocks.run(k, n, tau, n_obs, n_data, gen)
+                k += n
+                if update_every and k % update_every == 0:
+                    state.precond = precond.update(state.precond, k, theta, None, curvature)
+                    blocks.set_tensors(rule.tensors(state.precond))
+                if trace_every and k % trace_every == 0:
+                    state.trace.append(theta.detach().cpu().clone())
+                    state.trace_steps.append(k)
+        else:
+            draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
+            for row in draws:
+                k += 1
+                gamma = tau / (n_obs + k)
+                out, ctx = model.forward(theta, x_train.index_select(0, row))
+                residual = likelihood.residual(out, likelihood.sample(out, gen))
+                if fused_vjp is not None and not any_frozen:
+                    fused_vjp(ctx, residual, theta, rule, rule.tensors(state.precond), gamma)
+                    score, updated = None, rule.covers_update
+                elif plain_rule is not None and not any_frozen:
+                    # solve and update in one pass instead of two
+                    score = model.vjp(ctx, residual, **vjp_out)
+                    plain_rule.apply_(theta, score, plain_rule.tensors(state.precond), gamma)
+                    updated = False
+                else:
+                    score = model.vjp(ctx, residual, **vjp_out)
+                    step = precond.solve(state.precond, score, **solve_out)
+                    if any_frozen:  # frozen chains stay where they are (their preconditioner may be NaN)
+                        score.masked_fill_(~alive, 0.0)  # also masks step when the preconditioner returned score
+                        if step is not score:
+                            step.masked_fill_(~alive, 0.0)
+                    theta.add_(step, alpha=gamma)
+                    updated = False
+                if not updated:
+                    state.precond = precond.update(state.precond, k, theta, score, curvature)
+                if trace_every and k % trace_every == 0:
+                    state.trace.append(theta.detach().cpu().clone())
+                    state.trace_steps.append(k)
         state.step = k
         # largest move of each chain from theta0, computed in the work buffer (no (S, d) temporaries);
         # a NaN or infinite parameter makes it non-finite
@@ -256,6 +398,19 @@ def advance_smp(
         if on_check is not None:
             on_check(state)
     return state
+
+
+def _make_step_blocks(cuda_graph: bool | None, state: SMPState, model, likelihood, x_train, precond):
+    """The :class:`_StepBlocks` of a run, or ``None`` for the step-by-step loop (see :func:`advance_smp`)."""
+    if cuda_graph is False:
+        return None
+    reason = step_blocks_unavailable(model, likelihood, precond)
+    if cuda_graph is None and (reason is not None or not state.theta.is_cuda):
+        return None
+    if reason is not None:
+        raise ValueError(f"cuda_graph=True needs blocks of steps, but {reason}")
+    rule = precond.elementwise
+    return _StepBlocks(model, likelihood, x_train, state.theta, rule, rule.tensors(state.precond), capture=True)
 
 
 def _config_key(config: dict[str, Any]) -> str:
@@ -316,6 +471,7 @@ def run_smp(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: int | None = None,
     progress: bool = True,
+    cuda_graph: bool | None = None,
 ) -> SMPResult:
     """Sample the score-based martingale posterior (Algorithm 1) with ``S`` chains in parallel.
 
@@ -340,6 +496,13 @@ def run_smp(
             or become non-finite, is frozen and reported as diverged.
         checkpoint: a file to save the state to every ``checkpoint_every`` steps and to resume from.
         progress: show a tqdm progress bar.
+        cuda_graph: run blocks of steps as replays of CUDA graphs (the step of a small network on a
+            GPU is bound by kernel launches, not arithmetic). ``None`` (default): on a CUDA device,
+            when the preconditioner is ``none`` or a ``diag`` one and the likelihood a built-in one;
+            ``True``: insist (on a CPU the blocks run uncaptured, the same arithmetic); ``False``: the
+            step-by-step loop. Blocks draw their random numbers in another order than the loop, so
+            the two give different, equally valid, samples; the run's config records
+            ``step_blocks``. See :func:`advance_smp`.
 
     On the CPU it sets glibc's allocator to keep freed memory for reuse (once per process; see
     :mod:`smp_core.memory`, ``SMP_RETAIN_FREED_MEMORY=0`` turns that off).
@@ -380,6 +543,10 @@ def run_smp(
         "likelihood": lik.name, "d": net.layout.dim, **precond.hyper, "check_every": check_every,
         "divergence_threshold": divergence_threshold, "trace_every": trace_every,
     }
+    if cuda_graph is True or (cuda_graph is None and device.type == "cuda"
+                              and step_blocks_unavailable(net, lik, precond) is None):
+        # (recorded only when on, so that the keys of earlier step-by-step checkpoints still match)
+        config["step_blocks"] = True
     # n_steps is left out of the key so that a finished run can be extended to a larger K.
     key = _config_key({
         **{k: v for k, v in config.items() if k != "n_steps"},
@@ -408,7 +575,7 @@ def run_smp(
         try:
             advance_smp(state, net, lik, x_train, precond, curvature, tau=tau, n_obs=n_obs, until=n_steps,
                         check_every=check_every, divergence_threshold=divergence_threshold,
-                        trace_every=trace_every, on_check=on_check)
+                        trace_every=trace_every, on_check=on_check, cuda_graph=cuda_graph)
         finally:
             bar.close()
         if path is not None:

@@ -61,7 +61,7 @@ def environment() -> dict[str, Any]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (platform.processor() or "cpu")
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu: {cpu_model()}"
     return {"python": platform.python_version(), "platform": platform.platform(), "packages": versions,
             "device": device, "cuda": torch.cuda.is_available(), "torch_threads": torch.get_num_threads(),
             "cpu_model": cpu_model(), "cpu_count": os.cpu_count()}

@@ -77,6 +77,28 @@ def test_per_chain_fisher_equals_one_chain_at_a_time(generator):
         assert torch.allclose(together[c], alone[0], atol=1e-12)
 
 
+@pytest.mark.parametrize("structure", ["diag", "dense"])
+def test_empirical_fisher_of_a_multi_output_gaussian_for_several_chains(structure, generator):
+    # y of shape (n, m): each chain's rows must pair with the same responses as its inputs
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    model = as_chain_model(net)
+    thetas = model.layout.flatten(net) + 0.3 * torch.randn(3, model.layout.dim, generator=generator,
+                                                             dtype=torch.float64)
+    x = torch.randn(10, 3, generator=generator, dtype=torch.float64)
+    y = torch.randn(10, 2, generator=generator, dtype=torch.float64)
+    lik = Gaussian(0.5)
+    (together,) = estimate_fisher(model, lik, thetas, x, y, kind="empirical", structure=structure)
+    for c in range(3):
+        scores = []
+        for xi, yi in zip(x, y, strict=True):
+            t = thetas[c].clone().requires_grad_(True)
+            out = functional_call(net, model.layout.unflatten(t), (xi[None],))
+            scores.append(torch.autograd.grad(lik.log_prob(out, yi[None]).sum(), t)[0])
+        scores = torch.stack(scores)
+        expected = (scores**2).mean(0) if structure == "diag" else scores.T @ scores / len(scores)
+        assert torch.allclose(together[c], expected, atol=1e-12)
+
+
 def test_fisher_errors():
     model = as_chain_model(toy_mlp())
     theta = model.layout.flatten(model.module)

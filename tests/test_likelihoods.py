@@ -60,6 +60,36 @@ def test_samples_follow_the_model(generator):
     assert abs((yb.mean() - pb) / math.sqrt(pb * (1 - pb) / n)) < 4.5
 
 
+def test_samples_from_noise_follow_the_model(generator):
+    # the draw the step blocks use: uniforms or normals first, then a deterministic transform.
+    # z-tests as above; the Gaussian's mean and variance against g and sigma^2 (variance of s^2 is
+    # 2 sigma^4 / n for normal data).
+    n = 40_000
+    logits = torch.tensor([0.3, -1.0, 1.2, 0.0, -3.0])
+    lik = Categorical()
+    draws = lik.sample_from_noise(logits.expand(n, 5), lik.draw_noise((n,), 5, generator))
+    assert draws.dtype == torch.long
+    p = torch.softmax(logits, 0)
+    freq = torch.bincount(draws, minlength=5).double() / n
+    assert (((freq - p) / torch.sqrt(p * (1 - p) / n)).abs() < 4.5).all()
+    # the last class is never skipped when the cumulative total rounds below a uniform near 1
+    edge = lik.sample_from_noise(torch.zeros(3, 5), torch.tensor([0.0, 0.5, 1.0]))
+    assert edge.tolist() == [0, 2, 4]
+
+    bern = Bernoulli()
+    yb = bern.sample_from_noise(torch.full((n, 1), 0.8), bern.draw_noise((n,), 1, generator))
+    pb = torch.sigmoid(torch.tensor(0.8))
+    assert abs((yb.mean() - pb) / math.sqrt(pb * (1 - pb) / n)) < 4.5
+
+    gauss = Gaussian(0.7)
+    mean = torch.tensor([[1.0, -2.0]])
+    noise = gauss.draw_noise((n,), 2, generator, dtype=torch.float64)
+    assert noise.shape == (n, 2)
+    yg = gauss.sample_from_noise(mean.double().expand(n, 2), noise)
+    assert (((yg.mean(0) - mean) / (0.7 / math.sqrt(n))).abs() < 4.5).all()
+    assert (((yg.var(0) - 0.49) / (0.49 * math.sqrt(2 / n))).abs() < 4.5).all()
+
+
 def test_likelihood_errors():
     with pytest.raises(ValueError, match="unknown likelihood"):
         get_likelihood("poisson")

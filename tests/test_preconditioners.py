@@ -134,9 +134,10 @@ def test_names_and_errors():
         build_preconditioner("diag", "fixed", dim=DIM).init(torch.zeros(1, DIM), None)
 
 
+@pytest.mark.parametrize("gamma_kind", ["float", "tensor"])  # a 0-d tensor in the step blocks (CUDA graphs)
 @pytest.mark.parametrize("rows", ["shared", "per-chain"])
 @pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
-def test_elementwise_rule_on_pieces_equals_solve_then_update(name, rows, generator):
+def test_elementwise_rule_on_pieces_equals_solve_then_update(name, rows, gamma_kind, generator):
     # the rule applied to pieces of the vector (by parameter blocks and by chains, as the fused
     # model path cuts it) must give the step and the next state of solve() then update()
     if rows == "shared" and name == "ema-diag":
@@ -163,11 +164,19 @@ def test_elementwise_rule_on_pieces_equals_solve_then_update(name, rows, generat
     assert rule is not None
     theta = theta0.clone()
     tensors = rule.tensors(state)
+    step_size = gamma if gamma_kind == "float" else torch.tensor(gamma, dtype=torch.float64)
     for cols in (slice(0, 2), slice(2, 7)):
         for part in (slice(0, 1), slice(1, 4)):
             pieces = [t[:, cols] if t.shape[0] == 1 else t[part, cols] for t in tensors]
-            rule.apply_(theta[part, cols], score[part, cols], pieces, gamma)
+            rule.apply_(theta[part, cols], score[part, cols], pieces, step_size)
     assert torch.allclose(theta, expected_theta, rtol=1e-12, atol=1e-12)
+    if rule.apply_outer_ is not None:  # a score given as outer products delta h^T
+        delta = torch.randn(chains, 2, generator=generator, dtype=torch.float64)
+        h = torch.randn(chains, 3, generator=generator, dtype=torch.float64)
+        outer = (delta.unsqueeze(-1) * h.unsqueeze(1)).reshape(chains, 6)
+        target = theta0[:, :6].clone().reshape(chains, 2, 3)
+        rule.apply_outer_(target, delta, h, [], step_size)
+        assert torch.allclose(target.reshape(chains, 6), theta0[:, :6] + gamma * outer, rtol=1e-12, atol=1e-12)
     if rule.covers_update:  # EMA: the statistic was updated in place
         assert torch.allclose(state.stat[0], expected_state.stat[0], rtol=1e-12, atol=1e-12)
 
@@ -176,3 +185,6 @@ def test_only_elementwise_preconditioners_have_a_rule():
     for structure, strategy in VARIANTS:
         precond = build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS)
         assert (precond.elementwise is not None) == (structure in ("none", "diag"))
+        # when update() can change the state: never, every T steps, or at any step (EMA)
+        expected = {"fixed": 0, "periodic": 500, "ema": None}[strategy] if structure != "none" else 0
+        assert precond.update_every == expected

@@ -33,9 +33,12 @@ def _z_mean_and_covariance(samples, theta0, expected_cov):
     return z_mean, z_cov
 
 
-@pytest.mark.parametrize("name", ["none", "fixed-diag", "fixed-block", "fixed-dense", "periodic-diag",
-                                  "periodic-block", "periodic-dense"])
-def test_linear_gaussian_moments_match_the_closed_form(name, generator):
+@pytest.mark.parametrize("name, cuda_graph", [
+    ("none", False), ("fixed-diag", False), ("fixed-block", False), ("fixed-dense", False),
+    ("periodic-diag", False), ("periodic-block", False), ("periodic-dense", False),
+    # blocks of steps from pre-drawn noise (what a CUDA graph replays; uncaptured on a CPU)
+    ("none", True), ("fixed-diag", True), ("periodic-diag", True)])
+def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generator):
     # For y = theta^T [x, 1] + sigma eps the score is [x, 1] eps / sigma and the model-expected Fisher I
     # is exact and constant, so with P fixed (or recomputed: still I) the increments are independent of
     # theta: theta_K - theta_0 = sum_k tau/(N+k) P^-1 s_k, mean 0 and covariance
@@ -43,8 +46,9 @@ def test_linear_gaussian_moments_match_the_closed_form(name, generator):
     net, x, fisher, lik = _linear_gaussian(generator)
     tau, n_steps, n_chains, ridge = 0.7, 150, 4000, 1e-3
     result = run_smp(net, lik, x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11,
-                     ridge=ridge, period=40, progress=False)
+                     ridge=ridge, period=40, progress=False, cuda_graph=cuda_graph)
     assert result.n_diverged == 0
+    assert result.config.get("step_blocks", False) is cuda_graph
     n = x.shape[0]
     c_k = tau**2 * sum((n + k) ** -2.0 for k in range(1, n_steps + 1))
     if name == "none":
@@ -271,6 +275,140 @@ def test_a_rule_that_updates_a_shared_state_is_refused():
     with pytest.raises(ValueError, match="one state row per chain"):
         model.vjp_apply_(ctx, torch.randn(4, 3), theta, ema_diagonal_rule(0.9, 1e-4),
                          (torch.ones(1, model.layout.dim),), 0.1)
+
+
+def _small_cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).double()
+
+
+def _reference_blocks(model, lik, x, theta0, precond, curvature, *, tau, n_steps, seed, boundaries):
+    """Algorithm 1 written out plainly (score, solve, add, update at every step) with the random
+    numbers drawn as the step blocks draw them: per block, the covariate indices, then the noise."""
+    state = init_smp(model, lik, theta0, precond, curvature, seed)
+    theta, pstate, gen, n = state.theta, state.precond, state.generator, x.shape[0]
+    k = 0
+    for end in boundaries:
+        draws = torch.randint(n, (end - k, theta.shape[0]), generator=gen)
+        noise = lik.draw_noise((end - k, theta.shape[0]), model.out_dim, gen, theta.device, theta.dtype)
+        for row, eps in zip(draws, noise, strict=True):
+            k += 1
+            out, ctx = model.forward(theta, x[row])
+            score = model.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, eps)))
+            theta += tau / (n + k) * precond.solve(pstate, score)
+            pstate = precond.update(pstate, k, theta, score, curvature)
+    return theta
+
+
+@pytest.mark.parametrize("network", ["cnn", "mlp"])
+@pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
+def test_step_blocks_equal_the_plain_recursion_on_the_same_noise(name, network):
+    # The blocks (the fused backward pass for the CNN, score + rule for the MLP, a tensor step size,
+    # the preconditioner updated only between blocks) against the plain recursion fed the same random
+    # numbers. Blocks end at checks (every 10), periodic updates (every 7) and trace rows (every 4).
+    from smp_core.fisher import estimate_fisher
+
+    if network == "cnn":
+        net, lik_name, shape = _small_cnn(), "categorical", (1, 6, 6)
+        x = torch.rand(30, 1, 6, 6, dtype=torch.float64)
+        y = torch.randint(0, 3, (30,))
+    else:
+        torch.manual_seed(0)
+        net, lik_name, shape = toy_mlp().double(), "bernoulli", None
+        x = torch.rand(30, 2, dtype=torch.float64) * 2 - 1
+        y = torch.randint(0, 2, (30,)).double()
+    model, lik = as_chain_model(net, shape), get_likelihood(lik_name)
+    assert hasattr(model, "vjp_apply_") is (network == "cnn")
+    n_steps, n_chains, tau = 30, 5, 0.5
+    kw = dict(preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=2, period=7,
+              check_every=10, trace_every=4, fisher="empirical", fisher_data=(x, y), progress=False)
+    blocks = run_smp(model, lik, x, cuda_graph=True, **kw)
+    precond = preconditioner_from_name(name, dim=model.layout.dim, period=7)
+    theta0 = model.layout.flatten(net).expand(n_chains, -1).contiguous()
+
+    def curvature(theta):
+        return estimate_fisher(model, lik, theta, x, y, kind="empirical", structure=precond.structure)
+
+    periodic = "periodic" in name
+    ends = [k for k in range(1, n_steps + 1) if k % 10 == 0 or k % 4 == 0 or (periodic and k % 7 == 0) or k == n_steps]
+    reference = _reference_blocks(model, lik, x, theta0, precond, curvature if precond.needs_curvature else None,
+                                  tau=tau, n_steps=n_steps, seed=2, boundaries=ends)
+    assert blocks.config["step_blocks"] is True
+    assert ((blocks.theta - theta0).abs().amax(1) > 1e-3).all()  # every chain moved
+    assert torch.allclose(blocks.theta, reference, rtol=1e-9, atol=1e-11)
+    assert blocks.trace_steps == list(range(4, n_steps + 1, 4))
+
+
+def test_step_blocks_are_reproducible_and_resume_from_a_checkpoint(tmp_path):
+    net = _small_cnn()
+    x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
+    kw = dict(preconditioner="periodic-diag", tau=0.3, n_chains=6, seed=4, period=20, check_every=10,
+              input_shape=(1, 6, 6), fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=True)
+    full = run_smp(net, "categorical", x, n_steps=60, **kw)
+    assert torch.equal(full.theta, run_smp(net, "categorical", x, n_steps=60, **kw).theta)
+    path = tmp_path / "blocks.pt"
+    run_smp(net, "categorical", x, n_steps=30, checkpoint=path, checkpoint_every=10, **kw)
+    assert torch.equal(full.theta, run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw).theta)
+    # a checkpoint of the step-by-step loop is not resumed by blocks (other random numbers)
+    with pytest.raises(ValueError, match="other settings"):
+        run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **{**kw, "cuda_graph": False})
+
+
+def test_step_blocks_on_a_cpu_only_when_asked():
+    net = toy_mlp()
+    x = torch.rand(40, 2) * 2 - 1
+    kw = dict(preconditioner="fixed-diag", tau=0.3, n_steps=20, n_chains=4, seed=1, progress=False)
+    default, loop = run_smp(net, "bernoulli", x, **kw), run_smp(net, "bernoulli", x, cuda_graph=False, **kw)
+    assert "step_blocks" not in default.config
+    assert torch.equal(default.theta, loop.theta)
+    assert run_smp(net, "bernoulli", x, cuda_graph=True, **kw).config["step_blocks"] is True
+    with pytest.raises(ValueError, match="cuda_graph=True needs blocks of steps, but the 'ema-block'"):
+        run_smp(net, "bernoulli", x, cuda_graph=True, **{**kw, "preconditioner": "ema-block"})
+
+    class OwnLikelihood:  # a user's likelihood written without the noise methods
+        def __init__(self):
+            self._inner = get_likelihood("bernoulli")
+
+        def __getattr__(self, name):
+            if name in ("draw_noise", "sample_from_noise"):
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    assert torch.equal(run_smp(net, OwnLikelihood(), x, **kw).theta, loop.theta)
+    with pytest.raises(ValueError, match="no draw_noise / sample_from_noise"):
+        run_smp(net, OwnLikelihood(), x, cuda_graph=True, **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_blocks_equal_uncaptured_blocks_on_cuda(monkeypatch):
+    import smp_core.recursion as recursion
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).cuda()
+    x, y = torch.rand(30, 1, 6, 6, device="cuda"), torch.randint(0, 3, (30,), device="cuda")
+    captures = []
+    capture = recursion._StepBlocks._capture
+
+    def counted(self, *args):
+        graph = capture(self, *args)
+        captures.append(graph is not None)
+        return graph
+
+    monkeypatch.setattr(recursion._StepBlocks, "_capture", counted)
+    for name in ("none", "fixed-diag", "periodic-diag", "ema-diag"):
+        kw = dict(preconditioner=name, tau=0.3, n_steps=80, n_chains=6, seed=4, period=20, check_every=10,
+                  input_shape=(1, 6, 6), fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=True)
+        captures.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            captured = run_smp(net, "categorical", x, **kw)
+        assert not [w for w in caught if "CUDA graph" in str(w.message)], name  # a failed capture warns
+        assert captures and all(captures), name
+        with monkeypatch.context() as patch:
+            patch.setattr(recursion._StepBlocks, "_MAX_GRAPHS", 0)  # nothing is captured
+            uncaptured = run_smp(net, "categorical", x, **kw)
+        assert captured.n_diverged == 0
+        assert torch.allclose(captured.theta, uncaptured.theta, rtol=1e-4, atol=1e-6), name
 
 
 def test_residual_variance_ratio():
