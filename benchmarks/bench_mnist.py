@@ -9,9 +9,9 @@ Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batc
 paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
 two ``run_smp`` calls of different lengths (so the Fisher set-up cancels; each the fastest of
 three runs), divided by the extra steps; on a GPU it is timed twice, step by step and in blocks
-of 50 steps replayed as CUDA graphs (``run_smp(cuda_graph=...)``). The paper-scale SMP-none time (S = 100, K = 10^6, 10^8
-score evaluations) is that step time times 10^6: a projection, labelled as such, not a measured
-run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
+of 50 steps replayed as CUDA graphs (``run_smp(cuda_graph=...)``). The paper-scale SMP-none time
+(S = 100, K = 10^6, 10^8 score evaluations) is that step time times 10^6: a projection, labelled as
+such, not a measured run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
 chain (``--fisher-examples`` validation images) by the three paths of ``smp_core.fisher``: virtual
 rows (theta copied per example), one example at a time for all chains, and by layers (per chain,
 one batched forward and backward pass of the module; the path ``estimate_fisher`` takes for it).
