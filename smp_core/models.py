@@ -312,7 +312,10 @@ class SequentialChainModel(_ModuleChainModel):
             if rule.apply_outer_ is not None:
                 rule.apply_outer_(target, delta, h, pieces(index), gamma)
                 return
-            rows = max(1, _OUTER_CHUNK_ELEMENTS // (target.shape[1] * target.shape[2]))
+            # a few chains at a time on a CPU (the chunk stays in cache); all at once on a GPU, where
+            # each chunk costs kernel launches and memory is no concern at this size
+            rows = target.shape[0] if target.is_cuda else max(1, _OUTER_CHUNK_ELEMENTS // (
+                target.shape[1] * target.shape[2]))
             for start in range(0, target.shape[0], rows):
                 part = slice(start, start + rows)
                 outer = delta[part].unsqueeze(-1) * h[part].unsqueeze(1)

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from .fisher import estimate_fisher
 from .likelihoods import get_likelihood
 from .memory import retain_freed_memory
-from .models import ChainModel, as_chain_model
+from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model
 from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name
 
 
@@ -228,7 +228,7 @@ class _StepBlocks:
 
     def set_tensors(self, tensors: tuple[torch.Tensor, ...]) -> None:
         """The rule's state tensors after a preconditioner update: copied into the captured ones
-        (same shapes), else the graphs are dropped and captured again."""
+        (same shapes), else the graphs are dropped and captured again, after a new warm-up."""
         tensors = tuple(tensors)
         if all(new is old for new, old in zip(tensors, self.tensors, strict=True)):
             return
@@ -237,6 +237,7 @@ class _StepBlocks:
                 old.copy_(new)
             return
         self.tensors, self.graphs = tensors, {}
+        self.seen.clear()
 
     def run(self, k: int, n: int, tau: float, n_obs: int, n_data: int, gen: torch.Generator) -> None:
         """Steps ``k + 1, ..., k + n``."""
@@ -244,37 +245,43 @@ class _StepBlocks:
         n_chains, device, dtype = theta.shape[0], theta.device, theta.dtype
         draws = torch.randint(n_data, (n, n_chains), generator=gen, device=device)
         noise = self.likelihood.draw_noise((n, n_chains), self.out_dim, gen, device, dtype)
-        gammas = torch.tensor([tau / (n_obs + k + j) for j in range(1, n + 1)], dtype=torch.float64)
-        gammas = gammas.to(device=device, dtype=dtype)
-        graph = self.graphs.get(n)
-        if graph is None and self.capture and n in self.seen and len(self.graphs) < self._MAX_GRAPHS:
-            graph = self._capture(draws, noise, gammas)
-        self.seen.add(n)
-        if graph is None:
-            args = (self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors, self.fused_vjp,
-                    draws, noise, gammas)
-            if self.capture:  # the warm-up before a capture runs on a side stream (lazy CUDA set-up there)
+        # gamma_k = tau / (N + k), made on the device (no blocking host-to-device copy per block)
+        wide = torch.float64 if device.type in ("cpu", "cuda") else dtype
+        gammas = (tau / (n_obs + k + torch.arange(1, n + 1, device=device, dtype=wide))).to(dtype)
+        if not self.capture:
+            _steps_from_noise(self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors,
+                              self.fused_vjp, draws, noise, gammas)
+            return
+        with torch.cuda.device(device):
+            graph = self.graphs.get(n)
+            if graph is None and n in self.seen and len(self.graphs) < self._MAX_GRAPHS:
+                graph = self._capture(draws, noise, gammas)
+            self.seen.add(n)
+            if graph is None:  # the warm-up before a capture runs on a side stream (lazy CUDA set-up there)
                 side = torch.cuda.Stream(device=device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
-                    _steps_from_noise(*args)
+                    _steps_from_noise(self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors,
+                                      self.fused_vjp, draws, noise, gammas)
                 torch.cuda.current_stream(device).wait_stream(side)
-            else:
-                _steps_from_noise(*args)
-            return
-        cuda_graph, static_draws, static_noise, static_gammas = graph
-        static_draws.copy_(draws)
-        static_noise.copy_(noise)
-        static_gammas.copy_(gammas)
-        cuda_graph.replay()
+                return
+            cuda_graph, static_draws, static_noise, static_gammas = graph
+            static_draws.copy_(draws)
+            static_noise.copy_(noise)
+            static_gammas.copy_(gammas)
+            cuda_graph.replay()
 
     def _capture(self, draws, noise, gammas):
-        n = draws.shape[0]
+        """Capture a block on the parameters' device (the caller has made it current)."""
+        n, device = draws.shape[0], self.theta.device
         static = (draws.clone(), noise.clone(), gammas.clone())
+        capture_stream = torch.cuda.Stream(device=device)
         try:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(device)
             cuda_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cuda_graph):
+            # the outer stream context puts the caller's stream back even when the capture fails
+            # (torch.cuda.graph does not, when ending an invalidated capture raises)
+            with torch.cuda.stream(capture_stream), torch.cuda.graph(cuda_graph, stream=capture_stream):
                 _steps_from_noise(self.model, self.likelihood, self.x_train, self.theta, self.rule, self.tensors,
                                   self.fused_vjp, *static)
         except Exception as error:  # noqa: BLE001 - any failure to capture falls back to uncaptured blocks
@@ -308,7 +315,8 @@ def advance_smp(
     ``cuda_graph``: ``False`` runs step by step; ``True`` runs blocks of steps from pre-drawn noise
     (:class:`_StepBlocks`), captured as CUDA graphs on a GPU and run as they are on a CPU, and
     raises when this model, likelihood and preconditioner cannot (:func:`step_blocks_unavailable`);
-    ``None`` runs blocks when the parameters are on a CUDA device and they can, else step by step.
+    ``None`` runs blocks when the parameters are on a CUDA device, the model is one that
+    :mod:`smp_core.models` batches by hand and blocks are possible, else step by step.
     Blocks draw their random numbers in another order than the step-by-step loop, so the two give
     different (equally valid) samples from the same seed.
     """
@@ -400,13 +408,21 @@ def advance_smp(
     return state
 
 
+def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, device: torch.device) -> bool:
+    """Whether a run takes the step blocks: when asked (``True``), or by default on a CUDA device for
+    the networks that :mod:`smp_core.models` batches by hand (their steps are known to be capturable;
+    a user's chain model is captured only when asked)."""
+    if cuda_graph is None:
+        return (device.type == "cuda" and isinstance(model, SequentialChainModel | MLPChainModel)
+                and step_blocks_unavailable(model, likelihood, precond) is None)
+    return bool(cuda_graph)
+
+
 def _make_step_blocks(cuda_graph: bool | None, state: SMPState, model, likelihood, x_train, precond):
     """The :class:`_StepBlocks` of a run, or ``None`` for the step-by-step loop (see :func:`advance_smp`)."""
-    if cuda_graph is False:
+    if not _uses_step_blocks(cuda_graph, model, likelihood, precond, state.theta.device):
         return None
     reason = step_blocks_unavailable(model, likelihood, precond)
-    if cuda_graph is None and (reason is not None or not state.theta.is_cuda):
-        return None
     if reason is not None:
         raise ValueError(f"cuda_graph=True needs blocks of steps, but {reason}")
     rule = precond.elementwise
@@ -434,7 +450,8 @@ def _load_checkpoint(path: Path, key: str, device: torch.device) -> SMPState | N
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if payload.get("key") != key:
         raise ValueError(f"the checkpoint {path} belongs to a run with other settings; delete it or choose "
-                         "another checkpoint path (nothing was overwritten)")
+                         "another checkpoint path (nothing was overwritten). A run on a GPU made before "
+                         "step blocks existed resumes with cuda_graph=False")
     gen = torch.Generator(device=device)
     gen.set_state(payload["generator"])
     return SMPState(
@@ -498,7 +515,9 @@ def run_smp(
         progress: show a tqdm progress bar.
         cuda_graph: run blocks of steps as replays of CUDA graphs (the step of a small network on a
             GPU is bound by kernel launches, not arithmetic). ``None`` (default): on a CUDA device,
-            when the preconditioner is ``none`` or a ``diag`` one and the likelihood a built-in one;
+            for a network batched by hand (an ``nn.Sequential`` of Linear / Conv2d / activation /
+            pooling layers), when the preconditioner is ``none`` or a ``diag`` one and the likelihood
+            a built-in one;
             ``True``: insist (on a CPU the blocks run uncaptured, the same arithmetic); ``False``: the
             step-by-step loop. Blocks draw their random numbers in another order than the loop, so
             the two give different, equally valid, samples; the run's config records
@@ -543,8 +562,7 @@ def run_smp(
         "likelihood": lik.name, "d": net.layout.dim, **precond.hyper, "check_every": check_every,
         "divergence_threshold": divergence_threshold, "trace_every": trace_every,
     }
-    if cuda_graph is True or (cuda_graph is None and device.type == "cuda"
-                              and step_blocks_unavailable(net, lik, precond) is None):
+    if _uses_step_blocks(cuda_graph, net, lik, precond, device):
         # (recorded only when on, so that the keys of earlier step-by-step checkpoints still match)
         config["step_blocks"] = True
     # n_steps is left out of the key so that a finished run can be extended to a larger K.

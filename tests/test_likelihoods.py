@@ -72,9 +72,11 @@ def test_samples_from_noise_follow_the_model(generator):
     p = torch.softmax(logits, 0)
     freq = torch.bincount(draws, minlength=5).double() / n
     assert (((freq - p) / torch.sqrt(p * (1 - p) / n)).abs() < 4.5).all()
-    # the last class is never skipped when the cumulative total rounds below a uniform near 1
-    edge = lik.sample_from_noise(torch.zeros(3, 5), torch.tensor([0.0, 0.5, 1.0]))
-    assert edge.tolist() == [0, 2, 4]
+    # a uniform at or above the cumulative total (which rounding can leave just below 1) gives the last class
+    above_one = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    edge = lik.sample_from_noise(torch.zeros(4, 5), torch.stack([torch.tensor(0.0), torch.tensor(0.5),
+                                                                 torch.tensor(1.0), above_one]))
+    assert edge.tolist() == [0, 2, 4, 4]
 
     bern = Bernoulli()
     yb = bern.sample_from_noise(torch.full((n, 1), 0.8), bern.draw_noise((n,), 1, generator))

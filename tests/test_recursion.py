@@ -339,7 +339,7 @@ def test_step_blocks_equal_the_plain_recursion_on_the_same_noise(name, network):
     assert blocks.trace_steps == list(range(4, n_steps + 1, 4))
 
 
-def test_step_blocks_are_reproducible_and_resume_from_a_checkpoint(tmp_path):
+def test_step_blocks_are_reproducible_and_resume_from_a_checkpoint(tmp_path, monkeypatch):
     net = _small_cnn()
     x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
     kw = dict(preconditioner="periodic-diag", tau=0.3, n_chains=6, seed=4, period=20, check_every=10,
@@ -348,7 +348,15 @@ def test_step_blocks_are_reproducible_and_resume_from_a_checkpoint(tmp_path):
     assert torch.equal(full.theta, run_smp(net, "categorical", x, n_steps=60, **kw).theta)
     path = tmp_path / "blocks.pt"
     run_smp(net, "categorical", x, n_steps=30, checkpoint=path, checkpoint_every=10, **kw)
-    assert torch.equal(full.theta, run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw).theta)
+    with monkeypatch.context() as patch:
+        import smp_core.recursion as recursion
+
+        def no_fresh_start(*args):
+            raise AssertionError("the run started again instead of resuming")
+
+        patch.setattr(recursion, "init_smp", no_fresh_start)
+        resumed = run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw)
+    assert torch.equal(full.theta, resumed.theta)
     # a checkpoint of the step-by-step loop is not resumed by blocks (other random numbers)
     with pytest.raises(ValueError, match="other settings"):
         run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **{**kw, "cuda_graph": False})
@@ -380,12 +388,22 @@ def test_step_blocks_on_a_cpu_only_when_asked():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_blocks_equal_uncaptured_blocks_on_cuda(monkeypatch):
+@pytest.mark.parametrize("network, lik_name", [("cnn", "categorical"), ("mlp", "bernoulli"), ("mlp", "gaussian")])
+def test_captured_blocks_equal_uncaptured_blocks_on_cuda(network, lik_name, monkeypatch):
+    # the default (cuda_graph=None) takes the blocks on a GPU for these networks; a capture that fails
+    # warns and goes on uncaptured, so the test also checks that every block length was captured
     import smp_core.recursion as recursion
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).cuda()
-    x, y = torch.rand(30, 1, 6, 6, device="cuda"), torch.randint(0, 3, (30,), device="cuda")
+    if network == "cnn":
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).cuda()
+        x, y, shape = torch.rand(30, 1, 6, 6, device="cuda"), torch.randint(0, 3, (30,), device="cuda"), (1, 6, 6)
+    else:
+        net, shape = toy_mlp().cuda(), None
+        x = torch.rand(30, 2, device="cuda") * 2 - 1
+        y = torch.randint(0, 2, (30,), device="cuda").float()
+        if lik_name == "gaussian":
+            y = torch.randn(30, device="cuda")
     captures = []
     capture = recursion._StepBlocks._capture
 
@@ -396,18 +414,21 @@ def test_captured_blocks_equal_uncaptured_blocks_on_cuda(monkeypatch):
 
     monkeypatch.setattr(recursion._StepBlocks, "_capture", counted)
     for name in ("none", "fixed-diag", "periodic-diag", "ema-diag"):
+        # ridge 1e-2: with the paper's 1e-4 some chains of the Gaussian MLP diverge (tiny Fisher entries)
         kw = dict(preconditioner=name, tau=0.3, n_steps=80, n_chains=6, seed=4, period=20, check_every=10,
-                  input_shape=(1, 6, 6), fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=True)
+                  ridge=1e-2, input_shape=shape, fisher="empirical", fisher_data=(x, y), progress=False)
         captures.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            captured = run_smp(net, "categorical", x, **kw)
-        assert not [w for w in caught if "CUDA graph" in str(w.message)], name  # a failed capture warns
+            captured = run_smp(net, lik_name, x, **kw)
+        assert not [w for w in caught if "CUDA graph" in str(w.message).replace("CUDA Graph", "CUDA graph")], name
+        assert captured.config["step_blocks"] is True
         assert captures and all(captures), name
         with monkeypatch.context() as patch:
             patch.setattr(recursion._StepBlocks, "_MAX_GRAPHS", 0)  # nothing is captured
-            uncaptured = run_smp(net, "categorical", x, **kw)
+            uncaptured = run_smp(net, lik_name, x, **kw)
         assert captured.n_diverged == 0
+        assert not torch.equal(captured.theta, captured.theta[:1].expand_as(captured.theta))  # the chains moved
         assert torch.allclose(captured.theta, uncaptured.theta, rtol=1e-4, atol=1e-6), name
 
 
