@@ -25,6 +25,12 @@ import torch
 import torch.nn.functional as F
 
 
+def _uniform_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
+                   device=None, dtype=torch.float32) -> torch.Tensor:
+    """``U(0, 1)`` uniforms of shape ``rows``, one per response (``draw_noise`` of the classifiers)."""
+    return torch.rand(rows, generator=generator, device=device, dtype=dtype)
+
+
 def _check_finite(out: torch.Tensor, what: str = "network output") -> None:
     if not torch.isfinite(out).all():
         raise ValueError(f"the {what} contains NaN or infinite values")
@@ -40,10 +46,7 @@ class Bernoulli:
         u = torch.rand(out.shape[0], generator=generator, device=out.device, dtype=out.dtype)
         return (u < torch.sigmoid(out[:, 0])).to(out.dtype)
 
-    def draw_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
-                   device=None, dtype=torch.float32) -> torch.Tensor:
-        """``U(0, 1)`` uniforms of shape ``rows``, one per response."""
-        return torch.rand(rows, generator=generator, device=device, dtype=dtype)
+    draw_noise = _uniform_noise
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """``Y = 1{U < sigmoid(g)}`` for the uniforms ``noise`` ``(B,)``: a ``Bernoulli(sigmoid(g))`` draw."""
@@ -83,10 +86,7 @@ class Categorical:
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         return torch.multinomial(torch.softmax(out, dim=-1), 1, generator=generator).squeeze(-1)
 
-    def draw_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.Generator | None = None,
-                   device=None, dtype=torch.float32) -> torch.Tensor:
-        """``U(0, 1)`` uniforms of shape ``rows``, one per response."""
-        return torch.rand(rows, generator=generator, device=device, dtype=dtype)
+    draw_noise = _uniform_noise
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Inverse-CDF draw: ``Y`` = the number of cumulative class probabilities below the uniform

@@ -249,8 +249,7 @@ class _StepBlocks:
         wide = torch.float64 if device.type in ("cpu", "cuda") else dtype
         gammas = (tau / (n_obs + k + torch.arange(1, n + 1, device=device, dtype=wide))).to(dtype)
         if not self.capture:
-            _steps_from_noise(self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors,
-                              self.fused_vjp, draws, noise, gammas)
+            self._steps(draws, noise, gammas)
             return
         with torch.cuda.device(device):
             graph = self.graphs.get(n)
@@ -261,8 +260,7 @@ class _StepBlocks:
                 side = torch.cuda.Stream(device=device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(side):
-                    _steps_from_noise(self.model, self.likelihood, self.x_train, theta, self.rule, self.tensors,
-                                      self.fused_vjp, draws, noise, gammas)
+                    self._steps(draws, noise, gammas)
                 torch.cuda.current_stream(device).wait_stream(side)
                 return
             cuda_graph, static_draws, static_noise, static_gammas = graph
@@ -270,6 +268,10 @@ class _StepBlocks:
             static_noise.copy_(noise)
             static_gammas.copy_(gammas)
             cuda_graph.replay()
+
+    def _steps(self, draws: torch.Tensor, noise: torch.Tensor, gammas: torch.Tensor) -> None:
+        _steps_from_noise(self.model, self.likelihood, self.x_train, self.theta, self.rule, self.tensors,
+                          self.fused_vjp, draws, noise, gammas)
 
     def _capture(self, draws, noise, gammas):
         """Capture a block on the parameters' device (the caller has made it current)."""
@@ -282,8 +284,7 @@ class _StepBlocks:
             # the outer stream context puts the caller's stream back even when the capture fails
             # (torch.cuda.graph does not, when ending an invalidated capture raises)
             with torch.cuda.stream(capture_stream), torch.cuda.graph(cuda_graph, stream=capture_stream):
-                _steps_from_noise(self.model, self.likelihood, self.x_train, self.theta, self.rule, self.tensors,
-                                  self.fused_vjp, *static)
+                self._steps(*static)
         except Exception as error:  # noqa: BLE001 - any failure to capture falls back to uncaptured blocks
             warnings.warn(f"capturing a block of {n} SMP steps in a CUDA graph failed ({error!r}); the run goes on "
                           "without CUDA graphs", stacklevel=3)
