@@ -8,7 +8,9 @@ Usage (from the repository root; MNIST is fetched by the offline loader when mis
 Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batches of 48 (the
 paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
 two ``run_smp`` calls of different lengths (so the Fisher set-up cancels; each the fastest of
-three runs), divided by the extra steps; on a GPU it is timed twice, step by step and in blocks
+three runs), divided by the extra steps. On a CPU it is timed twice: the default, the whole step
+run by the compiled kernel of ``smp_core.fused``, and the batched torch model it replaces (one
+kernel per layer for all chains, step by step). On a GPU also twice: step by step and in blocks
 of 50 steps replayed as CUDA graphs (``run_smp(cuda_graph=...)``). The paper-scale SMP-none time
 (S = 100, K = 10^6, 10^8 score evaluations) is that step time times 10^6: a projection, labelled as
 such, not a measured run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
@@ -27,12 +29,16 @@ import torch.nn.functional as F
 
 import smp_core.fisher as fisher_module
 from smp_core import as_chain_model, lenet5, run_smp
+from smp_core.fused import fused_unavailable
 from smp_core.likelihoods import Categorical
 from smp_core.mnist import mnist_tensors
+from smp_core.models import SequentialChainModel
 from smp_core.preconditioners import Structure
 from smp_core.results import cpu_model
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
+MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched torch, one by one",
+              "graphs": "CUDA graphs"}
 
 
 def _sync(device: torch.device) -> None:
@@ -66,14 +72,20 @@ def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
     return per_batch * (n_train / batch)
 
 
-def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, cuda_graph=False):
+def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, mode):
+    """Seconds per step. ``mode``: "compiled" (the CPU default: the whole step in the kernel of
+    smp_core.fused), "batched" (the batched torch model, step by step: the CPU path without the
+    kernel, and the GPU default without graphs) or "graphs" (CUDA graphs)."""
     net = lenet5().to(device)
+    cuda_graph = {"compiled": None, "batched": False, "graphs": True}[mode]
+    if mode == "batched":
+        net = SequentialChainModel(net, (1, 28, 28))
     kw = dict(preconditioner=variant, tau=0.05, n_chains=n_chains, seed=0, progress=False,
               input_shape=(1, 28, 28), fisher="empirical", fisher_data=(xv, yv), cuda_graph=cuda_graph)
     x = x.to(device)
     # with CUDA graphs the first block of 50 steps is the warm-up and the second is captured: both
     # runs include them, so that the difference is replays only
-    base = 105 if cuda_graph else 5
+    base = 105 if mode == "graphs" else 5
     run_smp(net, "categorical", x, n_steps=base, **kw)  # warm-up
     # the fastest of three runs of each length: the least disturbed by other work on the machine
     short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(3))
@@ -149,15 +161,18 @@ def main():
     print("| device | variant | steps | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
     print("|---|---|---|---|---|---|")
     for name in devices:
-        # on a GPU, the step-by-step loop and blocks of 50 steps replayed as CUDA graphs
-        modes = [False, True] if name.startswith("cuda") else [False]
+        # on a GPU, the step-by-step loop and blocks of 50 steps replayed as CUDA graphs; on a CPU, the
+        # compiled kernel (the default) and the batched torch model it replaces
+        modes = ["batched", "graphs"] if name.startswith("cuda") else ["compiled", "batched"]
         for variant in args.variants:
-            for graphed in modes:
-                step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps, graphed)
+            for mode in modes:
+                if mode == "compiled" and fused_unavailable() is not None:
+                    print(f"| {name} | SMP-{variant} | compiled kernel | not available: {fused_unavailable()} | | |")
+                    continue
+                step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps, mode)
                 paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
-                mode = "CUDA graphs" if graphed else "one by one"
-                print(f"| {name} | SMP-{variant} | {mode} | {1000 * step:.2f} | {step * 1e6:.0f} | {paper} |",
-                      flush=True)
+                print(f"| {name} | SMP-{variant} | {MODE_NAMES[mode]} | {1000 * step:.2f} | {step * 1e6:.0f} | "
+                      f"{paper} |", flush=True)
     print(f"\nDiagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} validation images\n")
     print("| device | path | seconds |")
     print("|---|---|---|")

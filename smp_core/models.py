@@ -24,6 +24,7 @@ Three implementations, chosen by :func:`as_chain_model`:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Protocol
 
 import torch
@@ -644,7 +645,10 @@ class MLPChainModel:
 
 
 def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] | None = None) -> ChainModel:
-    """Wrap a module in the fastest :class:`ChainModel` that supports it.
+    """Wrap a module in the fastest :class:`ChainModel` that supports it: :class:`MLPChainModel` for
+    an MLP, else the compiled kernel of :mod:`smp_core.fused` (built on first use; CPU tensors) for an
+    ``nn.Sequential`` of the layers it knows, else :class:`SequentialChainModel`, else
+    :class:`FunctionalChainModel`.
 
     ``input_shape`` (one input, no batch dimension) is needed unless the module is an MLP whose
     first layer is ``Linear``.
@@ -663,5 +667,22 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
             raise ValueError(f"input_shape is needed for a {type(first).__name__} (the shape of one input, "
                              "without the batch dimension, e.g. (1, 28, 28))")
     if sequential_supported(module):
+        from .fused import FusedSequentialChainModel, fused_supported, fused_unavailable
+
+        if fused_supported(module):
+            reason = fused_unavailable()
+            if reason is None:
+                return FusedSequentialChainModel(module, input_shape)
+            _warn_once(f"the compiled CPU kernel of smp_core.fused is not used: {reason}; the batched torch "
+                       "model runs instead (slower on a CPU, the same numbers up to rounding)")
         return SequentialChainModel(module, input_shape)
     return FunctionalChainModel(module, input_shape)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED and "SMP_CORE_FUSED=0" not in message:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -225,6 +225,8 @@ class ElementwiseRule:
     apply_outer_: (Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Sequence[torch.Tensor],
                              float | torch.Tensor], None] | None) = None
     covers_update: bool = False
+    kernel: tuple | None = None
+    """What the rule is, for a compiled kernel that implements it natively (``("ema", beta, ridge)``)."""
 
 
 def _identity_step_(theta: torch.Tensor, score: torch.Tensor, parts, gamma: float | torch.Tensor) -> None:
@@ -271,7 +273,8 @@ def ema_diagonal_rule(beta: float, ridge: float) -> ElementwiseRule:
             theta.addcdiv_(score, stat + ridge, value=gamma)
         stat.mul_(beta).addcmul_(score, score, value=1 - beta)
 
-    return ElementwiseRule(tensors=lambda state: (state.stat[0],), apply_=apply_, covers_update=True)
+    return ElementwiseRule(tensors=lambda state: (state.stat[0],), apply_=apply_, covers_update=True,
+                          kernel=("ema", beta, ridge))
 
 
 @dataclass(frozen=True)

@@ -196,8 +196,12 @@ def _steps_from_noise(model: ChainModel, likelihood, x_train: torch.Tensor, thet
     ``noise`` ``(n, S, ...)`` and the step sizes ``gammas`` ``(n,)`` given as tensors: no random
     number is drawn, nothing is read back to the host and the step size is a tensor, so the same
     kernels can be captured once in a CUDA graph and replayed with new inputs."""
+    whole_step = getattr(model, "step_", None)  # a compiled kernel that does the whole step (smp_core.fused)
     for j in range(draws.shape[0]):
-        out, ctx = model.forward(theta, x_train.index_select(0, draws[j]))
+        rows = x_train.index_select(0, draws[j])
+        if whole_step is not None and whole_step(theta, rows, likelihood, noise[j], rule, tensors, gammas[j]):
+            continue
+        out, ctx = model.forward(theta, rows)
         residual = likelihood.residual(out, likelihood.sample_from_noise(out, noise[j]))
         if fused_vjp is not None:
             fused_vjp(ctx, residual, theta, rule, tensors, gammas[j])
@@ -317,7 +321,8 @@ def advance_smp(
     (:class:`_StepBlocks`), captured as CUDA graphs on a GPU and run as they are on a CPU, and
     raises when this model, likelihood and preconditioner cannot (:func:`step_blocks_unavailable`);
     ``None`` runs blocks when the parameters are on a CUDA device, the model is one that
-    :mod:`smp_core.models` batches by hand and blocks are possible, else step by step.
+    :mod:`smp_core.models` batches by hand and blocks are possible, or on a CPU when the compiled
+    kernel of :mod:`smp_core.fused` takes the whole step; else step by step.
     Blocks draw their random numbers in another order than the step-by-step loop, so the two give
     different (equally valid) samples from the same seed.
     """
@@ -412,10 +417,15 @@ def advance_smp(
 def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, device: torch.device) -> bool:
     """Whether a run takes the step blocks: when asked (``True``), or by default on a CUDA device for
     the networks that :mod:`smp_core.models` batches by hand (their steps are known to be capturable;
-    a user's chain model is captured only when asked)."""
+    a user's chain model is captured only when asked), and on a CPU where the compiled kernel of
+    :mod:`smp_core.fused` takes the whole step (``model.takes_whole_step``)."""
     if cuda_graph is None:
-        return (device.type == "cuda" and isinstance(model, SequentialChainModel | MLPChainModel)
-                and step_blocks_unavailable(model, likelihood, precond) is None)
+        if step_blocks_unavailable(model, likelihood, precond) is not None:
+            return False
+        if device.type == "cuda":
+            return isinstance(model, SequentialChainModel | MLPChainModel)
+        takes = getattr(model, "takes_whole_step", None)
+        return takes is not None and takes(likelihood, precond.elementwise, device)
     return bool(cuda_graph)
 
 
@@ -518,7 +528,8 @@ def run_smp(
             GPU is bound by kernel launches, not arithmetic). ``None`` (default): on a CUDA device,
             for a network batched by hand (an ``nn.Sequential`` of Linear / Conv2d / activation /
             pooling layers), when the preconditioner is ``none`` or a ``diag`` one and the likelihood
-            a built-in one;
+            a built-in one; on a CPU, when the compiled kernel of :mod:`smp_core.fused` runs the
+            network (it then takes each whole step: forward, response, residual, backward, update);
             ``True``: insist (on a CPU the blocks run uncaptured, the same arithmetic); ``False``: the
             step-by-step loop. Blocks draw their random numbers in another order than the loop, so
             the two give different, equally valid, samples; the run's config records
@@ -566,6 +577,10 @@ def run_smp(
     if _uses_step_blocks(cuda_graph, net, lik, precond, device):
         # (recorded only when on, so that the keys of earlier step-by-step checkpoints still match)
         config["step_blocks"] = True
+        takes = getattr(net, "takes_whole_step", None)
+        if device.type == "cpu" and takes is not None and precond.elementwise is not None and takes(
+                lik, precond.elementwise, device):
+            config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
     # n_steps is left out of the key so that a finished run can be extended to a larger K.
     key = _config_key({
         **{k: v for k, v in config.items() if k != "n_steps"},

@@ -37,7 +37,9 @@ def _z_mean_and_covariance(samples, theta0, expected_cov):
     ("none", False), ("fixed-diag", False), ("fixed-block", False), ("fixed-dense", False),
     ("periodic-diag", False), ("periodic-block", False), ("periodic-dense", False),
     # blocks of steps from pre-drawn noise (what a CUDA graph replays; uncaptured on a CPU)
-    ("none", True), ("fixed-diag", True), ("periodic-diag", True)])
+    ("none", True), ("fixed-diag", True), ("periodic-diag", True),
+    # the compiled whole step of smp_core.fused (None: the default, which takes it on a CPU)
+    ("none", None), ("fixed-diag", None), ("periodic-diag", None)])
 def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generator):
     # For y = theta^T [x, 1] + sigma eps the score is [x, 1] eps / sigma and the model-expected Fisher I
     # is exact and constant, so with P fixed (or recomputed: still I) the increments are independent of
@@ -45,10 +47,17 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
     # tau^2 sum_k (N+k)^-2 P^-1 I P^-1 (P = I for "none", I + lambda Id otherwise).
     net, x, fisher, lik = _linear_gaussian(generator)
     tau, n_steps, n_chains, ridge = 0.7, 150, 4000, 1e-3
-    result = run_smp(net, lik, x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11,
+    model = net
+    if cuda_graph is None:
+        from smp_core.fused import FusedSequentialChainModel, fused_unavailable
+
+        if fused_unavailable() is not None:
+            pytest.skip(f"no fused kernel: {fused_unavailable()}")
+        model = FusedSequentialChainModel(net, (2,))
+    result = run_smp(model, lik, x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11,
                      ridge=ridge, period=40, progress=False, cuda_graph=cuda_graph)
     assert result.n_diverged == 0
-    assert result.config.get("step_blocks", False) is cuda_graph
+    assert result.config.get("step_blocks", False) is (cuda_graph is not False)
     n = x.shape[0]
     c_k = tau**2 * sum((n + k) ** -2.0 for k in range(1, n_steps + 1))
     if name == "none":
@@ -195,8 +204,9 @@ def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypat
     model = as_chain_model(net, (1, 6, 6))
     assert isinstance(model, SequentialChainModel)
     x, y = torch.rand(30, 1, 6, 6), torch.randint(0, 3, (30,))
+    # the step-by-step loop (cuda_graph=False): on a CPU the default would take the compiled whole step
     kw = dict(preconditioner=name, tau=0.5, n_steps=40, n_chains=10, seed=2, period=15, check_every=10,
-              fisher="empirical", fisher_data=(x, y), progress=False)
+              fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=False)
     fused = run_smp(model, "categorical", x, **kw)
     plain = run_smp(WithoutFusedUpdate(model), "categorical", x, **kw)
     theta0 = model.layout.flatten(net)

@@ -1,0 +1,685 @@
+// One SMP step of an nn.Sequential network for every chain, fused per chain (CPU).
+//
+// Each chain has its own parameter row theta_b and its own input x_b. The forward pass and the
+// backward pass of one chain run on one thread, start to end, with the chain's activations in a
+// small per-chain buffer: no kernel per layer, no (B, C*kh*kw, L) patch tensor, no (B, d) score.
+// The backward pass steps each layer's parameters as soon as the layer's input gradient has been
+// pulled back through its current weights (the order of smp_core.models.SequentialChainModel), so
+// every weight and every preconditioner entry is read and written once per step.
+//
+// The network is described by `spec`, a flat int64 list built by smp_core/fused.py: one record per
+// layer, [kind, fields...], with the offsets of its parameters in theta and of its input and output
+// in the activation buffer. See fused.py for the record layouts.
+//
+// Update modes of the backward pass (g = J_b^T cotangent_b, the chain's score; eq. 2.14):
+//   0  write g into grad (B, d)                      (vjp)
+//   1  theta += gamma * g                            (SMP-none)
+//   2  theta += gamma * scale * g                    (a stored diagonal P^{-1}: fixed, periodic)
+//   3  theta += gamma * g / (stat + ridge);          (EMA diagonal: the step uses the statistic
+//      stat = beta * stat + (1 - beta) * g^2          before g is folded in)
+// `scale` and `stat` are (1, d) (shared, mode 2 only) or (B, d).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+enum Kind : int64_t { LINEAR = 0, CONV = 1, RELU = 2, TANH = 3, SIGMOID = 4, IDENTITY = 5, MAXPOOL = 6 };
+
+// record lengths (kind included)
+constexpr int64_t kLinearLen = 7;   // kind, in, out, w_off, b_off, in_act, out_act
+constexpr int64_t kConvLen = 19;    // kind, C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, w_off, b_off, in_act, out_act
+constexpr int64_t kActLen = 4;      // kind, n, in_act, out_act
+constexpr int64_t kPoolLen = 17;    // kind, C, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, in_act, out_act, arg_off
+
+int64_t record_length(int64_t kind) {
+  switch (kind) {
+    case LINEAR: return kLinearLen;
+    case CONV: return kConvLen;
+    case MAXPOOL: return kPoolLen;
+    case RELU: case TANH: case SIGMOID: case IDENTITY: return kActLen;
+    default: TORCH_CHECK(false, "fused_sequential: unknown layer kind ", kind);
+  }
+}
+
+std::vector<int64_t> record_starts(const std::vector<int64_t>& spec) {
+  std::vector<int64_t> starts;
+  for (size_t i = 0; i < spec.size(); i += record_length(spec[i])) starts.push_back(static_cast<int64_t>(i));
+  return starts;
+}
+
+// Register-blocked small matrix products (the per-chain GEMMs of a convolution), written with GCC
+// vector extensions so that the blocking does not depend on the auto-vectorizer: a vector V is 32
+// bytes (one AVX2 register; emulated where there is none), a row block of C is NR = 2 vectors.
+template <typename T>
+struct Vec {
+  typedef T type __attribute__((vector_size(32)));
+};
+template <typename T>
+using V = typename Vec<T>::type;
+template <typename T>
+constexpr int64_t kVL = 32 / sizeof(T);
+template <typename T>
+constexpr int64_t kNR = 2 * kVL<T>;
+
+template <typename T>
+inline V<T> load(const T* p) {
+  V<T> v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <typename T>
+inline void store(T* p, V<T> v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+template <typename T>
+inline T hsum(V<T> v) {
+  T s = T(0);
+  for (int64_t i = 0; i < kVL<T>; ++i) s += v[i];
+  return s;
+}
+
+inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+// C[i, 0:NR] = sum_k A[i * a_rs + k * a_cs] * B[k * ldb + 0:NR] for MR rows.
+template <typename T, int MR>
+inline void kernel_nn(int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t ldb, T* C,
+                      int64_t ldc) {
+  constexpr int64_t VL = kVL<T>;
+  V<T> acc0[MR], acc1[MR];
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = V<T>{} ;
+  for (int64_t k = 0; k < K; ++k) {
+    const V<T> b0 = load(B + k * ldb), b1 = load(B + k * ldb + VL);
+    for (int i = 0; i < MR; ++i) {
+      const T a = A[i * a_rs + k * a_cs];
+      acc0[i] += a * b0;
+      acc1[i] += a * b1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    store(C + i * ldc, acc0[i]);
+    store(C + i * ldc + VL, acc1[i]);
+  }
+}
+
+template <typename T>
+void gemm_nn(int64_t M, int64_t Npad, int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t ldb,
+             T* C, int64_t ldc) {
+  for (int64_t n0 = 0; n0 < Npad; n0 += kNR<T>)
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const T* a = A + m0 * a_rs;
+      T* c = C + m0 * ldc + n0;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 4: kernel_nn<T, 4>(K, a, a_rs, a_cs, B + n0, ldb, c, ldc); break;
+        case 3: kernel_nn<T, 3>(K, a, a_rs, a_cs, B + n0, ldb, c, ldc); break;
+        case 2: kernel_nn<T, 2>(K, a, a_rs, a_cs, B + n0, ldb, c, ldc); break;
+        default: kernel_nn<T, 1>(K, a, a_rs, a_cs, B + n0, ldb, c, ldc);
+      }
+    }
+}
+
+// C[i, j] = sum_l A[i * lda + l] B[j * ldb + l] for MR x NR2 entries (dot products, several at once
+// so that no single chain of additions waits on the previous one).
+template <typename T, int MR, int NR2>
+inline void kernel_nt(int64_t L, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
+  constexpr int64_t VL = kVL<T>;
+  V<T> acc[MR][NR2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR2; ++j) acc[i][j] = V<T>{};
+  const int64_t main = L - L % VL;
+  for (int64_t l = 0; l < main; l += VL) {
+    V<T> a[MR], b[NR2];
+    for (int i = 0; i < MR; ++i) a[i] = load(A + i * lda + l);
+    for (int j = 0; j < NR2; ++j) b[j] = load(B + j * ldb + l);
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR2; ++j) acc[i][j] += a[i] * b[j];
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR2; ++j) {
+      T sum = hsum<T>(acc[i][j]);
+      for (int64_t l = main; l < L; ++l) sum += A[i * lda + l] * B[j * ldb + l];
+      C[i * ldc + j] = sum;
+    }
+}
+
+template <typename T, int MR>
+inline void nt_row_block(int64_t N, int64_t L, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
+  int64_t n0 = 0;
+  for (; n0 + 4 <= N; n0 += 4) kernel_nt<T, MR, 4>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc);
+  switch (N - n0) {
+    case 3: kernel_nt<T, MR, 3>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc); break;
+    case 2: kernel_nt<T, MR, 2>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc); break;
+    case 1: kernel_nt<T, MR, 1>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc); break;
+    default: break;
+  }
+}
+
+// C (M x N) = A (M x L) B^T (B: N x L), rows contiguous along L.
+template <typename T>
+void gemm_nt(int64_t M, int64_t N, int64_t L, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= M; m0 += 2) nt_row_block<T, 2>(N, L, A + m0 * lda, lda, B, ldb, C + m0 * ldc, ldc);
+  if (m0 < M) nt_row_block<T, 1>(N, L, A + m0 * lda, lda, B, ldb, C + m0 * ldc, ldc);
+}
+
+// The parameter step of n consecutive entries from offset `at`, by mode, from their score g.
+template <typename T>
+struct Update {
+  int64_t mode;
+  T gamma, beta, ridge;
+  T* theta;          // this chain's row
+  T* grad;           // mode 0: this chain's row of the result
+  const T* scale;    // mode 2: this chain's (or the shared) row
+  T* stat;           // mode 3: this chain's row
+
+  void apply(int64_t at, const T* g, int64_t n) const {
+    T* th = theta + at;
+    switch (mode) {
+      case 0: {
+        T* out = grad + at;
+        for (int64_t j = 0; j < n; ++j) out[j] = g[j];
+        break;
+      }
+      case 1: {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) th[j] += gamma * g[j];
+        break;
+      }
+      case 2: {
+        const T* sc = scale + at;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) th[j] += gamma * g[j] * sc[j];
+        break;
+      }
+      default: {
+        T* st = stat + at;
+        const T keep = beta, fold = T(1) - beta;
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) {
+          th[j] += gamma * g[j] / (st[j] + ridge);
+          st[j] = keep * st[j] + fold * g[j] * g[j];
+        }
+      }
+    }
+  }
+};
+
+// Per-thread scratch, sized for the largest layer.
+template <typename T>
+struct Scratch {
+  std::vector<T> cols, work, wide, delta, next, grad;
+};
+
+// The patch matrix (C*kh*kw, L) of one chain's input, in F.unfold's order (zero padding), rows of
+// stride ld >= L (the columns past L are zero).
+template <typename T>
+void im2col(const T* in, T* cols, int64_t ld, const int64_t* r) {
+  const int64_t C = r[1], H = r[2], W = r[3], OH = r[5], OW = r[6], kh = r[7], kw = r[8];
+  const int64_t sh = r[9], sw = r[10], ph = r[11], pw = r[12], dh = r[13], dw = r[14];
+  const int64_t L = OH * OW;
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < kh; ++i)
+      for (int64_t j = 0; j < kw; ++j) {
+        T* row = cols + ((c * kh + i) * kw + j) * ld;
+        for (int64_t oy = 0; oy < OH; ++oy) {
+          const int64_t y = oy * sh + i * dh - ph;
+          T* dst = row + oy * OW;
+          if (y < 0 || y >= H) {
+            for (int64_t ox = 0; ox < OW; ++ox) dst[ox] = T(0);
+            continue;
+          }
+          const T* src = in + (c * H + y) * W;
+          const int64_t x0 = j * dw - pw;
+          if (sw == 1 && x0 >= 0 && x0 + OW <= W) {
+            for (int64_t ox = 0; ox < OW; ++ox) dst[ox] = src[x0 + ox];
+          } else {
+            for (int64_t ox = 0; ox < OW; ++ox) {
+              const int64_t x = ox * sw + x0;
+              dst[ox] = (x >= 0 && x < W) ? src[x] : T(0);
+            }
+          }
+        }
+        for (int64_t l = L; l < ld; ++l) row[l] = T(0);
+      }
+}
+
+// Whether every pooling window lies inside the input (no padding, no ceil_mode overhang).
+inline bool pool_inside(const int64_t* r) {
+  const int64_t H = r[2], W = r[3], OH = r[4], OW = r[5], kh = r[6], kw = r[7];
+  const int64_t sh = r[8], sw = r[9], ph = r[10], pw = r[11], dh = r[12], dw = r[13];
+  return ph == 0 && pw == 0 && (OH - 1) * sh + (kh - 1) * dh < H && (OW - 1) * sw + (kw - 1) * dw < W;
+}
+
+// The max-pooling window of output (c, oy, ox): its value and the flat input index of its first
+// maximum, or of its first NaN (ATen's rule; a NaN must stay visible).
+template <typename T>
+inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, int64_t ox, T& best) {
+  const int64_t H = r[2], W = r[3], kh = r[6], kw = r[7];
+  const int64_t sh = r[8], sw = r[9], ph = r[10], pw = r[11], dh = r[12], dw = r[13];
+  best = -std::numeric_limits<T>::infinity();
+  int64_t arg = -1;
+  for (int64_t i = 0; i < kh; ++i) {
+    const int64_t y = oy * sh + i * dh - ph;
+    if (y < 0 || y >= H) continue;
+    for (int64_t j = 0; j < kw; ++j) {
+      const int64_t x = ox * sw + j * dw - pw;
+      if (x < 0 || x >= W) continue;
+      const int64_t at = (c * H + y) * W + x;
+      const T v = a[at];
+      if (arg < 0 || v > best || std::isnan(v)) {
+        best = v;
+        arg = at;
+        if (std::isnan(v)) return arg;
+      }
+    }
+  }
+  return arg;
+}
+
+template <typename T>
+void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, const T* theta, T* acts,
+                   int32_t* args, Scratch<T>& z) {
+  for (int64_t s : starts) {
+    const int64_t* r = spec.data() + s;
+    switch (r[0]) {
+      case LINEAR: {
+        const int64_t in = r[1], out = r[2];
+        T* o = acts + r[6];
+        gemm_nt<T>(1, out, in, acts + r[5], in, theta + r[3], in, o, out);
+        if (r[4] >= 0) {
+          const T* b = theta + r[4];
+          for (int64_t q = 0; q < out; ++q) o[q] += b[q];
+        }
+        break;
+      }
+      case CONV: {
+        const int64_t C = r[1], O = r[4], L = r[5] * r[6], K = C * r[7] * r[8], ld = round_up(L, kNR<T>);
+        im2col(acts + r[17], z.cols.data(), ld, r);
+        gemm_nn<T>(O, ld, K, theta + r[15], K, 1, z.cols.data(), ld, z.work.data(), ld);
+        T* o = acts + r[18];
+        for (int64_t q = 0; q < O; ++q) {
+          const T bias = r[16] >= 0 ? theta[r[16] + q] : T(0);
+          const T* w = z.work.data() + q * ld;
+          for (int64_t l = 0; l < L; ++l) o[q * L + l] = w[l] + bias;
+        }
+        break;
+      }
+      case RELU: case TANH: case SIGMOID: case IDENTITY: {
+        const int64_t n = r[1];
+        const T* a = acts + r[2];
+        T* o = acts + r[3];
+        if (r[0] == RELU) {
+          // max(a, 0) that keeps a NaN (as torch.relu does)
+          for (int64_t i = 0; i < n; ++i) o[i] = a[i] <= T(0) ? T(0) : a[i];
+        } else if (r[0] == TANH) {
+          for (int64_t i = 0; i < n; ++i) o[i] = std::tanh(a[i]);
+        } else if (r[0] == SIGMOID) {
+          for (int64_t i = 0; i < n; ++i) o[i] = T(1) / (T(1) + std::exp(-a[i]));
+        } else {
+          for (int64_t i = 0; i < n; ++i) o[i] = a[i];
+        }
+        break;
+      }
+      case MAXPOOL: {
+        const int64_t C = r[1], H = r[2], W = r[3], OH = r[4], OW = r[5], kh = r[6], kw = r[7];
+        const int64_t sh = r[8], sw = r[9], dh = r[12], dw = r[13];
+        const T* a = acts + r[14];
+        T* o = acts + r[15];
+        int32_t* arg = args + r[16];
+        const bool inside = pool_inside(r);
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t oy = 0; oy < OH; ++oy) {
+            T* orow = o + (c * OH + oy) * OW;
+            int32_t* grow = arg + (c * OH + oy) * OW;
+            if (inside) {
+              // the first maximum of each window, or its first NaN (ATen's rule), by selects along the
+              // row of windows: once a window's best is a NaN nothing replaces it
+              const int64_t first = (c * H + oy * sh) * W;
+              for (int64_t ox = 0; ox < OW; ++ox) {
+                orow[ox] = a[first + ox * sw];
+                grow[ox] = static_cast<int32_t>(first + ox * sw);
+              }
+              for (int64_t i = 0; i < kh; ++i)
+                for (int64_t j = 0; j < kw; ++j) {
+                  const int64_t shift = first + i * dh * W + j * dw;
+                  const T* arow = a + shift;
+                  for (int64_t ox = 0; ox < OW; ++ox) {
+                    const T v = arow[ox * sw], b = orow[ox];
+                    const bool take = (v > b) | ((v != v) & (b == b));
+                    orow[ox] = take ? v : b;
+                    grow[ox] = take ? static_cast<int32_t>(shift + ox * sw) : grow[ox];
+                  }
+                }
+            } else {
+              for (int64_t ox = 0; ox < OW; ++ox) {
+                T best;
+                grow[ox] = static_cast<int32_t>(pool_argmax(a, r, c, oy, ox, best));
+                orow[ox] = best;
+              }
+            }
+          }
+        break;
+      }
+    }
+  }
+}
+
+// Backward pass of one chain: z.delta holds the gradient with respect to the network's output on entry.
+template <typename T>
+void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, int64_t first_param,
+                    const T* acts, const int32_t* args, Scratch<T>& z, const Update<T>& up) {
+  const T* theta = up.theta;
+  T* delta = z.delta.data();
+  T* next = z.next.data();
+  T* g = z.grad.data();
+  for (int64_t n = static_cast<int64_t>(starts.size()) - 1; n >= first_param; --n) {
+    const int64_t* r = spec.data() + starts[n];
+    const bool need_input = n > first_param;
+    switch (r[0]) {
+      case LINEAR: {
+        const int64_t in = r[1], out = r[2];
+        const T* h = acts + r[5];
+        for (int64_t i = 0; i < in; ++i) next[i] = T(0);
+        for (int64_t q = 0; q < out; ++q) {
+          const T d = delta[q];
+          const int64_t base = r[3] + q * in;
+          if (need_input && (up.mode == 1 || up.mode == 2)) {
+            // one pass over the row: the input gradient through the current weight, then its step
+            T* wq = up.theta + base;
+            const T gd = up.gamma * d;
+            if (up.mode == 1) {
+#pragma omp simd
+              for (int64_t i = 0; i < in; ++i) {
+                next[i] += wq[i] * d;
+                wq[i] += gd * h[i];
+              }
+            } else {
+              const T* sc = up.scale + base;
+#pragma omp simd
+              for (int64_t i = 0; i < in; ++i) {
+                next[i] += wq[i] * d;
+                wq[i] += gd * h[i] * sc[i];
+              }
+            }
+            continue;
+          }
+          if (need_input) {
+            const T* wq = theta + base;
+#pragma omp simd
+            for (int64_t i = 0; i < in; ++i) next[i] += wq[i] * d;
+          }
+#pragma omp simd
+          for (int64_t i = 0; i < in; ++i) g[i] = d * h[i];
+          up.apply(base, g, in);
+        }
+        if (r[4] >= 0) up.apply(r[4], delta, out);
+        if (need_input) std::swap(delta, next);
+        break;
+      }
+      case CONV: {
+        const int64_t C = r[1], H = r[2], W = r[3], O = r[4], OH = r[5], OW = r[6], kh = r[7], kw = r[8];
+        const int64_t sh = r[9], sw = r[10], ph = r[11], pw = r[12], dh = r[13], dw = r[14];
+        const int64_t L = OH * OW, K = C * kh * kw, ld = round_up(L, kNR<T>);
+        // delta with rows of stride ld (zero past L)
+        T* wide = z.wide.data();
+        for (int64_t q = 0; q < O; ++q) {
+          for (int64_t l = 0; l < L; ++l) wide[q * ld + l] = delta[q * L + l];
+          for (int64_t l = L; l < ld; ++l) wide[q * ld + l] = T(0);
+        }
+        if (need_input) {
+          // col2im of W^T delta, through the current weights
+          T* dcols = z.work.data();
+          gemm_nn<T>(K, ld, O, theta + r[15], 1, K, wide, ld, dcols, ld);
+          for (int64_t i = 0; i < C * H * W; ++i) next[i] = T(0);
+          for (int64_t k = 0; k < K; ++k) {
+            const int64_t c = k / (kh * kw), i = (k / kw) % kh, j = k % kw;
+            const T* row = dcols + k * ld;
+            for (int64_t oy = 0; oy < OH; ++oy) {
+              const int64_t y = oy * sh + i * dh - ph;
+              if (y < 0 || y >= H) continue;
+              T* dst = next + (c * H + y) * W;
+              const T* src = row + oy * OW;
+              const int64_t x0 = j * dw - pw;
+              if (sw == 1 && x0 >= 0 && x0 + OW <= W) {
+#pragma omp simd
+                for (int64_t ox = 0; ox < OW; ++ox) dst[x0 + ox] += src[ox];
+              } else {
+                for (int64_t ox = 0; ox < OW; ++ox) {
+                  const int64_t x = ox * sw + x0;
+                  if (x >= 0 && x < W) dst[x] += src[ox];
+                }
+              }
+            }
+          }
+        }
+        im2col(acts + r[17], z.cols.data(), ld, r);
+        gemm_nt<T>(O, K, ld, wide, ld, z.cols.data(), ld, g, K);
+        up.apply(r[15], g, O * K);
+        if (r[16] >= 0) {
+          for (int64_t q = 0; q < O; ++q) {
+            T acc = T(0);
+            for (int64_t l = 0; l < L; ++l) acc += delta[q * L + l];
+            g[q] = acc;
+          }
+          up.apply(r[16], g, O);
+        }
+        if (need_input) std::swap(delta, next);
+        break;
+      }
+      case RELU: case TANH: case SIGMOID: case IDENTITY: {
+        const int64_t m = r[1];
+        const T* post = acts + r[3];
+        if (r[0] == RELU) {
+          for (int64_t i = 0; i < m; ++i) delta[i] = post[i] > T(0) ? delta[i] : T(0);
+        } else if (r[0] == TANH) {
+          for (int64_t i = 0; i < m; ++i) delta[i] *= T(1) - post[i] * post[i];
+        } else if (r[0] == SIGMOID) {
+          for (int64_t i = 0; i < m; ++i) delta[i] *= post[i] * (T(1) - post[i]);
+        }
+        break;
+      }
+      case MAXPOOL: {
+        const int64_t n_in = r[1] * r[2] * r[3], n_out = r[1] * r[4] * r[5];
+        const int32_t* arg = args + r[16];
+        for (int64_t i = 0; i < n_in; ++i) next[i] = T(0);
+        for (int64_t i = 0; i < n_out; ++i)
+          if (arg[i] >= 0) next[arg[i]] += delta[i];
+        std::swap(delta, next);
+        break;
+      }
+    }
+  }
+}
+
+struct Sizes {
+  int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1;
+
+  template <typename T>
+  Scratch<T> scratch() const {
+    return Scratch<T>{std::vector<T>(cols), std::vector<T>(work), std::vector<T>(wide),
+                      std::vector<T>(act),  std::vector<T>(act),  std::vector<T>(grad)};
+  }
+};
+
+Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts) {
+  Sizes z;
+  for (size_t n = 0; n < starts.size(); ++n) {
+    const int64_t* r = spec.data() + starts[n];
+    int64_t in_n = 0, out_n = 0;
+    switch (r[0]) {
+      case LINEAR:
+        in_n = r[1];
+        out_n = r[2];
+        z.grad = std::max({z.grad, r[1], r[2]});
+        break;
+      case CONV: {
+        // rows padded for either scalar type (16 floats, 8 doubles)
+        const int64_t L = r[5] * r[6], ld = round_up(L, 16), K = r[1] * r[7] * r[8], O = r[4];
+        z.cols = std::max(z.cols, K * ld);
+        z.work = std::max({z.work, K * ld, O * ld});
+        z.wide = std::max(z.wide, O * ld);
+        z.grad = std::max(z.grad, O * K);
+        in_n = r[1] * r[2] * r[3];
+        out_n = O * L;
+        break;
+      }
+      case MAXPOOL: in_n = r[1] * r[2] * r[3]; out_n = r[1] * r[4] * r[5]; break;
+      default: in_n = out_n = r[1];
+    }
+    z.act = std::max({z.act, in_n, out_n});
+    if (z.first_param < 0 && (r[0] == LINEAR || r[0] == CONV)) z.first_param = static_cast<int64_t>(n);
+  }
+  return z;
+}
+
+}  // namespace
+
+// acts (B, A) receives every layer's input and the network's output; x (B, n_in) is copied to its
+// first n_in entries by the caller.
+void forward(const torch::Tensor& theta, torch::Tensor& acts, torch::Tensor& args, const std::vector<int64_t>& spec) {
+  TORCH_CHECK(theta.is_contiguous() && acts.is_contiguous() && args.is_contiguous(),
+              "fused_sequential: contiguous tensors expected");
+  TORCH_CHECK(args.scalar_type() == torch::kInt32 && args.size(0) == theta.size(0), "fused_sequential: bad args");
+  TORCH_CHECK(theta.size(0) == acts.size(0), "fused_sequential: theta and acts rows differ");
+  const auto starts = record_starts(spec);
+  const Sizes z = scratch_sizes(spec, starts);
+  const int64_t B = theta.size(0), d = theta.size(1), A = acts.size(1), P = args.size(1);
+  AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_forward", [&] {
+    const scalar_t* th = theta.data_ptr<scalar_t>();
+    scalar_t* ac = acts.data_ptr<scalar_t>();
+    int32_t* ar = args.data_ptr<int32_t>();
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      auto scratch = z.scratch<scalar_t>();
+      for (int64_t b = begin; b < end; ++b) forward_chain(spec, starts, th + b * d, ac + b * A, ar + b * P, scratch);
+    });
+  });
+}
+
+void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tensor& args, const torch::Tensor& cotangent,
+              const std::vector<int64_t>& spec, int64_t mode, double gamma,
+              torch::Tensor& grad, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
+  TORCH_CHECK(theta.is_contiguous() && acts.is_contiguous() && cotangent.is_contiguous(),
+              "fused_sequential: contiguous tensors expected");
+  const auto starts = record_starts(spec);
+  const Sizes z = scratch_sizes(spec, starts);
+  const int64_t B = theta.size(0), d = theta.size(1), A = acts.size(1), P = args.size(1), n_out = cotangent.size(1);
+  TORCH_CHECK(args.scalar_type() == torch::kInt32 && args.is_contiguous() && args.size(0) == B,
+              "fused_sequential: bad args");
+  TORCH_CHECK(mode >= 0 && mode <= 3, "fused_sequential: unknown mode ", mode);
+  if (mode == 0) TORCH_CHECK(grad.is_contiguous() && grad.size(0) == B && grad.size(1) == d, "bad grad");
+  if (mode == 2) TORCH_CHECK(scale.is_contiguous() && scale.size(1) == d && (scale.size(0) == 1 || scale.size(0) == B),
+                             "bad scale");
+  if (mode == 3) TORCH_CHECK(stat.is_contiguous() && stat.size(0) == B && stat.size(1) == d, "bad stat");
+  AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_backward", [&] {
+    scalar_t* th = theta.data_ptr<scalar_t>();
+    const scalar_t* ac = acts.data_ptr<scalar_t>();
+    const scalar_t* ct = cotangent.data_ptr<scalar_t>();
+    const int32_t* ar = args.data_ptr<int32_t>();
+    scalar_t* gr = mode == 0 ? grad.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* sc = mode == 2 ? scale.data_ptr<scalar_t>() : nullptr;
+    const int64_t sc_stride = mode == 2 && scale.size(0) == B ? d : 0;
+    scalar_t* st = mode == 3 ? stat.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      auto scratch = z.scratch<scalar_t>();
+      for (int64_t b = begin; b < end; ++b) {
+        Update<scalar_t> up{mode, static_cast<scalar_t>(gamma), static_cast<scalar_t>(beta),
+                            static_cast<scalar_t>(ridge), th + b * d, gr ? gr + b * d : nullptr,
+                            sc ? sc + b * sc_stride : nullptr, st ? st + b * d : nullptr};
+        for (int64_t i = 0; i < n_out; ++i) scratch.delta[i] = ct[b * n_out + i];
+        backward_chain(spec, starts, z.first_param, ac + b * A, ar + b * P, scratch, up);
+      }
+    });
+  });
+}
+
+namespace {
+
+// The residual d log f(y | x) / d out of one chain's response drawn from its noise, as
+// smp_core.likelihoods computes it (sample_from_noise, then residual):
+//   0 Bernoulli:   y = 1{u < sigmoid(g)},                       r = y - sigmoid(g)
+//   1 categorical: y = #{c : cdf_c < u} (clamped to C - 1),     r = e_y - softmax(g)
+//   2 Gaussian:    y = g + sigma z,                              r = (y - g) / sigma^2
+template <typename T>
+void residual_from_noise(int64_t likelihood, const T* out, const T* noise, int64_t m, T sigma, T* r) {
+  if (likelihood == 0) {
+    const T p = T(1) / (T(1) + std::exp(-out[0]));
+    r[0] = (noise[0] < p ? T(1) : T(0)) - p;
+  } else if (likelihood == 1) {
+    T top = out[0];
+    for (int64_t c = 1; c < m; ++c) top = out[c] > top ? out[c] : top;
+    T total = T(0);
+    for (int64_t c = 0; c < m; ++c) {
+      r[c] = std::exp(out[c] - top);
+      total += r[c];
+    }
+    int64_t y = 0;
+    T cdf = T(0);
+    for (int64_t c = 0; c < m; ++c) {
+      r[c] = -(r[c] / total);
+      cdf -= r[c];
+      y += cdf < noise[0] ? 1 : 0;
+    }
+    r[std::min<int64_t>(y, m - 1)] += T(1);
+  } else {
+    for (int64_t c = 0; c < m; ++c) r[c] = ((out[c] + sigma * noise[c]) - out[c]) / (sigma * sigma);
+  }
+}
+
+}  // namespace
+
+// One whole SMP step for every chain: forward pass, response drawn from `noise`, residual, backward
+// pass with the parameter step (modes 1-3), each chain start to end on one thread with its
+// activations in per-thread scratch (so its parameter row is read from cache by the backward pass).
+void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noise, const std::vector<int64_t>& spec,
+          int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma,
+          int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
+  TORCH_CHECK(theta.is_contiguous() && x.is_contiguous() && noise.is_contiguous(),
+              "fused_sequential: contiguous tensors expected");
+  const auto starts = record_starts(spec);
+  const Sizes z = scratch_sizes(spec, starts);
+  const int64_t B = theta.size(0), d = theta.size(1), n_in = x.size(1);
+  const int64_t noise_width = noise.numel() / std::max<int64_t>(B, 1);
+  TORCH_CHECK(x.size(0) == B && noise.size(0) == B, "fused_sequential: x, noise and theta rows differ");
+  TORCH_CHECK(x.scalar_type() == theta.scalar_type() && noise.scalar_type() == theta.scalar_type(),
+              "fused_sequential: x, noise and theta must have one dtype");
+  TORCH_CHECK(mode >= 1 && mode <= 3, "fused_sequential: step mode must be 1, 2 or 3, got ", mode);
+  if (mode == 2) TORCH_CHECK(scale.is_contiguous() && scale.size(1) == d && (scale.size(0) == 1 || scale.size(0) == B),
+                             "bad scale");
+  if (mode == 3) TORCH_CHECK(stat.is_contiguous() && stat.size(0) == B && stat.size(1) == d, "bad stat");
+  AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_step", [&] {
+    scalar_t* th = theta.data_ptr<scalar_t>();
+    const scalar_t* xs = x.data_ptr<scalar_t>();
+    const scalar_t* ns = noise.data_ptr<scalar_t>();
+    const scalar_t* sc = mode == 2 ? scale.data_ptr<scalar_t>() : nullptr;
+    const int64_t sc_stride = mode == 2 && scale.size(0) == B ? d : 0;
+    scalar_t* st = mode == 3 ? stat.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      auto scratch = z.scratch<scalar_t>();
+      std::vector<scalar_t> acts(n_acts);
+      std::vector<int32_t> args(std::max<int64_t>(n_args, 1));
+      for (int64_t b = begin; b < end; ++b) {
+        scalar_t* row = th + b * d;
+        std::copy(xs + b * n_in, xs + (b + 1) * n_in, acts.begin());
+        forward_chain(spec, starts, static_cast<const scalar_t*>(row), acts.data(), args.data(), scratch);
+        residual_from_noise<scalar_t>(likelihood, acts.data() + out_offset, ns + b * noise_width, n_out,
+                                      static_cast<scalar_t>(sigma), scratch.delta.data());
+        Update<scalar_t> up{mode, static_cast<scalar_t>(gamma), static_cast<scalar_t>(beta),
+                            static_cast<scalar_t>(ridge), row, nullptr, sc ? sc + b * sc_stride : nullptr,
+                            st ? st + b * d : nullptr};
+        backward_chain(spec, starts, z.first_param, static_cast<const scalar_t*>(acts.data()), args.data(), scratch,
+                       up);
+      }
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "forward pass of every chain");
+  m.def("backward", &backward, "backward pass of every chain, with the parameter step");
+  m.def("step", &step, "one SMP step of every chain: forward, response, residual, backward with the step");
+}

@@ -1,0 +1,309 @@
+"""A compiled CPU kernel for the SMP step of ``nn.Sequential`` networks: one thread per chain, start to end.
+
+On a CPU the batched step of :class:`~smp_core.models.SequentialChainModel` (a LeNet-5 with
+S = 100 chains) is bound by its ~60 kernel calls and the memory passes between them: each layer
+writes its activations, patches and gradients for all chains before the next layer reads them.
+:class:`FusedSequentialChainModel` runs the same forward and backward passes (the same hand-derived
+gradients, in the same order: each layer's parameters are stepped after its input gradient has been
+pulled back through its current weights) as one C++ function per chain, with the chain's
+activations in a small buffer that stays in cache, threaded over chains with ``at::parallel_for``.
+The parameter step of the element-wise preconditioners (``none``, a stored ``diag``, the EMA
+``diag``) is done inside the kernel (eq. 2.14), so no ``(S, d)`` score is ever written.
+
+The kernel (``smp_core/csrc/fused_sequential.cpp``) is compiled on first use with
+``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; about a minute, then
+cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). When it cannot be built,
+:func:`fused_unavailable` says why and :func:`~smp_core.models.as_chain_model` keeps the batched
+torch model; ``SMP_CORE_FUSED=0`` turns the kernel off. CUDA tensors always take the batched torch
+path (:class:`SequentialChainModel`), where one kernel per layer over all chains is the fast way.
+
+Supported layers: ``Linear``, ``Conv2d`` (groups 1, zero padding, any stride and dilation),
+``ReLU``, ``Tanh``, ``Sigmoid``, ``Identity``, ``MaxPool2d`` (values only, any window, stride,
+padding, dilation and ``ceil_mode``) and ``Flatten`` (from dimension 1), each of exactly that type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .likelihoods import Bernoulli, Categorical, Gaussian
+from .models import SequentialChainModel, _check_out, _check_rows, sequential_supported
+from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE
+
+_SOURCE = Path(__file__).with_name("csrc") / "fused_sequential.cpp"
+
+# layer kinds of the C++ records (see the source)
+_LINEAR, _CONV, _RELU, _TANH, _SIGMOID, _IDENTITY, _MAXPOOL = range(7)
+_ACTIVATION_KIND = {nn.ReLU: _RELU, nn.Tanh: _TANH, nn.Sigmoid: _SIGMOID, nn.Identity: _IDENTITY}
+
+_extension: Any = None
+_build_error: str | None = None
+_lock = threading.Lock()
+
+
+def _extension_name() -> str:
+    """A name tied to the source and to this processor (the kernel is built with ``-march=native``)."""
+    digest = hashlib.sha256(_SOURCE.read_bytes())
+    digest.update(f"{platform.machine()} {_cpu_model()} {torch.__version__}".encode())
+    return f"smp_fused_sequential_{digest.hexdigest()[:16]}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def load_extension():
+    """The compiled kernel, built on first use; raises ``RuntimeError`` (saying why) when it cannot be."""
+    if _extension is not None:
+        return _extension
+    reason = fused_unavailable()
+    if reason is not None:
+        raise RuntimeError(f"the fused CPU kernel is not available: {reason}")
+    return _extension
+
+
+def fused_unavailable(verbose: bool = False) -> str | None:  # verbose: the compiler's output
+    """Why the fused kernel cannot be used here (``SMP_CORE_FUSED=0``, no compiler, a failed build), or
+    ``None`` once it is built and loaded. The first call builds it (about a minute), later ones are free."""
+    global _extension, _build_error
+    if os.environ.get("SMP_CORE_FUSED", "1") == "0":
+        return "turned off by SMP_CORE_FUSED=0"
+    if _extension is not None:
+        return None
+    if _build_error is not None:
+        return _build_error
+    with _lock:
+        if _extension is None and _build_error is None:
+            try:
+                # importing cpp_extension logs a warning about CUDA on a machine without it: not our case
+                logger = logging.getLogger("torch.utils.cpp_extension")
+                level = logger.level
+                logger.setLevel(logging.ERROR)
+                try:
+                    from torch.utils import cpp_extension
+                finally:
+                    logger.setLevel(level)
+
+                _put_ninja_on_path()
+                flags = ["-O3", "-fopenmp"]
+                if platform.machine() in ("x86_64", "AMD64"):
+                    flags.append("-march=native")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _extension = cpp_extension.load(name=_extension_name(), sources=[str(_SOURCE)],
+                                                    extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                                                    verbose=verbose)
+            except Exception as error:  # noqa: BLE001 - any build failure means: use the torch path
+                _build_error = f"building {_SOURCE.name} failed ({type(error).__name__}: {str(error)[:300]})"
+    return _build_error
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs ``ninja`` from PATH; the pip package's copy sits beside the venv's python, which is
+    not on PATH when the venv was not activated."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def fused_supported(module: nn.Module) -> bool:
+    """Whether :class:`FusedSequentialChainModel` can run this module (see the module docstring)."""
+    if not sequential_supported(module):
+        return False
+    for layer in module:
+        kind = type(layer)
+        if kind in (nn.Linear, nn.Conv2d, nn.Flatten) or kind in _ACTIVATION_KIND:
+            continue
+        if kind is nn.MaxPool2d and not layer.return_indices:
+            continue
+        return False
+    return True
+
+
+def _pair(value) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else tuple(value)
+
+
+class FusedSequentialChainModel(SequentialChainModel):
+    """:class:`~smp_core.models.SequentialChainModel` with the forward pass, the backward pass and
+    the element-wise parameter step of every chain run by one compiled CPU function per chain.
+
+    Same protocol and same numbers up to rounding (the sums run in another order); CUDA tensors,
+    and rules the kernel does not know, take the batched torch path of the parent class.
+    """
+
+    def __init__(self, module: nn.Sequential, input_shape: tuple[int, ...]):
+        if not fused_supported(module):
+            raise ValueError("FusedSequentialChainModel supports Linear, Conv2d, ReLU, Tanh, Sigmoid, Identity, "
+                             "MaxPool2d and Flatten layers only; use SequentialChainModel")
+        super().__init__(module, input_shape)
+        self._kernel = load_extension()  # built here, so that a machine without a compiler says so at once
+        self._spec, self._acts_size, self._out_offset, self._args_size = self._build_spec()
+
+    def _build_spec(self) -> tuple[list[int], int, int, int]:
+        entries = self.layout.entries
+        with torch.no_grad():
+            first = next(self.module.parameters(), None)
+            h = torch.zeros(1, *self.input_shape, dtype=first.dtype if first is not None else None)
+            offset, size, n_args = 0, h.numel(), 0
+            spec: list[int] = []
+            for layer, slot in zip(self.module, self._slots, strict=True):
+                out = layer(h)
+                if isinstance(layer, nn.Flatten):
+                    h = out
+                    continue
+                out_offset = size
+                if isinstance(layer, nn.Linear | nn.Conv2d):
+                    w_off = entries[slot[0]].start
+                    b_off = entries[slot[1]].start if slot[1] is not None else -1
+                if isinstance(layer, nn.Linear):
+                    spec += [_LINEAR, layer.in_features, layer.out_features, w_off, b_off, offset, out_offset]
+                elif isinstance(layer, nn.Conv2d):
+                    (c, height, width), (o, oh, ow) = h.shape[1:], out.shape[1:]
+                    spec += [_CONV, c, height, width, o, oh, ow, *layer.kernel_size, *layer.stride, *layer.padding,
+                             *layer.dilation, w_off, b_off, offset, out_offset]
+                elif isinstance(layer, nn.MaxPool2d):
+                    (c, height, width), (oh, ow) = h.shape[1:], out.shape[2:]
+                    stride = layer.stride if layer.stride is not None else layer.kernel_size
+                    spec += [_MAXPOOL, c, height, width, oh, ow, *_pair(layer.kernel_size), *_pair(stride),
+                             *_pair(layer.padding), *_pair(layer.dilation), offset, out_offset, n_args]
+                    n_args += out.numel()
+                else:
+                    spec += [_ACTIVATION_KIND[type(layer)], h.numel(), offset, out_offset]
+                offset, size, h = out_offset, size + out.numel(), out
+        return spec, size, offset, n_args
+
+    def _usable(self, theta: torch.Tensor) -> bool:
+        return theta.device.type == "cpu" and theta.dtype in (torch.float32, torch.float64)
+
+    def forward(self, theta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        if not self._usable(theta):
+            return super().forward(theta, x)
+        _check_rows(theta, x, self.layout.dim)
+        theta = theta.detach().contiguous()
+        batch = theta.shape[0]
+        acts = theta.new_empty(batch, self._acts_size)
+        acts[:, : x[0].numel()].copy_(x.reshape(batch, -1))
+        args = torch.empty(batch, self._args_size, dtype=torch.int32)
+        self._kernel.forward(theta, acts, args, self._spec)
+        out = acts[:, self._out_offset : self._out_offset + self.out_dim]
+        return out, ("fused", acts, theta, args)
+
+    def _backward(self, ctx, cotangent: torch.Tensor, theta: torch.Tensor, mode: int, gamma, grad=None,
+                  scale=None, stat=None, beta: float = 0.0, ridge: float = 0.0) -> None:
+        acts, args = ctx[1], ctx[3]
+        empty = theta.new_empty(0, 0)
+        gamma = float(gamma) if isinstance(gamma, torch.Tensor) else gamma
+        self._kernel.backward(theta, acts, args, cotangent.detach().contiguous(), self._spec, mode,
+                                  float(gamma), empty if grad is None else grad,
+                                  empty if scale is None else scale, empty if stat is None else stat,
+                                  float(beta), float(ridge))
+
+    def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        if not (isinstance(ctx, tuple) and ctx[:1] == ("fused",)):
+            return super().vjp(ctx, cotangent, retain, out)
+        _, acts, theta, _ = ctx
+        batch, dim = cotangent.shape[0], self.layout.dim
+        result = acts.new_empty(batch, dim) if out is None else _check_out(out, batch, dim)
+        target = result if result.is_contiguous() else acts.new_empty(batch, dim)
+        # mode 0 reads the weights of the forward pass's theta and writes the gradient only
+        self._backward(ctx, cotangent, theta, 0, 0.0, grad=target)
+        if target is not result:
+            result.copy_(target)
+        return result
+
+    def vjp_apply_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, rule, tensors, gamma) -> None:
+        if not (isinstance(ctx, tuple) and ctx[:1] == ("fused",)):
+            return super().vjp_apply_(ctx, cotangent, theta, rule, tensors, gamma)
+        if not theta.is_contiguous():
+            raise ValueError("the fused kernel steps a contiguous theta in place")
+        if rule.covers_update and any(t.shape[0] != theta.shape[0] for t in tensors):
+            raise ValueError(f"a rule that updates its state needs one state row per chain ({theta.shape[0]}), got "
+                             f"rows {[t.shape[0] for t in tensors]}")
+        kernel = getattr(rule, "kernel", None)
+        if rule is IDENTITY_RULE:
+            self._backward(ctx, cotangent, theta, 1, gamma)
+        elif rule is STORED_INVERSE_RULE and tensors[0].is_contiguous():
+            self._backward(ctx, cotangent, theta, 2, gamma, scale=tensors[0])
+        elif (kernel is not None and kernel[0] == "ema" and tensors[0].is_contiguous()
+              and tensors[0].shape[0] == theta.shape[0]):
+            self._backward(ctx, cotangent, theta, 3, gamma, stat=tensors[0], beta=kernel[1], ridge=kernel[2])
+        else:
+            # a rule the kernel does not know: form the score, then the rule
+            rule.apply_(theta, self.vjp(ctx, cotangent), tensors, gamma)
+
+    def _rule_mode(self, rule, tensors, theta: torch.Tensor):
+        """The kernel's update mode and its tensors for an element-wise rule, or ``None`` when it has no such mode."""
+        kernel = getattr(rule, "kernel", None)
+        if rule is IDENTITY_RULE:
+            return 1, {}
+        if rule is STORED_INVERSE_RULE and tensors[0].is_contiguous() and tensors[0].dtype == theta.dtype:
+            return 2, {"scale": tensors[0]}
+        if (kernel is not None and kernel[0] == "ema" and tensors[0].is_contiguous()
+                and tensors[0].shape[0] == theta.shape[0] and tensors[0].dtype == theta.dtype):
+            return 3, {"stat": tensors[0], "beta": kernel[1], "ridge": kernel[2]}
+        return None
+
+    @staticmethod
+    def _likelihood_code(likelihood) -> tuple[int, float] | None:
+        kind = type(likelihood)
+        if kind is Bernoulli:
+            return 0, 0.0
+        if kind is Categorical:
+            return 1, 0.0
+        if kind is Gaussian:
+            return 2, likelihood.sigma
+        return None
+
+    def takes_whole_step(self, likelihood, rule, device) -> bool:
+        """Whether :meth:`step_` runs steps with this likelihood and element-wise rule on ``device``."""
+        kernel = getattr(rule, "kernel", None)
+        known_rule = rule is IDENTITY_RULE or rule is STORED_INVERSE_RULE or (kernel is not None and kernel[0] == "ema")
+        return torch.device(device).type == "cpu" and known_rule and self._likelihood_code(likelihood) is not None
+
+    def step_(self, theta: torch.Tensor, x: torch.Tensor, likelihood, noise: torch.Tensor, rule, tensors,
+              gamma: float | torch.Tensor) -> bool:
+        """One whole step of Algorithm 1 for every chain, in place: the forward pass at ``theta``, the
+        response drawn from ``noise`` as ``likelihood.sample_from_noise`` draws it, its residual, and
+        ``theta += gamma P^{-1} J^T residual`` by the element-wise ``rule`` (eq. 2.14), each chain
+        start to end on one thread (its parameter row is still in cache for the backward pass).
+
+        Returns ``False`` (and does nothing) when the kernel cannot take this combination (a CUDA
+        tensor, a likelihood or rule it does not know): the caller then takes the general path.
+        """
+        if not self._usable(theta) or not theta.is_contiguous():
+            return False
+        code, mode = self._likelihood_code(likelihood), self._rule_mode(rule, tensors, theta)
+        if code is None or mode is None:
+            return False
+        mode, extra = mode
+        _check_rows(theta, x, self.layout.dim)
+        empty = theta.new_empty(0, 0)
+        gamma = float(gamma)
+        self._kernel.step(
+            theta, x.reshape(x.shape[0], -1).to(theta.dtype).contiguous(), noise.to(theta.dtype).contiguous(),
+            self._spec, self._acts_size, max(self._args_size, 1), self._out_offset, self.out_dim, code[0], code[1],
+            mode, gamma, extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
+            float(extra.get("ridge", 0.0)))
+        return True

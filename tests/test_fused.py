@@ -1,0 +1,221 @@
+"""The compiled CPU kernel (smp_core.fused) against the batched torch model it replaces.
+
+Every test compares the kernel with :class:`SequentialChainModel` (whose hand-derived passes are
+themselves tested against autograd in test_models.py) in float64, where the two differ only by the
+order of the sums: forward pass, vector-Jacobian product, every element-wise rule, and the whole
+step (forward, response from the same noise, residual, backward, update).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from smp_core import lenet5, run_smp
+from smp_core.fused import FusedSequentialChainModel, fused_supported, fused_unavailable
+from smp_core.likelihoods import get_likelihood
+from smp_core.models import SequentialChainModel, as_chain_model
+from smp_core.preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule, ema_diagonal_rule
+from smp_core.recursion import DivergenceError
+
+pytestmark = pytest.mark.skipif(fused_unavailable() is not None, reason=f"no fused kernel: {fused_unavailable()}")
+
+TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _networks():
+    torch.manual_seed(0)
+    odd = nn.Sequential(  # padding, stride, dilation, ceil_mode, no biases, every activation
+        nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=False), nn.Tanh(),
+        nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
+        nn.Conv2d(3, 4, 2, dilation=2), nn.Sigmoid(), nn.Flatten(),
+        nn.Linear(16, 5, bias=False), nn.Identity(), nn.ReLU(), nn.Linear(5, 2))
+    return {
+        "lenet5": (lenet5().double(), (1, 28, 28), 10),
+        "odd": (odd.double(), (2, 11, 11), 2),
+        "mlp": (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double(), (4,), 1),
+        "maxpool-overhang": (nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
+                                           nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double(), (1, 8, 8), 3),
+    }
+
+
+NETWORKS = _networks()
+
+
+def _pair(name, n_chains=4, seed=0):
+    net, shape, out_dim = NETWORKS[name]
+    fused, batched = FusedSequentialChainModel(net, shape), SequentialChainModel(net, shape)
+    gen = torch.Generator().manual_seed(seed)
+    theta0 = fused.layout.flatten(net).double()
+    theta = (theta0 + 0.3 * torch.randn(n_chains, theta0.numel(), generator=gen, dtype=torch.float64)).contiguous()
+    x = torch.randn(n_chains, *shape, generator=gen, dtype=torch.float64)
+    return fused, batched, theta, x, gen
+
+
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_forward_and_vjp_equal_the_batched_model(name):
+    fused, batched, theta, x, gen = _pair(name)
+    out, ctx = fused.forward(theta, x)
+    ref_out, ref_ctx = batched.forward(theta, x)
+    assert out.shape == ref_out.shape == (theta.shape[0], NETWORKS[name][2])
+    assert torch.allclose(out, ref_out, **TOL)
+    cotangent = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grad = fused.vjp(ctx, cotangent)
+    assert grad.abs().max() > 0
+    assert torch.allclose(grad, batched.vjp(ref_ctx, cotangent), **TOL)
+    buffer = torch.full_like(grad, float("nan"))
+    assert fused.vjp(ctx, cotangent, out=buffer) is buffer and torch.equal(buffer, grad)
+
+
+def _rules(theta, gen):
+    d, s = theta.shape[1], theta.shape[0]
+    shared = torch.rand(1, d, generator=gen, dtype=torch.float64) + 0.5
+    per_chain = torch.rand(s, d, generator=gen, dtype=torch.float64) + 0.5
+    return {"identity": (IDENTITY_RULE, ()), "shared-scale": (STORED_INVERSE_RULE, (shared,)),
+            "per-chain-scale": (STORED_INVERSE_RULE, (per_chain,)),
+            "ema": (ema_diagonal_rule(0.9, 1e-3), (torch.rand(s, d, generator=gen, dtype=torch.float64),))}
+
+
+@pytest.mark.parametrize("rule_name", ["identity", "shared-scale", "per-chain-scale", "ema"])
+@pytest.mark.parametrize("name", list(NETWORKS))
+def test_every_rule_steps_like_the_batched_model(name, rule_name):
+    fused, batched, theta, x, gen = _pair(name)
+    rule, tensors = _rules(theta, gen)[rule_name]
+    cotangent = torch.randn(theta.shape[0], NETWORKS[name][2], generator=gen, dtype=torch.float64)
+    mine, mine_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    ref, ref_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    fused.vjp_apply_(fused.forward(mine, x)[1], cotangent, mine, rule, mine_tensors, 0.05)
+    batched.vjp_apply_(batched.forward(ref, x)[1], cotangent, ref, rule, ref_tensors,
+                       torch.tensor(0.05, dtype=torch.float64))  # a 0-d tensor step size, as in the blocks
+    assert (mine - theta).abs().max() > 1e-6
+    assert torch.allclose(mine, ref, **TOL)
+    for a, b in zip(mine_tensors, ref_tensors, strict=True):
+        assert torch.allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("rule_name", ["identity", "shared-scale", "ema"])
+@pytest.mark.parametrize("name, lik_name", [("lenet5", "categorical"), ("odd", "gaussian"), ("mlp", "bernoulli"),
+                                            ("maxpool-overhang", "categorical")])
+def test_whole_step_equals_forward_response_residual_and_rule(name, lik_name, rule_name):
+    fused, batched, theta, x, gen = _pair(name, n_chains=6)
+    lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
+    rule, tensors = _rules(theta, gen)[rule_name]
+    noise = lik.draw_noise((theta.shape[0],), fused.out_dim, gen, "cpu", torch.float64)
+    mine, mine_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    assert fused.step_(mine, x, lik, noise, rule, mine_tensors, torch.tensor(0.05, dtype=torch.float64))
+    ref, ref_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    out, ctx = batched.forward(ref, x)
+    batched.vjp_apply_(ctx, lik.residual(out, lik.sample_from_noise(out, noise)), ref, rule, ref_tensors, 0.05)
+    assert (mine - theta).abs().max() > 1e-6
+    assert torch.allclose(mine, ref, **TOL)
+    for a, b in zip(mine_tensors, ref_tensors, strict=True):
+        assert torch.allclose(a, b, **TOL)
+
+
+def test_every_class_is_drawn_at_its_softmax_probability():
+    # the kernel's inverse-CDF draw of a categorical response, through the step it makes: with one
+    # Linear layer of zero weights and a bias b, the step moves b by gamma (e_y - softmax(b)), so the
+    # class drawn is the argmax of the change. z-test of each class frequency against softmax(b).
+    net = nn.Sequential(nn.Linear(3, 4)).double()
+    with torch.no_grad():
+        net[0].weight.zero_()
+        net[0].bias.copy_(torch.tensor([0.5, -1.0, 0.0, 1.2]))
+    model, lik = FusedSequentialChainModel(net, (3,)), get_likelihood("categorical")
+    n = 40_000
+    gen = torch.Generator().manual_seed(3)
+    theta = model.layout.flatten(net).expand(n, -1).contiguous()
+    before = theta.clone()
+    assert model.step_(theta, torch.randn(n, 3, generator=gen, dtype=torch.float64), lik,
+                       lik.draw_noise((n,), 4, gen, "cpu", torch.float64), IDENTITY_RULE, (), 1.0)
+    drawn = (theta - before)[:, -4:].argmax(1)
+    p = torch.softmax(net[0].bias.detach(), 0)
+    freq = torch.bincount(drawn, minlength=4).double() / n
+    z = (freq - p) / torch.sqrt(p * (1 - p) / n)
+    assert z.abs().max() < 4.5, z
+
+
+def test_nan_parameters_stay_visible():
+    # ReLU and max-pooling must pass a NaN on (as torch does), so that a diverged chain is seen
+    fused, _, theta, x, _ = _pair("lenet5")
+    theta[1, :5] = float("nan")
+    out, _ = fused.forward(theta, x)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2, 3]]).all()
+    lik = get_likelihood("categorical")
+    noise = torch.rand(theta.shape[0], dtype=torch.float64)
+    assert fused.step_(theta, x, lik, noise, IDENTITY_RULE, (), 0.1)
+    assert torch.isnan(theta[1]).any() and torch.isfinite(theta[[0, 2, 3]]).all()
+
+
+def test_a_diverging_run_is_caught():
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
+    x = torch.rand(20, 1, 6, 6)
+    kw = dict(input_shape=(1, 6, 6), n_steps=40, n_chains=5, seed=0, check_every=10, progress=False)
+    with pytest.raises(DivergenceError, match="all 5 chains diverged by step 10"):
+        run_smp(net, "categorical", x, tau=1e6, **kw)
+    assert run_smp(net, "categorical", x, tau=0.5, **kw).config["step_blocks"] is True
+
+
+def test_default_cpu_run_takes_the_whole_step_and_matches_the_torch_path(monkeypatch):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).double()
+    x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
+    for name in ["none", "fixed-diag", "periodic-diag", "ema-diag"]:
+        kw = dict(input_shape=(1, 6, 6), preconditioner=name, tau=0.5, n_steps=30, n_chains=5, seed=2, period=7,
+                  check_every=10, fisher="empirical", fisher_data=(x, y), progress=False)
+        default = run_smp(net, "categorical", x, **kw)
+        assert isinstance(as_chain_model(net, (1, 6, 6)), FusedSequentialChainModel)
+        assert default.config["step_blocks"] is True
+        with monkeypatch.context() as patch:
+            patch.setenv("SMP_CORE_FUSED", "0")
+            plain_model = as_chain_model(net, (1, 6, 6))
+            assert type(plain_model) is SequentialChainModel
+            torch_path = run_smp(plain_model, "categorical", x, cuda_graph=True, **kw)
+        assert ((default.theta - plain_model.layout.flatten(net)).abs().amax(1) > 1e-3).all()  # every chain moved
+        assert torch.allclose(default.theta, torch_path.theta, rtol=1e-9, atol=1e-11), name
+
+
+def test_what_the_kernel_does_not_know_takes_the_general_path():
+    fused, batched, theta, x, gen = _pair("odd")
+    custom = ElementwiseRule(tensors=lambda state: (), apply_=lambda t, s, parts, g: t.add_(s, alpha=2 * float(g)))
+    cotangent = torch.randn(theta.shape[0], 2, generator=gen, dtype=torch.float64)
+    mine, ref = theta.clone(), theta.clone()
+    fused.vjp_apply_(fused.forward(mine, x)[1], cotangent, mine, custom, (), 0.1)
+    batched.vjp_apply_(batched.forward(ref, x)[1], cotangent, ref, custom, (), 0.1)
+    assert torch.allclose(mine, ref, **TOL)
+
+    class OwnLikelihood:
+        name = "own"
+
+    assert not fused.step_(theta, x, OwnLikelihood(), torch.zeros(theta.shape[0]), IDENTITY_RULE, (), 0.1)
+    assert not fused.step_(theta, x, get_likelihood("bernoulli"), torch.zeros(theta.shape[0]), custom, (), 0.1)
+    assert not fused.takes_whole_step(OwnLikelihood(), IDENTITY_RULE, "cpu")
+    assert not fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cuda")
+    for layer in [nn.GELU(), nn.AvgPool2d(2), nn.Dropout(0.1), nn.MaxPool2d(2, return_indices=True)]:
+        net = nn.Sequential(nn.Conv2d(1, 2, 3), layer, nn.Flatten(), nn.Linear(18 if "Pool" in str(layer) else 72, 2))
+        assert not fused_supported(net)
+        if not isinstance(layer, nn.MaxPool2d):
+            assert type(as_chain_model(net, (1, 8, 8))) is SequentialChainModel
+    assert fused_supported(lenet5())
+
+
+def test_turned_off_by_the_environment_without_a_warning(monkeypatch):
+    monkeypatch.setenv("SMP_CORE_FUSED", "0")
+    assert fused_unavailable() == "turned off by SMP_CORE_FUSED=0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert type(as_chain_model(lenet5(), (1, 28, 28))) is SequentialChainModel
+
+
+def test_bad_input_gets_a_clear_error():
+    fused, _, theta, x, _ = _pair("odd")
+    with pytest.raises(ValueError, match="FusedSequentialChainModel supports"):
+        FusedSequentialChainModel(nn.Sequential(nn.Conv2d(1, 2, 3), nn.GELU()), (1, 5, 5))
+    with pytest.raises(ValueError):
+        fused.forward(theta, x[:2])  # rows of theta and x differ
+    with pytest.raises(ValueError, match="one state row per chain"):
+        fused.vjp_apply_(fused.forward(theta, x)[1], torch.zeros(theta.shape[0], 2), theta, ema_diagonal_rule(0.9, 0.1),
+                         (torch.ones(1, theta.shape[1], dtype=torch.float64),), 0.1)
