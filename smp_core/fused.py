@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -60,13 +61,16 @@ def _extension_name() -> str:
 
 
 def _cpu_model() -> str:
+    """The processor's name and instruction-set flags (a ``-march=native`` build runs only where both match)."""
+    lines: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+            key = line.split(":", 1)[0].strip()
+            if key in ("model name", "flags", "Features") and key not in lines:
+                lines[key] = line
     except OSError:
         pass
-    return platform.processor()
+    return " ".join(lines.values()) or platform.processor()
 
 
 def load_extension():
@@ -83,7 +87,7 @@ def fused_unavailable(verbose: bool = False) -> str | None:  # verbose: the comp
     """Why the fused kernel cannot be used here (``SMP_CORE_FUSED=0``, no compiler, a failed build), or
     ``None`` once it is built and loaded. The first call builds it (about a minute), later ones are free."""
     global _extension, _build_error
-    if os.environ.get("SMP_CORE_FUSED", "1") == "0":
+    if os.environ.get("SMP_CORE_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
         return "turned off by SMP_CORE_FUSED=0"
     if _extension is not None:
         return None
@@ -164,10 +168,16 @@ class FusedSequentialChainModel(SequentialChainModel):
         entries = self.layout.entries
         with torch.no_grad():
             first = next(self.module.parameters(), None)
-            h = torch.zeros(1, *self.input_shape, dtype=first.dtype if first is not None else None)
+            h = torch.zeros(1, *self.input_shape, dtype=first.dtype if first is not None else None,
+                            device=first.device if first is not None else None)
             offset, size, n_args = 0, h.numel(), 0
             spec: list[int] = []
             for layer, slot in zip(self.module, self._slots, strict=True):
+                needs = {nn.Linear: 2, nn.Conv2d: 4, nn.MaxPool2d: 4}.get(type(layer))
+                if needs is not None and h.ndim != needs:
+                    what = "a flat input (add nn.Flatten)" if needs == 2 else "a C x H x W input"
+                    raise ValueError(f"{type(layer).__name__} receives an input of shape {tuple(h.shape[1:])}; the "
+                                     f"fused kernel needs {what}")
                 out = layer(h)
                 if isinstance(layer, nn.Flatten):
                     h = out
@@ -191,7 +201,9 @@ class FusedSequentialChainModel(SequentialChainModel):
                 else:
                     spec += [_ACTIVATION_KIND[type(layer)], h.numel(), offset, out_offset]
                 offset, size, h = out_offset, size + out.numel(), out
-        return spec, size, offset, n_args
+        if size * 4 >= 2**31 or n_args >= 2**31:
+            raise ValueError("the network's activations are too large for the fused kernel's 32-bit indices")
+        return spec, size, offset, max(n_args, 1)
 
     def _usable(self, theta: torch.Tensor) -> bool:
         return theta.device.type == "cpu" and theta.dtype in (torch.float32, torch.float64)
@@ -200,18 +212,28 @@ class FusedSequentialChainModel(SequentialChainModel):
         if not self._usable(theta):
             return super().forward(theta, x)
         _check_rows(theta, x, self.layout.dim)
+        self._check_input(x)
         theta = theta.detach().contiguous()
         batch = theta.shape[0]
         acts = theta.new_empty(batch, self._acts_size)
         acts[:, : x[0].numel()].copy_(x.reshape(batch, -1))
-        args = torch.empty(batch, self._args_size, dtype=torch.int32)
+        args = torch.empty(batch, self._args_size, dtype=torch.int32)  # max-pooling argmax, read by the backward pass
         self._kernel.forward(theta, acts, args, self._spec)
         out = acts[:, self._out_offset : self._out_offset + self.out_dim]
         return out, ("fused", acts, theta, args)
 
+    def _check_input(self, x: torch.Tensor) -> None:
+        n_in = math.prod(self.input_shape)
+        if x.device.type != "cpu" or x[0].numel() != n_in:
+            raise ValueError(f"the fused kernel needs CPU inputs of {n_in} values each ({self.input_shape}); got "
+                             f"{tuple(x.shape[1:])} on {x.device}")
+
     def _backward(self, ctx, cotangent: torch.Tensor, theta: torch.Tensor, mode: int, gamma, grad=None,
                   scale=None, stat=None, beta: float = 0.0, ridge: float = 0.0) -> None:
         acts, args = ctx[1], ctx[3]
+        if cotangent.shape != (acts.shape[0], self.out_dim):
+            raise ValueError(f"the cotangent must have shape ({acts.shape[0]}, {self.out_dim}), got "
+                             f"{tuple(cotangent.shape)}")
         empty = theta.new_empty(0, 0)
         gamma = float(gamma) if isinstance(gamma, torch.Tensor) else gamma
         self._kernel.backward(theta, acts, args, cotangent.detach().contiguous(), self._spec, mode,
@@ -299,11 +321,18 @@ class FusedSequentialChainModel(SequentialChainModel):
             return False
         mode, extra = mode
         _check_rows(theta, x, self.layout.dim)
+        self._check_input(x)
+        want = (theta.shape[0], self.out_dim) if code[0] == 2 else (theta.shape[0],)
+        if noise.shape != want or noise.device.type != "cpu":
+            raise ValueError(f"the noise of a {likelihood.name} response must be a CPU tensor of shape {want}, got "
+                             f"{tuple(noise.shape)} on {noise.device}")
+        if code[0] == 0 and self.out_dim != 1:
+            raise ValueError(f"a Bernoulli likelihood needs one output (a logit); the network has {self.out_dim}")
         empty = theta.new_empty(0, 0)
         gamma = float(gamma)
         self._kernel.step(
             theta, x.reshape(x.shape[0], -1).to(theta.dtype).contiguous(), noise.to(theta.dtype).contiguous(),
-            self._spec, self._acts_size, max(self._args_size, 1), self._out_offset, self.out_dim, code[0], code[1],
+            self._spec, self._acts_size, self._args_size, self._out_offset, self.out_dim, code[0], code[1],
             mode, gamma, extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
             float(extra.get("ridge", 0.0)))
         return True

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from . import metrics
 from .config import MNIST_TAU, MNIST_VARIANTS
 from .fisher import estimate_fisher
+from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .models import as_chain_model, lenet5, predict
 from .recursion import residual_variance_ratio, run_smp
@@ -87,6 +88,16 @@ def _categorical():
     from .likelihoods import Categorical
 
     return Categorical()
+
+
+def smp_path(device: torch.device) -> str:
+    """How the recursion runs the LeNet-5 step on ``device`` by default. It decides the order of the
+    random numbers (step blocks draw theirs per block), so it belongs in every SMP cache key."""
+    if torch.device(device).type == "cuda":
+        return "blocks of steps replayed as CUDA graphs"
+    if isinstance(as_chain_model(lenet5(), INPUT_SHAPE), FusedSequentialChainModel):
+        return "blocks of steps, each whole step in the compiled CPU kernel"
+    return "batched torch model, step by step"
 
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,

@@ -669,10 +669,15 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
     if sequential_supported(module):
         from .fused import FusedSequentialChainModel, fused_supported, fused_unavailable
 
-        if fused_supported(module):
+        first = next(module.parameters(), None)
+        # the kernel is for CPU parameters (a module on a GPU takes the batched model, without a build)
+        if fused_supported(module) and (first is None or first.device.type == "cpu"):
             reason = fused_unavailable()
             if reason is None:
-                return FusedSequentialChainModel(module, input_shape)
+                try:
+                    return FusedSequentialChainModel(module, input_shape)
+                except ValueError:  # a layout the kernel does not take (e.g. a Linear on a 4-D input)
+                    return SequentialChainModel(module, input_shape)
             _warn_once(f"the compiled CPU kernel of smp_core.fused is not used: {reason}; the batched torch "
                        "model runs instead (slower on a CPU, the same numbers up to rounding)")
         return SequentialChainModel(module, input_shape)

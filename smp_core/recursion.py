@@ -461,8 +461,9 @@ def _load_checkpoint(path: Path, key: str, device: torch.device) -> SMPState | N
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if payload.get("key") != key:
         raise ValueError(f"the checkpoint {path} belongs to a run with other settings; delete it or choose "
-                         "another checkpoint path (nothing was overwritten). A run on a GPU made before "
-                         "step blocks existed resumes with cuda_graph=False")
+                         "another checkpoint path (nothing was overwritten). A run made step by step before "
+                         "step blocks became the default (on a GPU, and on a CPU with the compiled kernel of "
+                         "smp_core.fused) resumes with cuda_graph=False")
     gen = torch.Generator(device=device)
     gen.set_state(payload["generator"])
     return SMPState(

@@ -13,3 +13,13 @@ def test_ambiguous_three_rule():
     probs = torch.tensor([[[0.9, 0.1], [0.5, 0.5], [0.6, 0.4], [0.5, 0.5]]])  # (S=1, n=4, C=2)
     labels = torch.tensor([3, 3, 3, 1])
     assert ms.ambiguous_three(probs, labels) == 1  # highest entropy among the 3s, not index 3
+
+
+def test_smp_path_names_how_the_steps_run(monkeypatch):
+    from smp_core.fused import fused_unavailable
+
+    if fused_unavailable() is None:
+        assert ms.smp_path(torch.device("cpu")) == "blocks of steps, each whole step in the compiled CPU kernel"
+    monkeypatch.setenv("SMP_CORE_FUSED", "0")
+    assert ms.smp_path(torch.device("cpu")) == "batched torch model, step by step"
+    assert ms.smp_path(torch.device("cuda")) == "blocks of steps replayed as CUDA graphs"

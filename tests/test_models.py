@@ -95,6 +95,13 @@ def _reference_vjp(module, layout, theta, x, cot):
 def test_chain_model_matches_autograd_per_row(module, shape, cls, generator):
     model = as_chain_model(module, shape)
     assert isinstance(model, cls)
+    _matches_autograd(model, module, shape, generator)
+    if cls is SequentialChainModel and type(model) is not SequentialChainModel:
+        # as_chain_model took the compiled kernel (smp_core.fused): the batched torch model as well
+        _matches_autograd(SequentialChainModel(module, shape), module, shape, generator)
+
+
+def _matches_autograd(model, module, shape, generator):
     rows = 5
     theta = model.layout.flatten(module) + 0.1 * torch.randn(rows, model.layout.dim, generator=generator)
     x = torch.randn(rows, *shape, generator=generator)
@@ -117,7 +124,7 @@ def test_fused_update_equals_the_score_then_the_update(scales, chunk, generator,
     monkeypatch.setattr(models, "_OUTER_CHUNK_ELEMENTS", chunk)
     module = _with_head(nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(3, 2, 2, bias=False)),
                         (1, 9, 9), n_out=3)
-    model = as_chain_model(module, (1, 9, 9))
+    model = SequentialChainModel(module, (1, 9, 9))  # the batched torch model (test_fused.py: the kernel)
     rows, dim = 4, model.layout.dim
     theta = model.layout.flatten(module) + 0.1 * torch.randn(rows, dim, generator=generator)
     x = torch.randn(rows, 1, 9, 9, generator=generator)

@@ -201,12 +201,10 @@ def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypat
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
-    model = as_chain_model(net, (1, 6, 6))
-    assert isinstance(model, SequentialChainModel)
+    model = SequentialChainModel(net, (1, 6, 6))  # the batched torch model (test_fused.py: the compiled kernel)
     x, y = torch.rand(30, 1, 6, 6), torch.randint(0, 3, (30,))
-    # the step-by-step loop (cuda_graph=False): on a CPU the default would take the compiled whole step
     kw = dict(preconditioner=name, tau=0.5, n_steps=40, n_chains=10, seed=2, period=15, check_every=10,
-              fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=False)
+              fisher="empirical", fisher_data=(x, y), progress=False)
     fused = run_smp(model, "categorical", x, **kw)
     plain = run_smp(WithoutFusedUpdate(model), "categorical", x, **kw)
     theta0 = model.layout.flatten(net)

@@ -86,6 +86,10 @@ inline T hsum(V<T> v) {
 
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
+// scratch_sizes pads rows for every scalar type at once
+constexpr int64_t kMaxNR = 16;
+static_assert(kNR<float> <= kMaxNR && kMaxNR % kNR<float> == 0 && kMaxNR % kNR<double> == 0, "row padding");
+
 // C[i, 0:NR] = sum_k A[i * a_rs + k * a_cs] * B[k * ldb + 0:NR] for MR rows.
 template <typename T, int MR>
 inline void kernel_nn(int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t ldb, T* C,
@@ -171,7 +175,7 @@ void gemm_nt(int64_t M, int64_t N, int64_t L, const T* A, int64_t lda, const T* 
 template <typename T>
 struct Update {
   int64_t mode;
-  T gamma, beta, ridge;
+  T gamma, beta, fold, ridge;  // fold = 1 - beta, computed in double (beta near 1 loses digits in float)
   T* theta;          // this chain's row
   T* grad;           // mode 0: this chain's row of the result
   const T* scale;    // mode 2: this chain's (or the shared) row
@@ -198,11 +202,10 @@ struct Update {
       }
       default: {
         T* st = stat + at;
-        const T keep = beta, fold = T(1) - beta;
 #pragma omp simd
         for (int64_t j = 0; j < n; ++j) {
           th[j] += gamma * g[j] / (st[j] + ridge);
-          st[j] = keep * st[j] + fold * g[j] * g[j];
+          st[j] = beta * st[j] + fold * g[j] * g[j];
         }
       }
     }
@@ -256,7 +259,7 @@ inline bool pool_inside(const int64_t* r) {
 }
 
 // The max-pooling window of output (c, oy, ox): its value and the flat input index of its first
-// maximum, or of its first NaN (ATen's rule; a NaN must stay visible).
+// maximum, or of its last NaN (ATen's rule: a NaN always replaces; a NaN must stay visible).
 template <typename T>
 inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, int64_t ox, T& best) {
   const int64_t H = r[2], W = r[3], kh = r[6], kw = r[7];
@@ -274,7 +277,6 @@ inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, 
       if (arg < 0 || v > best || std::isnan(v)) {
         best = v;
         arg = at;
-        if (std::isnan(v)) return arg;
       }
     }
   }
@@ -337,8 +339,8 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
             T* orow = o + (c * OH + oy) * OW;
             int32_t* grow = arg + (c * OH + oy) * OW;
             if (inside) {
-              // the first maximum of each window, or its first NaN (ATen's rule), by selects along the
-              // row of windows: once a window's best is a NaN nothing replaces it
+              // the first maximum of each window, or its last NaN (ATen's rule), by selects along the
+              // row of windows
               const int64_t first = (c * H + oy * sh) * W;
               for (int64_t ox = 0; ox < OW; ++ox) {
                 orow[ox] = a[first + ox * sw];
@@ -350,7 +352,7 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
                   const T* arow = a + shift;
                   for (int64_t ox = 0; ox < OW; ++ox) {
                     const T v = arow[ox * sw], b = orow[ox];
-                    const bool take = (v > b) | ((v != v) & (b == b));
+                    const bool take = (v > b) | (v != v);
                     orow[ox] = take ? v : b;
                     grow[ox] = take ? static_cast<int32_t>(shift + ox * sw) : grow[ox];
                   }
@@ -475,7 +477,8 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
         const int64_t m = r[1];
         const T* post = acts + r[3];
         if (r[0] == RELU) {
-          for (int64_t i = 0; i < m; ++i) delta[i] = post[i] > T(0) ? delta[i] : T(0);
+          // threshold_backward's rule: zero where the output is <= 0 (a NaN output passes the gradient)
+          for (int64_t i = 0; i < m; ++i) delta[i] = post[i] <= T(0) ? T(0) : delta[i];
         } else if (r[0] == TANH) {
           for (int64_t i = 0; i < m; ++i) delta[i] *= T(1) - post[i] * post[i];
         } else if (r[0] == SIGMOID) {
@@ -497,7 +500,7 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
 }
 
 struct Sizes {
-  int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1;
+  int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1, n_in = 0, n_out = 0;
 
   template <typename T>
   Scratch<T> scratch() const {
@@ -518,8 +521,8 @@ Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>
         z.grad = std::max({z.grad, r[1], r[2]});
         break;
       case CONV: {
-        // rows padded for either scalar type (16 floats, 8 doubles)
-        const int64_t L = r[5] * r[6], ld = round_up(L, 16), K = r[1] * r[7] * r[8], O = r[4];
+        // rows padded for either scalar type
+        const int64_t L = r[5] * r[6], ld = round_up(L, kMaxNR), K = r[1] * r[7] * r[8], O = r[4];
         z.cols = std::max(z.cols, K * ld);
         z.work = std::max({z.work, K * ld, O * ld});
         z.wide = std::max(z.wide, O * ld);
@@ -532,6 +535,8 @@ Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>
       default: in_n = out_n = r[1];
     }
     z.act = std::max({z.act, in_n, out_n});
+    if (n == 0) z.n_in = in_n;
+    z.n_out = out_n;
     if (z.first_param < 0 && (r[0] == LINEAR || r[0] == CONV)) z.first_param = static_cast<int64_t>(n);
   }
   return z;
@@ -545,6 +550,8 @@ void forward(const torch::Tensor& theta, torch::Tensor& acts, torch::Tensor& arg
   TORCH_CHECK(theta.is_contiguous() && acts.is_contiguous() && args.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
   TORCH_CHECK(args.scalar_type() == torch::kInt32 && args.size(0) == theta.size(0), "fused_sequential: bad args");
+  TORCH_CHECK(theta.device().is_cpu() && acts.device().is_cpu() && args.device().is_cpu(),
+              "fused_sequential: CPU tensors expected");
   TORCH_CHECK(theta.size(0) == acts.size(0), "fused_sequential: theta and acts rows differ");
   const auto starts = record_starts(spec);
   const Sizes z = scratch_sizes(spec, starts);
@@ -565,12 +572,19 @@ void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tens
               torch::Tensor& grad, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
   TORCH_CHECK(theta.is_contiguous() && acts.is_contiguous() && cotangent.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
+  TORCH_CHECK(theta.device().is_cpu() && acts.device().is_cpu() && cotangent.device().is_cpu() &&
+                  (mode != 0 || grad.device().is_cpu()) && (mode != 2 || scale.device().is_cpu()) &&
+                  (mode != 3 || stat.device().is_cpu()),
+              "fused_sequential: CPU tensors expected");
   const auto starts = record_starts(spec);
   const Sizes z = scratch_sizes(spec, starts);
   const int64_t B = theta.size(0), d = theta.size(1), A = acts.size(1), P = args.size(1), n_out = cotangent.size(1);
   TORCH_CHECK(args.scalar_type() == torch::kInt32 && args.is_contiguous() && args.size(0) == B,
               "fused_sequential: bad args");
   TORCH_CHECK(mode >= 0 && mode <= 3, "fused_sequential: unknown mode ", mode);
+  TORCH_CHECK(cotangent.size(0) == B && n_out == z.n_out, "fused_sequential: the cotangent must be (", B, ", ",
+              z.n_out, ")");
+  TORCH_CHECK(acts.size(0) == B && args.size(1) >= 1, "fused_sequential: bad acts or args");
   if (mode == 0) TORCH_CHECK(grad.is_contiguous() && grad.size(0) == B && grad.size(1) == d, "bad grad");
   if (mode == 2) TORCH_CHECK(scale.is_contiguous() && scale.size(1) == d && (scale.size(0) == 1 || scale.size(0) == B),
                              "bad scale");
@@ -588,7 +602,7 @@ void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tens
       auto scratch = z.scratch<scalar_t>();
       for (int64_t b = begin; b < end; ++b) {
         Update<scalar_t> up{mode, static_cast<scalar_t>(gamma), static_cast<scalar_t>(beta),
-                            static_cast<scalar_t>(ridge), th + b * d, gr ? gr + b * d : nullptr,
+                            static_cast<scalar_t>(1.0 - beta), static_cast<scalar_t>(ridge), th + b * d, gr ? gr + b * d : nullptr,
                             sc ? sc + b * sc_stride : nullptr, st ? st + b * d : nullptr};
         for (int64_t i = 0; i < n_out; ++i) scratch.delta[i] = ct[b * n_out + i];
         backward_chain(spec, starts, z.first_param, ac + b * A, ar + b * P, scratch, up);
@@ -640,11 +654,19 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
           int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
   TORCH_CHECK(theta.is_contiguous() && x.is_contiguous() && noise.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
+  TORCH_CHECK(theta.device().is_cpu() && x.device().is_cpu() && noise.device().is_cpu() &&
+                  (mode != 2 || scale.device().is_cpu()) && (mode != 3 || stat.device().is_cpu()),
+              "fused_sequential: CPU tensors expected");
   const auto starts = record_starts(spec);
   const Sizes z = scratch_sizes(spec, starts);
   const int64_t B = theta.size(0), d = theta.size(1), n_in = x.size(1);
   const int64_t noise_width = noise.numel() / std::max<int64_t>(B, 1);
   TORCH_CHECK(x.size(0) == B && noise.size(0) == B, "fused_sequential: x, noise and theta rows differ");
+  TORCH_CHECK(n_in == z.n_in && n_out == z.n_out, "fused_sequential: x must have ", z.n_in, " features and the ",
+              "network ", z.n_out, " outputs");
+  TORCH_CHECK(noise_width == (likelihood == 2 ? n_out : 1) && n_acts >= 1 && out_offset + n_out <= n_acts,
+              "fused_sequential: the noise must have one value per response");
+  TORCH_CHECK(likelihood != 0 || n_out == 1, "fused_sequential: a Bernoulli likelihood needs one output");
   TORCH_CHECK(x.scalar_type() == theta.scalar_type() && noise.scalar_type() == theta.scalar_type(),
               "fused_sequential: x, noise and theta must have one dtype");
   TORCH_CHECK(mode >= 1 && mode <= 3, "fused_sequential: step mode must be 1, 2 or 3, got ", mode);
@@ -669,7 +691,7 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
         residual_from_noise<scalar_t>(likelihood, acts.data() + out_offset, ns + b * noise_width, n_out,
                                       static_cast<scalar_t>(sigma), scratch.delta.data());
         Update<scalar_t> up{mode, static_cast<scalar_t>(gamma), static_cast<scalar_t>(beta),
-                            static_cast<scalar_t>(ridge), row, nullptr, sc ? sc + b * sc_stride : nullptr,
+                            static_cast<scalar_t>(1.0 - beta), static_cast<scalar_t>(ridge), row, nullptr, sc ? sc + b * sc_stride : nullptr,
                             st ? st + b * d : nullptr};
         backward_chain(spec, starts, z.first_param, static_cast<const scalar_t*>(acts.data()), args.data(), scratch,
                        up);
@@ -679,7 +701,10 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("forward", &forward, "forward pass of every chain");
-  m.def("backward", &backward, "backward pass of every chain, with the parameter step");
-  m.def("step", &step, "one SMP step of every chain: forward, response, residual, backward with the step");
+  // the GIL is released while the chains run (on other threads, Python may go on)
+  m.def("forward", &forward, "forward pass of every chain", py::call_guard<py::gil_scoped_release>());
+  m.def("backward", &backward, "backward pass of every chain, with the parameter step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("step", &step, "one SMP step of every chain: forward, response, residual, backward with the step",
+        py::call_guard<py::gil_scoped_release>());
 }
