@@ -216,6 +216,12 @@ struct Update {
 template <typename T>
 struct Scratch {
   std::vector<T> cols, work, wide, delta, next, grad;
+  // the whole step keeps every convolution's patch matrix from the forward pass for the backward
+  // pass (the chain's own, still in cache), at col_off[record]; empty: the backward pass rebuilds it
+  std::vector<T> saved;
+  std::vector<int64_t> col_off;
+
+  T* patches(size_t record) { return saved.empty() ? cols.data() : saved.data() + col_off[record]; }
 };
 
 // The patch matrix (C*kh*kw, L) of one chain's input, in F.unfold's order (zero padding), rows of
@@ -286,8 +292,8 @@ inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, 
 template <typename T>
 void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, const T* theta, T* acts,
                    int32_t* args, Scratch<T>& z) {
-  for (int64_t s : starts) {
-    const int64_t* r = spec.data() + s;
+  for (size_t n = 0; n < starts.size(); ++n) {
+    const int64_t* r = spec.data() + starts[n];
     switch (r[0]) {
       case LINEAR: {
         const int64_t in = r[1], out = r[2];
@@ -301,8 +307,9 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
       }
       case CONV: {
         const int64_t C = r[1], O = r[4], L = r[5] * r[6], K = C * r[7] * r[8], ld = round_up(L, kNR<T>);
-        im2col(acts + r[17], z.cols.data(), ld, r);
-        gemm_nn<T>(O, ld, K, theta + r[15], K, 1, z.cols.data(), ld, z.work.data(), ld);
+        T* cols = z.patches(n);
+        im2col(acts + r[17], cols, ld, r);
+        gemm_nn<T>(O, ld, K, theta + r[15], K, 1, cols, ld, z.work.data(), ld);
         T* o = acts + r[18];
         for (int64_t q = 0; q < O; ++q) {
           const T bias = r[16] >= 0 ? theta[r[16] + q] : T(0);
@@ -459,8 +466,9 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
             }
           }
         }
-        im2col(acts + r[17], z.cols.data(), ld, r);
-        gemm_nt<T>(O, K, ld, wide, ld, z.cols.data(), ld, g, K);
+        T* cols = z.patches(static_cast<size_t>(n));
+        if (z.saved.empty()) im2col(acts + r[17], cols, ld, r);
+        gemm_nt<T>(O, K, ld, wide, ld, cols, ld, g, K);
         up.apply(r[15], g, O * K);
         if (r[16] >= 0) {
           for (int64_t q = 0; q < O; ++q) {
@@ -500,12 +508,18 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
 }
 
 struct Sizes {
-  int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1, n_in = 0, n_out = 0;
+  int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1, n_in = 0, n_out = 0, saved = 0;
+  std::vector<int64_t> col_off;  // per record: where its patch matrix sits in Scratch::saved
 
   template <typename T>
-  Scratch<T> scratch() const {
-    return Scratch<T>{std::vector<T>(cols), std::vector<T>(work), std::vector<T>(wide),
-                      std::vector<T>(act),  std::vector<T>(act),  std::vector<T>(grad)};
+  Scratch<T> scratch(bool keep_patches = false) const {
+    Scratch<T> z{std::vector<T>(cols), std::vector<T>(work), std::vector<T>(wide),
+                 std::vector<T>(act),  std::vector<T>(act),  std::vector<T>(grad)};
+    if (keep_patches && saved > 0) {
+      z.saved.resize(saved);
+      z.col_off = col_off;
+    }
+    return z;
   }
 };
 
@@ -524,6 +538,9 @@ Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>
         // rows padded for either scalar type
         const int64_t L = r[5] * r[6], ld = round_up(L, kMaxNR), K = r[1] * r[7] * r[8], O = r[4];
         z.cols = std::max(z.cols, K * ld);
+        z.col_off.resize(starts.size(), -1);
+        z.col_off[n] = z.saved;
+        z.saved += K * ld;
         z.work = std::max({z.work, K * ld, O * ld});
         z.wide = std::max(z.wide, O * ld);
         z.grad = std::max(z.grad, O * K);
@@ -681,7 +698,7 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
     const int64_t sc_stride = mode == 2 && scale.size(0) == B ? d : 0;
     scalar_t* st = mode == 3 ? stat.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      auto scratch = z.scratch<scalar_t>();
+      auto scratch = z.scratch<scalar_t>(/*keep_patches=*/true);
       std::vector<scalar_t> acts(n_acts);
       std::vector<int32_t> args(std::max<int64_t>(n_args, 1));
       for (int64_t b = begin; b < end; ++b) {
