@@ -129,7 +129,22 @@ def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.de
                       "logits_variance": metrics.logits_variance(logits)},
         "curve": metrics.calibration_curve(probs, yt, n_bins=n_bins),
         "probs": probs.float(),
+        "tail": largest_chain_shares(logits),
     }
+
+
+def largest_chain_shares(logits: torch.Tensor) -> dict[str, float]:
+    """How much of the logit variance (:func:`smp_core.metrics.logits_variance`) the most deviant
+    chains carry: chain ``b`` adds ``mean_{n,c} (g_b - mean_b' g_b')^2 / (S - 1)``, and the shares of
+    the largest one and the largest two are returned (NaN for one sample). With ``S = 100`` chains
+    of equal weight a share is about 0.01; a share near 1 means the variance is one chain's excursion.
+    """
+    if logits.shape[0] < 2:
+        return {"largest_chain_share": float("nan"), "largest_two_share": float("nan")}
+    logits = logits.double()
+    per_chain = ((logits - logits.mean(0)) ** 2).flatten(1).mean(1)
+    top = per_chain.sort(descending=True).values / per_chain.sum()
+    return {"largest_chain_share": float(top[0]), "largest_two_share": float(top[:2].sum())}
 
 
 def ambiguous_three(map_probs: torch.Tensor, labels: torch.Tensor) -> int:
@@ -145,9 +160,10 @@ def tables(evals: dict[str, dict], elapsed: dict[str, float]) -> dict[str, pd.Da
     scores = pd.DataFrame([evals[n]["scores"] for n in names], index=names)[list(metrics.SCORE_KEYS)]
     variances = pd.DataFrame([evals[n]["variances"] for n in names], index=names)
     el = pd.DataFrame({"seconds": [elapsed[n] for n in names]}, index=names)
-    for df in (scores, variances, el):
+    tails = pd.DataFrame([evals[n]["tail"] for n in names], index=names)
+    for df in (scores, variances, el, tails):
         df.index.name = "method"
-    return {"scores": scores, "variances": variances, "elapsed": el}
+    return {"scores": scores, "variances": variances, "elapsed": el, "tails": tails}
 
 
 def claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:

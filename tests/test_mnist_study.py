@@ -1,5 +1,8 @@
+import math
+
 import torch
 
+from smp_core import metrics
 from smp_core import mnist_study as ms
 from smp_core.paper import paper_table
 
@@ -23,3 +26,17 @@ def test_smp_path_names_how_the_steps_run(monkeypatch):
     monkeypatch.setenv("SMP_CORE_FUSED", "0")
     assert ms.smp_path(torch.device("cpu")) == "batched torch model, step by step"
     assert ms.smp_path(torch.device("cuda")) == "blocks of steps replayed as CUDA graphs"
+
+
+def test_largest_chain_shares():
+    # equal excursions: each of S chains carries 1/S; one chain far out carries nearly all
+    logits = torch.zeros(10, 7, 3, dtype=torch.float64)
+    logits[:, 0, 0] = torch.tensor([1.0, -1.0] * 5)
+    shares = ms.largest_chain_shares(logits)
+    assert abs(shares["largest_chain_share"] - 0.1) < 1e-12 and abs(shares["largest_two_share"] - 0.2) < 1e-12
+    logits[3] += 100.0
+    assert ms.largest_chain_shares(logits)["largest_chain_share"] > 0.85
+    # the shares add up to the unbiased variance of smp_core.metrics
+    per_chain = ((logits - logits.mean(0)) ** 2).flatten(1).mean(1) / 9
+    assert abs(float(per_chain.sum()) - metrics.logits_variance(logits)) < 1e-9
+    assert math.isnan(ms.largest_chain_shares(logits[:1])["largest_chain_share"])
