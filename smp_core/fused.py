@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from .likelihoods import Bernoulli, Categorical, Gaussian
-from .models import SequentialChainModel, _check_out, _check_rows, sequential_supported
+from .models import SequentialChainModel, _check_out, _check_rows, _pair, sequential_supported
 from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_sequential.cpp"
@@ -144,10 +144,6 @@ def fused_supported(module: nn.Module) -> bool:
     return True
 
 
-def _pair(value) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else tuple(value)
-
-
 class FusedSequentialChainModel(SequentialChainModel):
     """:class:`~smp_core.models.SequentialChainModel` with the forward pass, the backward pass and
     the element-wise parameter step of every chain run by one compiled CPU function per chain.
@@ -235,11 +231,9 @@ class FusedSequentialChainModel(SequentialChainModel):
             raise ValueError(f"the cotangent must have shape ({acts.shape[0]}, {self.out_dim}), got "
                              f"{tuple(cotangent.shape)}")
         empty = theta.new_empty(0, 0)
-        gamma = float(gamma) if isinstance(gamma, torch.Tensor) else gamma
-        self._kernel.backward(theta, acts, args, cotangent.detach().contiguous(), self._spec, mode,
-                                  float(gamma), empty if grad is None else grad,
-                                  empty if scale is None else scale, empty if stat is None else stat,
-                                  float(beta), float(ridge))
+        self._kernel.backward(theta, acts, args, cotangent.detach().contiguous(), self._spec, mode, float(gamma),
+                              empty if grad is None else grad, empty if scale is None else scale,
+                              empty if stat is None else stat, float(beta), float(ridge))
 
     def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,29 +257,40 @@ class FusedSequentialChainModel(SequentialChainModel):
         if rule.covers_update and any(t.shape[0] != theta.shape[0] for t in tensors):
             raise ValueError(f"a rule that updates its state needs one state row per chain ({theta.shape[0]}), got "
                              f"rows {[t.shape[0] for t in tensors]}")
-        kernel = getattr(rule, "kernel", None)
-        if rule is IDENTITY_RULE:
-            self._backward(ctx, cotangent, theta, 1, gamma)
-        elif rule is STORED_INVERSE_RULE and tensors[0].is_contiguous():
-            self._backward(ctx, cotangent, theta, 2, gamma, scale=tensors[0])
-        elif (kernel is not None and kernel[0] == "ema" and tensors[0].is_contiguous()
-              and tensors[0].shape[0] == theta.shape[0]):
-            self._backward(ctx, cotangent, theta, 3, gamma, stat=tensors[0], beta=kernel[1], ridge=kernel[2])
+        mode = self._rule_mode(rule, tensors, theta)
+        if mode is not None:
+            self._backward(ctx, cotangent, theta, mode[0], gamma, **mode[1])
         else:
             # a rule the kernel does not know: form the score, then the rule
             rule.apply_(theta, self.vjp(ctx, cotangent), tensors, gamma)
 
-    def _rule_mode(self, rule, tensors, theta: torch.Tensor):
-        """The kernel's update mode and its tensors for an element-wise rule, or ``None`` when it has no such mode."""
+    @staticmethod
+    def _rule_kind(rule) -> int | None:
+        """The kernel's update mode for an element-wise rule (1 identity, 2 stored scale, 3 EMA), or ``None``."""
         kernel = getattr(rule, "kernel", None)
         if rule is IDENTITY_RULE:
-            return 1, {}
-        if rule is STORED_INVERSE_RULE and tensors[0].is_contiguous() and tensors[0].dtype == theta.dtype:
-            return 2, {"scale": tensors[0]}
-        if (kernel is not None and kernel[0] == "ema" and tensors[0].is_contiguous()
-                and tensors[0].shape[0] == theta.shape[0] and tensors[0].dtype == theta.dtype):
-            return 3, {"stat": tensors[0], "beta": kernel[1], "ridge": kernel[2]}
+            return 1
+        if rule is STORED_INVERSE_RULE:
+            return 2
+        if kernel is not None and kernel[0] == "ema":
+            return 3
         return None
+
+    def _rule_mode(self, rule, tensors, theta: torch.Tensor):
+        """The kernel's update mode and the keyword arguments of its tensors for an element-wise rule, or
+        ``None`` when it has no such mode or the state tensors do not fit it (contiguous, theta's dtype,
+        for EMA one row per chain)."""
+        kind = self._rule_kind(rule)
+        if kind == 1:
+            return 1, {}
+        if kind is None or not (tensors[0].is_contiguous() and tensors[0].dtype == theta.dtype):
+            return None
+        if kind == 2:
+            return 2, {"scale": tensors[0]}
+        if tensors[0].shape[0] != theta.shape[0]:
+            return None
+        kernel = rule.kernel
+        return 3, {"stat": tensors[0], "beta": kernel[1], "ridge": kernel[2]}
 
     @staticmethod
     def _likelihood_code(likelihood) -> tuple[int, float] | None:
@@ -300,9 +305,8 @@ class FusedSequentialChainModel(SequentialChainModel):
 
     def takes_whole_step(self, likelihood, rule, device) -> bool:
         """Whether :meth:`step_` runs steps with this likelihood and element-wise rule on ``device``."""
-        kernel = getattr(rule, "kernel", None)
-        known_rule = rule is IDENTITY_RULE or rule is STORED_INVERSE_RULE or (kernel is not None and kernel[0] == "ema")
-        return torch.device(device).type == "cpu" and known_rule and self._likelihood_code(likelihood) is not None
+        return (torch.device(device).type == "cpu" and self._rule_kind(rule) is not None
+                and self._likelihood_code(likelihood) is not None)
 
     def step_(self, theta: torch.Tensor, x: torch.Tensor, likelihood, noise: torch.Tensor, rule, tensors,
               gamma: float | torch.Tensor) -> bool:
@@ -329,10 +333,9 @@ class FusedSequentialChainModel(SequentialChainModel):
         if code[0] == 0 and self.out_dim != 1:
             raise ValueError(f"a Bernoulli likelihood needs one output (a logit); the network has {self.out_dim}")
         empty = theta.new_empty(0, 0)
-        gamma = float(gamma)
         self._kernel.step(
             theta, x.reshape(x.shape[0], -1).to(theta.dtype).contiguous(), noise.to(theta.dtype).contiguous(),
             self._spec, self._acts_size, self._args_size, self._out_offset, self.out_dim, code[0], code[1],
-            mode, gamma, extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
+            mode, float(gamma), extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
             float(extra.get("ridge", 0.0)))
         return True

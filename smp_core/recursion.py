@@ -578,9 +578,8 @@ def run_smp(
     if _uses_step_blocks(cuda_graph, net, lik, precond, device):
         # (recorded only when on, so that the keys of earlier step-by-step checkpoints still match)
         config["step_blocks"] = True
-        takes = getattr(net, "takes_whole_step", None)
-        if device.type == "cpu" and takes is not None and precond.elementwise is not None and takes(
-                lik, precond.elementwise, device):
+        takes = getattr(net, "takes_whole_step", None)  # blocks imply an element-wise rule
+        if takes is not None and takes(lik, precond.elementwise, device):
             config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
     # n_steps is left out of the key so that a finished run can be extended to a larger K.
     key = _config_key({

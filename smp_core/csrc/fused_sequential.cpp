@@ -559,6 +559,19 @@ Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>
   return z;
 }
 
+// The preconditioner tensors of update modes 2 (scale: (1, d) or (B, d)) and 3 (stat: (B, d)).
+void check_state(int64_t mode, int64_t B, int64_t d, const torch::Tensor& scale, const torch::Tensor& stat) {
+  if (mode == 2)
+    TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.dim() == 2 && scale.size(1) == d &&
+                    (scale.size(0) == 1 || scale.size(0) == B),
+                "fused_sequential: the scale must be a contiguous CPU tensor of shape (1, ", d, ") or (", B, ", ", d,
+                ")");
+  if (mode == 3)
+    TORCH_CHECK(stat.device().is_cpu() && stat.is_contiguous() && stat.dim() == 2 && stat.size(0) == B &&
+                    stat.size(1) == d,
+                "fused_sequential: the EMA statistic must be a contiguous CPU tensor of shape (", B, ", ", d, ")");
+}
+
 }  // namespace
 
 // acts (B, A) receives every layer's input and the network's output; x (B, n_in) is copied to its
@@ -590,8 +603,7 @@ void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tens
   TORCH_CHECK(theta.is_contiguous() && acts.is_contiguous() && cotangent.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
   TORCH_CHECK(theta.device().is_cpu() && acts.device().is_cpu() && cotangent.device().is_cpu() &&
-                  (mode != 0 || grad.device().is_cpu()) && (mode != 2 || scale.device().is_cpu()) &&
-                  (mode != 3 || stat.device().is_cpu()),
+                  (mode != 0 || grad.device().is_cpu()),
               "fused_sequential: CPU tensors expected");
   const auto starts = record_starts(spec);
   const Sizes z = scratch_sizes(spec, starts);
@@ -603,9 +615,7 @@ void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tens
               z.n_out, ")");
   TORCH_CHECK(acts.size(0) == B && args.size(1) >= 1, "fused_sequential: bad acts or args");
   if (mode == 0) TORCH_CHECK(grad.is_contiguous() && grad.size(0) == B && grad.size(1) == d, "bad grad");
-  if (mode == 2) TORCH_CHECK(scale.is_contiguous() && scale.size(1) == d && (scale.size(0) == 1 || scale.size(0) == B),
-                             "bad scale");
-  if (mode == 3) TORCH_CHECK(stat.is_contiguous() && stat.size(0) == B && stat.size(1) == d, "bad stat");
+  check_state(mode, B, d, scale, stat);
   AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_backward", [&] {
     scalar_t* th = theta.data_ptr<scalar_t>();
     const scalar_t* ac = acts.data_ptr<scalar_t>();
@@ -671,8 +681,7 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
           int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
   TORCH_CHECK(theta.is_contiguous() && x.is_contiguous() && noise.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
-  TORCH_CHECK(theta.device().is_cpu() && x.device().is_cpu() && noise.device().is_cpu() &&
-                  (mode != 2 || scale.device().is_cpu()) && (mode != 3 || stat.device().is_cpu()),
+  TORCH_CHECK(theta.device().is_cpu() && x.device().is_cpu() && noise.device().is_cpu(),
               "fused_sequential: CPU tensors expected");
   const auto starts = record_starts(spec);
   const Sizes z = scratch_sizes(spec, starts);
@@ -687,9 +696,7 @@ void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noi
   TORCH_CHECK(x.scalar_type() == theta.scalar_type() && noise.scalar_type() == theta.scalar_type(),
               "fused_sequential: x, noise and theta must have one dtype");
   TORCH_CHECK(mode >= 1 && mode <= 3, "fused_sequential: step mode must be 1, 2 or 3, got ", mode);
-  if (mode == 2) TORCH_CHECK(scale.is_contiguous() && scale.size(1) == d && (scale.size(0) == 1 || scale.size(0) == B),
-                             "bad scale");
-  if (mode == 3) TORCH_CHECK(stat.is_contiguous() && stat.size(0) == B && stat.size(1) == d, "bad stat");
+  check_state(mode, B, d, scale, stat);
   AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_step", [&] {
     scalar_t* th = theta.data_ptr<scalar_t>();
     const scalar_t* xs = x.data_ptr<scalar_t>();
