@@ -6,6 +6,7 @@ Runs on CUDA when a GPU is present and on the CPU otherwise, with no code change
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -100,9 +101,30 @@ def smp_path(device: torch.device) -> str:
     return "batched torch model, step by step"
 
 
+def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
+    """The seed of SMP variant number ``index`` (its place in ``MNIST_VARIANTS``) in one replicate.
+
+    Replicate 0 keeps the seeds of the study's single run (``seed + 10 + index``); replicate ``r``
+    adds ``1000 r``, as the toy study's replicates do.
+    """
+    return cfg["seed"] + 10 + index + 1000 * replicate
+
+
+def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
+    """The cache key of one SMP run: its scale's settings, the variant, the replicate, the study
+    version and :func:`smp_path`. The number of replicates is left out, so that asking for more
+    replicates reuses the ones already run."""
+    settings = {k: v for k, v in cfg.items() if k != "smp_replicates"}
+    return {**settings, "part": variant, "replicate": replicate, "study_version": STUDY_VERSION, "smp_path": path}
+
+
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
-                device: torch.device | None = None, checkpoint=None, progress: bool = True):
-    """One SMP variant from theta_0 = MAP; the empirical diagonal Fisher from the validation set."""
+                device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0):
+    """One SMP variant from theta_0 = MAP; the empirical diagonal Fisher from the validation set.
+
+    ``index`` is the variant's place in ``MNIST_VARIANTS`` and, with ``replicate``, sets its seed
+    (:func:`smp_seed`).
+    """
     device = device or default_device()
     net = lenet5().to(device)
     x = data["train"][0].to(device)
@@ -111,7 +133,7 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
     return run_smp(net, "categorical", x, theta0=theta0.to(device), preconditioner=variant,
                    tau=MNIST_TAU[variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
-                   seed=cfg["seed"] + 10 + index, fisher="empirical", fisher_data=fisher_data,
+                   seed=smp_seed(cfg, index, replicate), fisher="empirical", fisher_data=fisher_data,
                    ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", input_shape=INPUT_SHAPE,
                    checkpoint=checkpoint, checkpoint_every=cfg.get("checkpoint_every"), progress=progress)
 
@@ -166,8 +188,28 @@ def tables(evals: dict[str, dict], elapsed: dict[str, float]) -> dict[str, pd.Da
     return {"scores": scores, "variances": variances, "elapsed": el, "tails": tails}
 
 
-def claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:
-    """The conclusions of Section 3.3.4, judged by stated criteria on our numbers."""
+def claims(scores: pd.DataFrame, variances: pd.DataFrame,
+           replicates: list[tuple[pd.DataFrame, pd.DataFrame]] | None = None) -> pd.DataFrame:
+    """The conclusions of Section 3.3.4, judged by stated criteria on our numbers.
+
+    ``scores`` and ``variances`` are the tables the verdicts are judged on (with replicates, their
+    means). ``replicates``, a list of ``(scores, variances)`` of single runs, adds a column
+    ``replicates`` that counts the verdicts each run alone gets (e.g. ``holds 2, does not hold 1``):
+    how much a verdict depends on the random stream.
+    """
+    table = _claims(scores, variances)
+    if replicates:
+        per_run = [_claims(s, v)["verdict"].tolist() for s, v in replicates]
+        table["replicates"] = [verdict_counts(col) for col in zip(*per_run, strict=True)]
+    return table
+
+
+def verdict_counts(verdicts) -> str:
+    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first)."""
+    return ", ".join(f"{v} {n}" for v, n in Counter(verdicts).most_common())
+
+
+def _claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:
     s, v = scores, variances
     rows = []
 

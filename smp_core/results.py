@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 
 PACKAGES = ("torch", "numpy", "jax", "numpyro", "scipy", "pandas", "matplotlib", "smp_core")
@@ -105,3 +106,22 @@ def cached(study: str, config: dict[str, Any], compute: Callable[[], Any],
     torch.save({"config": canonical, "value": value}, tmp)
     os.replace(tmp, path)
     return value
+
+
+def summarise_replicates(per_replicate: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
+    """Mean and standard deviation (``ddof=1``; NaN for one replicate) over replicates of every cell.
+
+    ``per_replicate[r][name]`` is table ``name`` of replicate ``r`` (rows named ``method``); returns
+    ``{name}_mean``, ``{name}_std`` and ``{name}_replicates`` (all replicates stacked, indexed by
+    ``(replicate, method)``) for every ``name``, rows in the order of the first replicate.
+    """
+    if not per_replicate:
+        raise ValueError("no replicates to summarise")
+    out = {}
+    for name in per_replicate[0]:
+        frames = [tables[name] for tables in per_replicate]
+        stacked = pd.concat(frames, keys=range(len(frames)), names=["replicate"])
+        out[f"{name}_mean"] = stacked.groupby(level="method", sort=False).mean()
+        out[f"{name}_std"] = stacked.groupby(level="method", sort=False).std(ddof=1)
+        out[f"{name}_replicates"] = stacked
+    return out

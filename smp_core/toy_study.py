@@ -18,6 +18,7 @@ from . import metrics
 from .config import TOY_VARIANTS, toy_tau
 from .models import as_chain_model, predict, toy_mlp
 from .recursion import residual_variance_ratio, run_smp
+from .results import summarise_replicates
 from .toy import make_grid, make_toy_data
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
@@ -131,26 +132,20 @@ def tables(run: dict[str, Any]) -> dict[str, pd.DataFrame]:
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
     """Mean and standard deviation over replicates of every cell of every table."""
-    out = {}
-    for key in ("scores", "variances", "elapsed"):
-        frames = [tables(r)[key] for r in runs]
-        stacked = pd.concat(frames, keys=range(len(frames)), names=["replicate"])
-        out[f"{key}_mean"] = stacked.groupby(level="method", sort=False).mean()
-        out[f"{key}_std"] = stacked.groupby(level="method", sort=False).std(ddof=1)
-        out[f"{key}_replicates"] = stacked
-    return out
+    return summarise_replicates([tables(r) for r in runs])
 
 
 def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | None = None,
                  digits: int = 4) -> pd.DataFrame:
-    """One table with, per column, the paper's number and ours (mean ± sd over replicates if given)."""
+    """One table with, per column, the paper's number and ours (mean ± sd over replicates if given;
+    a NaN sd, as with one replicate, shows no spread)."""
     cols = {}
     for c in ours.columns:
         if c in paper.columns:
             cols[(c, "paper")] = paper[c].reindex(ours.index).map(lambda v: f"{v:.{digits}f}")
         mine = ours[c].map(lambda v: f"{v:.{digits}f}")
-        if std is not None:
-            mine = mine + " ± " + std[c].map(lambda v: f"{v:.{digits}f}")
+        if std is not None:  # no spread to show where it is NaN (one replicate, or a row without values)
+            mine = mine + std[c].reindex(ours.index).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
         cols[(c, "ours")] = mine
     return pd.DataFrame(cols, index=ours.index)
 

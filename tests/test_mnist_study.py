@@ -12,6 +12,33 @@ def test_claims_on_the_papers_tables():
     assert (verdicts == "holds").all(), verdicts
 
 
+def test_claims_count_the_verdicts_of_single_runs():
+    scores, variances = paper_table("ex2_scores"), paper_table("ex2_variances")
+    worse = scores.copy()
+    worse.loc["SMP-periodic-diag", "mutual_info"] = 10.0  # no longer the least over-dispersed
+    table = ms.claims(scores, variances, [(scores, variances), (worse, variances), (scores, variances)])
+    counts = table.set_index("claim")["replicates"]
+    assert counts.filter(like="Periodic recomputation").item() == "holds 2, does not hold 1"
+    assert counts.filter(like="SMP-none predicts like MAP").item() == "holds 3"
+    assert list(table.columns) == ["claim", "criterion", "verdict", "evidence", "replicates"]
+    assert "replicates" not in ms.claims(scores, variances).columns
+    assert ms.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
+
+
+def test_smp_seeds_and_run_keys_per_replicate():
+    from smp_core.config import MNIST_VARIANTS, get_config
+
+    cfg = get_config("mnist", "laptop")
+    seeds = [ms.smp_seed(cfg, i, r) for r in range(5) for i in range(len(MNIST_VARIANTS))]
+    assert len(set(seeds)) == len(seeds)
+    assert [ms.smp_seed(cfg, i) for i in range(4)] == [2036, 2037, 2038, 2039]  # the single run's seeds
+    key = ms.run_key(cfg, "none", 1, "a path")
+    assert "smp_replicates" not in key and key["replicate"] == 1 and key["smp_path"] == "a path"
+    # asking for more replicates keeps the keys, hence the cache, of those already run
+    assert ms.run_key({**cfg, "smp_replicates": 9}, "none", 1, "a path") == key
+    assert ms.run_key(cfg, "none", 0, "a path") != key
+
+
 def test_ambiguous_three_rule():
     probs = torch.tensor([[[0.9, 0.1], [0.5, 0.5], [0.6, 0.4], [0.5, 0.5]]])  # (S=1, n=4, C=2)
     labels = torch.tensor([3, 3, 3, 1])

@@ -1,8 +1,11 @@
 import json
+import math
 
+import numpy as np
+import pandas as pd
 import pytest
 
-from smp_core.results import cached, config_key, write_manifest
+from smp_core.results import cached, config_key, summarise_replicates, write_manifest
 
 
 def test_cache_reuses_by_config_and_refuses_collisions(tmp_path):
@@ -33,3 +36,23 @@ def test_manifest_records_config_seeds_and_versions(tmp_path):
     assert manifest["environment"]["packages"]["torch"]
     assert manifest["environment"]["cpu_model"]
     assert "git" in manifest
+
+
+def _table(values, methods=("b", "a")):
+    df = pd.DataFrame({"x": values}, index=list(methods))
+    df.index.name = "method"
+    return df
+
+
+def test_summarise_replicates_mean_std_and_order():
+    reps = [{"t": _table([1.0, 10.0])}, {"t": _table([2.0, 30.0])}, {"t": _table([6.0, 20.0])}]
+    out = summarise_replicates(reps)
+    assert list(out["t_mean"].index) == ["b", "a"]  # the first replicate's row order, not sorted
+    assert out["t_mean"].loc["b", "x"] == pytest.approx(3.0)
+    assert out["t_std"].loc["b", "x"] == pytest.approx(np.std([1.0, 2.0, 6.0], ddof=1))
+    assert out["t_std"].loc["a", "x"] == pytest.approx(10.0)
+    assert out["t_replicates"].loc[(2, "a"), "x"] == 20.0
+    one = summarise_replicates(reps[:1])
+    assert one["t_mean"].loc["a", "x"] == 10.0 and math.isnan(one["t_std"].loc["a", "x"])
+    with pytest.raises(ValueError, match="no replicates"):
+        summarise_replicates([])

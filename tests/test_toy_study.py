@@ -28,6 +28,9 @@ def test_beside_paper_and_method_names():
     table = ts.beside_paper(ours, paper_table("ex1_scores"), ours * 0 + 0.01)
     assert table.loc["NUTS", ("accuracy", "paper")] == "0.9304"
     assert table.loc["NUTS", ("accuracy", "ours")] == "0.5000 ± 0.0100"
+    # one replicate: the standard deviation is NaN and no spread is shown
+    table = ts.beside_paper(ours, paper_table("ex1_scores"), ours * float("nan"))
+    assert table.loc["NUTS", ("accuracy", "ours")] == "0.5000"
 
 
 def test_replicate_seeds_differ():
