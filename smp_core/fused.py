@@ -303,10 +303,11 @@ class FusedSequentialChainModel(SequentialChainModel):
             return 2, likelihood.sigma
         return None
 
-    def takes_whole_step(self, likelihood, rule, device) -> bool:
-        """Whether :meth:`step_` runs steps with this likelihood and element-wise rule on ``device``."""
-        return (torch.device(device).type == "cpu" and self._rule_kind(rule) is not None
-                and self._likelihood_code(likelihood) is not None)
+    def takes_whole_step(self, likelihood, rule, device, dtype: torch.dtype = torch.float32) -> bool:
+        """Whether :meth:`step_` runs steps with this likelihood and element-wise rule on ``device``
+        for parameters of ``dtype`` (float32 or float64)."""
+        return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.float64)
+                and self._rule_kind(rule) is not None and self._likelihood_code(likelihood) is not None)
 
     def step_(self, theta: torch.Tensor, x: torch.Tensor, likelihood, noise: torch.Tensor, rule, tensors,
               gamma: float | torch.Tensor) -> bool:

@@ -22,6 +22,7 @@ from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .models import as_chain_model, lenet5, predict
 from .recursion import residual_variance_ratio, run_smp
+from .results import summarise_replicates
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
 INPUT_SHAPE = (1, 28, 28)
@@ -188,6 +189,18 @@ def tables(evals: dict[str, dict], elapsed: dict[str, float]) -> dict[str, pd.Da
     return {"scores": scores, "variances": variances, "elapsed": el, "tails": tails}
 
 
+def summarise(per_replicate: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
+    """Mean and standard deviation over the SMP replicates of every cell of :func:`tables`
+    (:func:`smp_core.results.summarise_replicates`). Every replicate starts from the same MAP, so the
+    MAP row has no spread to show: its standard deviation is NaN, not a misleading zero; the spread
+    of the SMP rows is that of the SMP random stream alone (one MAP, one data split)."""
+    out = summarise_replicates(per_replicate)
+    for name, table in out.items():
+        if name.endswith("_std") and "MAP" in table.index:
+            table.loc["MAP"] = np.nan
+    return out
+
+
 def claims(scores: pd.DataFrame, variances: pd.DataFrame,
            replicates: list[tuple[pd.DataFrame, pd.DataFrame]] | None = None) -> pd.DataFrame:
     """The conclusions of Section 3.3.4, judged by stated criteria on our numbers.
@@ -205,7 +218,8 @@ def claims(scores: pd.DataFrame, variances: pd.DataFrame,
 
 
 def verdict_counts(verdicts) -> str:
-    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first)."""
+    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first;
+    a tie in the order the verdicts first appear, i.e. of the replicates)."""
     return ", ".join(f"{v} {n}" for v, n in Counter(verdicts).most_common())
 
 

@@ -414,7 +414,8 @@ def advance_smp(
     return state
 
 
-def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, device: torch.device) -> bool:
+def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, device: torch.device,
+                      dtype: torch.dtype) -> bool:
     """Whether a run takes the step blocks: when asked (``True``), or by default on a CUDA device for
     the networks that :mod:`smp_core.models` batches by hand (their steps are known to be capturable;
     a user's chain model is captured only when asked), and on a CPU where the compiled kernel of
@@ -425,13 +426,13 @@ def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, devic
         if device.type == "cuda":
             return isinstance(model, SequentialChainModel | MLPChainModel)
         takes = getattr(model, "takes_whole_step", None)
-        return takes is not None and takes(likelihood, precond.elementwise, device)
+        return takes is not None and takes(likelihood, precond.elementwise, device, dtype)
     return bool(cuda_graph)
 
 
 def _make_step_blocks(cuda_graph: bool | None, state: SMPState, model, likelihood, x_train, precond):
     """The :class:`_StepBlocks` of a run, or ``None`` for the step-by-step loop (see :func:`advance_smp`)."""
-    if not _uses_step_blocks(cuda_graph, model, likelihood, precond, state.theta.device):
+    if not _uses_step_blocks(cuda_graph, model, likelihood, precond, state.theta.device, state.theta.dtype):
         return None
     reason = step_blocks_unavailable(model, likelihood, precond)
     if reason is not None:
@@ -575,11 +576,11 @@ def run_smp(
         "likelihood": lik.name, "d": net.layout.dim, **precond.hyper, "check_every": check_every,
         "divergence_threshold": divergence_threshold, "trace_every": trace_every,
     }
-    if _uses_step_blocks(cuda_graph, net, lik, precond, device):
+    if _uses_step_blocks(cuda_graph, net, lik, precond, device, dtype):
         # (recorded only when on, so that the keys of earlier step-by-step checkpoints still match)
         config["step_blocks"] = True
         takes = getattr(net, "takes_whole_step", None)  # blocks imply an element-wise rule
-        if takes is not None and takes(lik, precond.elementwise, device):
+        if takes is not None and takes(lik, precond.elementwise, device, dtype):
             config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
     # n_steps is left out of the key so that a finished run can be extended to a larger K.
     key = _config_key({

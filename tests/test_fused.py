@@ -236,6 +236,9 @@ def test_what_the_kernel_does_not_know_takes_the_general_path():
     assert not fused.step_(theta, x, get_likelihood("bernoulli"), torch.zeros(theta.shape[0]), custom, (), 0.1)
     assert not fused.takes_whole_step(OwnLikelihood(), IDENTITY_RULE, "cpu")
     assert not fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cuda")
+    # the kernel computes in float32 and float64 only: half-precision chains take the torch path
+    assert fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cpu", torch.float64)
+    assert not fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cpu", torch.bfloat16)
     for layer in [nn.GELU(), nn.AvgPool2d(2), nn.Dropout(0.1), nn.MaxPool2d(2, return_indices=True)]:
         net = nn.Sequential(nn.Conv2d(1, 2, 3), layer, nn.Flatten(), nn.Linear(18 if "Pool" in str(layer) else 72, 2))
         assert not fused_supported(net)

@@ -25,6 +25,20 @@ def test_claims_count_the_verdicts_of_single_runs():
     assert ms.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
 
 
+def test_summarise_gives_the_map_row_no_spread():
+    import pandas as pd
+
+    def one(a, b):
+        df = pd.DataFrame({"accuracy": [0.98, a], "nll": [0.04, b]}, index=["MAP", "SMP-none"])
+        df.index.name = "method"
+        return {"scores": df}
+
+    out = ms.summarise([one(0.97, 0.05), one(0.95, 0.07)])
+    assert math.isnan(out["scores_std"].loc["MAP", "accuracy"]) and out["scores_mean"].loc["MAP", "nll"] == 0.04
+    assert abs(out["scores_std"].loc["SMP-none", "nll"] - 0.02 / math.sqrt(2)) < 1e-12
+    assert out["scores_replicates"].loc[(1, "MAP"), "accuracy"] == 0.98  # the per-replicate table is untouched
+
+
 def test_smp_seeds_and_run_keys_per_replicate():
     from smp_core.config import MNIST_VARIANTS, get_config
 
