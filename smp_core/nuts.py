@@ -465,9 +465,7 @@ def check_nuts_mean(samples, x, y, max_accuracy_drop: float = 0.05, max_brier_in
         "brier_ensemble": float(np.mean((p_ens - y) ** 2)),
         "brier_mean": float(np.mean((p_mean - y) ** 2)),
     }
-    bad_acc = metrics["accuracy_mean"] < metrics["accuracy_ensemble"] - max_accuracy_drop
-    bad_brier = metrics["brier_mean"] > metrics["brier_ensemble"] + max_brier_increase
-    if raise_error and (bad_acc or bad_brier):
+    if raise_error and not nuts_mean_passes(metrics, max_accuracy_drop, max_brier_increase):
         raise RuntimeError(
             "the NUTS-mean point estimate predicts much worse than the NUTS ensemble "
             f"(accuracy {metrics['accuracy_mean']:.3f} vs {metrics['accuracy_ensemble']:.3f}, "
@@ -477,3 +475,11 @@ def check_nuts_mean(samples, x, y, max_accuracy_drop: float = 0.05, max_brier_in
             "(run_nuts(init=find_map(...).theta)), relabel hidden units (align_hidden_units, run_nuts(relabel=True)), "
             "change the seed, or inspect the trace and ESS.")
     return metrics
+
+
+def nuts_mean_passes(metrics: dict[str, float], max_accuracy_drop: float = 0.05,
+                     max_brier_increase: float = 0.02) -> bool:
+    """Whether the metrics of :func:`check_nuts_mean` pass its test: the mean's accuracy at most
+    ``max_accuracy_drop`` below the ensemble's and its Brier score at most ``max_brier_increase`` above."""
+    return (metrics["accuracy_mean"] >= metrics["accuracy_ensemble"] - max_accuracy_drop
+            and metrics["brier_mean"] <= metrics["brier_ensemble"] + max_brier_increase)

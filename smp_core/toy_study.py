@@ -7,6 +7,7 @@ and :func:`summarise` / :func:`claims` on the results. Everything numeric lives 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,8 +69,15 @@ def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bin
 
 
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True) -> dict[str, Any]:
-    """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation."""
-    from .nuts import check_nuts_mean, run_nuts
+    """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
+
+    SMP starts from NUTS-mean, as in the paper, even where :func:`smp_core.nuts.check_nuts_mean`
+    finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
+    the replicate is kept, not replaced by a luckier seed, with a warning, and its check is in
+    ``nuts_mean_check`` (``passed``). One NUTS chain of 2,000 iterations is chaotic in rounding, so
+    which replicate crosses can differ between processors (JAX compiles for the host's CPU).
+    """
+    from .nuts import check_nuts_mean, nuts_mean_passes, run_nuts
 
     seeds = replicate_seeds(cfg["seed"], replicate)
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
@@ -80,7 +88,12 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     nuts = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
                     num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
                     x_eval=x_test.numpy())
-    sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy())
+    sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy(), raise_error=False)
+    sanity["passed"] = nuts_mean_passes(sanity)
+    if not sanity["passed"]:
+        warnings.warn(f"toy replicate {replicate}: NUTS-mean predicts much worse than the NUTS ensemble ({sanity}); "
+                      "the chain probably crossed between modes. SMP still starts from NUTS-mean, as in the paper; "
+                      "the replicate is kept and flagged in its nuts_mean_check", stacklevel=2)
     nuts_samples = torch.as_tensor(nuts.samples, dtype=torch.float32)
     theta_hat = nuts_samples.mean(0)
 

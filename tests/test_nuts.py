@@ -17,6 +17,7 @@ from smp_core.nuts import (  # noqa: E402
     find_map,
     log_posterior,
     mlp_logits_jax,
+    nuts_mean_passes,
     permute_hidden_units,
     predict_logits,
     run_nuts,
@@ -165,6 +166,8 @@ def test_check_nuts_mean_fails_on_mixed_modes(toy200, map200):
     with pytest.raises(RuntimeError, match="NUTS-mean"):
         check_nuts_mean(mixed, x, y)
     metrics = check_nuts_mean(mixed, x, y, raise_error=False)
+    assert not nuts_mean_passes(metrics)
+    assert nuts_mean_passes(check_nuts_mean(map200.theta[None], x, y))
     assert metrics["accuracy_mean"] < metrics["accuracy_ensemble"]
     # A single basin passes.
     check_nuts_mean(map200.theta[None], x, y)
