@@ -21,7 +21,8 @@ for target in test book; do
   status=$?
   minutes=$(awk -v s="$(( $(date +%s) - start ))" 'BEGIN { printf "%.1f", s / 60 }')
   rows+=("| make $target | $minutes | $status | $dir/make-$target.log |")
-  if [[ $target == book ]]; then
+  # (only after a successful run: otherwise the manifests are the committed ones, not this run's)
+  if [[ $target == book && $status == 0 ]]; then
     for study in toy mnist; do
       manifest="$dir/clone/results/laptop/$study/manifest.json"
       [[ -f $manifest ]] || continue
