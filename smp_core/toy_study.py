@@ -73,9 +73,10 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
 
     SMP starts from NUTS-mean, as in the paper, even where :func:`smp_core.nuts.check_nuts_mean`
     finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
-    the replicate is kept, not replaced by a luckier seed, with a warning, and its check is in
-    ``nuts_mean_check`` (``passed``). One NUTS chain of 2,000 iterations is chaotic in rounding, so
-    which replicate crosses can differ between processors (JAX compiles for the host's CPU).
+    the replicate is kept, not replaced by a luckier seed, with a warning, and its check's metrics
+    are in ``nuts_mean_check`` (:func:`smp_core.nuts.nuts_mean_passes` judges them). One NUTS chain
+    of 2,000 iterations is chaotic in rounding, so which replicate crosses can differ between
+    processors (JAX compiles for the host's CPU).
     """
     from .nuts import check_nuts_mean, nuts_mean_passes, run_nuts
 
@@ -89,8 +90,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
                     num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
                     x_eval=x_test.numpy())
     sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy(), raise_error=False)
-    sanity["passed"] = nuts_mean_passes(sanity)
-    if not sanity["passed"]:
+    if not nuts_mean_passes(sanity):
         warnings.warn(f"toy replicate {replicate}: NUTS-mean predicts much worse than the NUTS ensemble ({sanity}); "
                       "the chain probably crossed between modes. SMP still starts from NUTS-mean, as in the paper; "
                       "the replicate is kept and flagged in its nuts_mean_check", stacklevel=2)
