@@ -77,11 +77,30 @@ MNIST: dict[str, dict[str, Any]] = {
            "n_steps": 200, "period": 50, "checkpoint_every": None, "smp_replicates": 2},
 }
 
-_TABLES = {"toy": TOY, "mnist": MNIST}
+# Beyond the paper (notebooks/mnist_growth.md): one run per MNIST variant, extended through a grid of K
+# (each run resumes from its checkpoint at the next K), to see how the dispersion grows with K. The
+# MAP and every SMP setting but S and K are those of the MNIST study at the same scale.
+_GROWTH_GRID = [1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000]
+
+
+def _growth(scale: str, **changes: Any) -> dict[str, Any]:
+    settings = {k: v for k, v in MNIST[scale].items() if k not in ("n_steps", "smp_replicates")}
+    return {**settings, **changes}
+
+
+MNIST_GROWTH: dict[str, dict[str, Any]] = {
+    "paper": _growth("paper", growth_steps=_GROWTH_GRID),  # the paper's S and K: meant for a GPU
+    # laptop: 10 chains (jackknife errors over them) to K = 10^5, about 12 minutes on 2 cores; the
+    # periodic Fisher's recomputation (every T = 500 steps, 500 images) is most of that time.
+    "laptop": _growth("laptop", n_chains=10, growth_steps=_GROWTH_GRID[:5]),
+    "ci": _growth("ci", n_chains=4, growth_steps=[50, 100, 200]),
+}
+
+_TABLES = {"toy": TOY, "mnist": MNIST, "mnist_growth": MNIST_GROWTH}
 
 
 def get_config(study: str, scale: str) -> dict[str, Any]:
-    """The settings of one study (``"toy"`` or ``"mnist"``) at one scale, as a fresh dict."""
+    """The settings of one study (``"toy"``, ``"mnist"`` or ``"mnist_growth"``) at one scale, as a fresh dict."""
     if study not in _TABLES:
         raise ValueError(f"unknown study {study!r}; choose one of {sorted(_TABLES)}")
     if scale not in SCALES:

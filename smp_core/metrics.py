@@ -43,6 +43,7 @@ __all__ = [
     "ece",
     "epistemic_std",
     "expected_entropy",
+    "jackknife_se",
     "logits_variance",
     "mutual_information",
     "nll",
@@ -540,3 +541,35 @@ def logits_variance(logits: torch.Tensor) -> float:
     if x.shape[0] < 2:
         return math.nan
     return x.var(dim=0, correction=1).mean().item()
+
+
+def jackknife_se(samples: torch.Tensor, statistic) -> float:
+    """Jackknife standard error of ``statistic(samples)`` over the first axis (the ``S`` samples).
+
+    ``sqrt((S-1)/S sum_l (t_(l) - t_bar)^2)`` where ``t_(l)`` is the statistic of the samples with
+    sample ``l`` left out (Efron and Stein, 1981). It gives a Monte Carlo error to a metric of a few
+    independent chains (the variances, the mutual information) without rerunning them. For the
+    sample mean it equals ``s / sqrt(S)`` exactly; for a U-statistic such as the unbiased variance
+    its square is unbiased for the variance of the statistic of ``S - 1`` samples (slightly
+    conservative for ``S``).
+
+    Args:
+        samples: ``(S, ...)`` with ``S >= 2`` (e.g. ``(S, d)`` parameters or ``(S, N, C)`` probabilities).
+        statistic: a function of such a tensor with ``S - 1`` rows that returns a float.
+
+    Returns:
+        The standard error; NaN for ``S < 3`` (one left-out value per sample is too few to vary).
+    """
+    if samples.ndim < 1:
+        raise ValueError("samples must have a leading axis of samples")
+    n = samples.shape[0]
+    if n < 3:
+        return math.nan
+    keep = torch.ones(n, dtype=torch.bool, device=samples.device)
+    values = []
+    for left_out in range(n):
+        keep[left_out] = False
+        values.append(float(statistic(samples[keep])))
+        keep[left_out] = True
+    t = torch.tensor(values, dtype=torch.float64)
+    return math.sqrt((n - 1) / n * float(((t - t.mean()) ** 2).sum()))

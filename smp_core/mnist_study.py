@@ -5,8 +5,10 @@ Runs on CUDA when a GPU is present and on the CPU otherwise, with no code change
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +24,7 @@ from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .models import as_chain_model, lenet5, predict
 from .recursion import residual_variance_ratio, run_smp
-from .results import summarise_replicates
+from .results import cached, config_key, summarise_replicates
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
 INPUT_SHAPE = (1, 28, 28)
@@ -76,14 +78,33 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     return {"theta": theta, "history": pd.DataFrame(history), "seconds": time.perf_counter() - started}
 
 
-def fisher_zero_fraction(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> float:
-    """Fraction of exact zeros on the diagonal of the empirical Fisher at ``theta0`` over the validation set."""
+def map_key(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The cache key of the MAP fit: the data sizes and split, the seed, the ``map_*`` settings."""
+    key = {k: cfg[k] for k in ("n_train", "n_val", "n_test", "split_seed", "seed") if k in cfg}
+    key.update({k: v for k, v in cfg.items() if k.startswith("map_")}, part="map", study_version=STUDY_VERSION)
+    return key
+
+
+def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
+            progress: bool = True) -> dict[str, Any]:
+    """:func:`train_map`, reused from ``.cache/mnist/`` by :func:`map_key` (shared by the MNIST chapters)."""
+    return cached("mnist", map_key(cfg), lambda: train_map(cfg, data, device, progress), enabled=use_cache)
+
+
+def fisher_zero_mask(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
+    """Where the diagonal of the empirical Fisher at ``theta0`` over the validation set is exactly zero
+    (a ``(d,)`` boolean tensor on the CPU)."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
     xv, yv = (t.to(device) for t in data["val"])
     (diag,) = estimate_fisher(model, _categorical(), theta0.to(device), xv, yv, kind="empirical",
                               structure="diag")
-    return float((diag == 0).double().mean())
+    return (diag.reshape(-1) == 0).cpu()
+
+
+def fisher_zero_fraction(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> float:
+    """Fraction of exact zeros on the diagonal of the empirical Fisher at ``theta0`` over the validation set."""
+    return float(fisher_zero_mask(theta0, data, device).double().mean())
 
 
 def _categorical():
@@ -270,3 +291,110 @@ def top_probabilities(evals: dict[str, dict], index: int) -> pd.DataFrame:
     """Mean predicted class probabilities (over samples) of every method for one test image."""
     return pd.DataFrame({name: ev["probs"][:, index].mean(0).numpy() for name, ev in evals.items()},
                         index=[str(c) for c in range(10)]).T.astype(np.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Beyond the paper: how the dispersion grows with K (notebooks/mnist_growth.md)
+
+
+def reached_share(n_obs: int, n_steps: int) -> float:
+    """``1 - r_K^2 / r_0^2``: the share of the limiting variance that ``K`` steps reach when the
+    chains stay where one Fisher describes them. There the increments ``gamma_k P^{-1} s_k`` are
+    uncorrelated with covariance ``gamma_k^2 P^{-1} F P^{-1}``, so ``Var(theta_K)`` is the constant
+    ``tau^2 P^{-1} F P^{-1}`` times ``sum_{k <= K} (N + k)^{-2}``: this share of its limit."""
+    return 1.0 - residual_variance_ratio(n_obs, n_steps)
+
+
+def growth_key(cfg: dict[str, Any], variant: str, path: str) -> dict[str, Any]:
+    """The key of one growth run (one checkpoint, extended through the grid of K): the settings
+    without the grid, so that a longer grid extends the same run."""
+    settings = {k: v for k, v in cfg.items() if k not in ("growth_steps", "n_steps", "smp_replicates")}
+    return {**settings, "part": f"growth-{variant}", "study_version": STUDY_VERSION, "smp_path": path}
+
+
+def growth_point(theta: torch.Tensor, data: dict, zero_mask: torch.Tensor,
+                 device: torch.device | None = None) -> dict[str, float]:
+    """The dispersion of the samples ``theta`` ``(S, d)`` on the test set, each with its jackknife
+    standard error over the chains (:func:`smp_core.metrics.jackknife_se`): parameter variance (also
+    split into the coordinates where the Fisher diagonal at the MAP is exactly zero, ``zero_mask``,
+    and the others), logit variance and mutual information; and NLL, accuracy and the largest chain's
+    share of the logit variance."""
+    device = device or default_device()
+    model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
+    xt, yt = data["test"]
+    logits = predict(model, theta.to(device), xt.to(device), batch_size=2500).cpu().double()
+    probs = torch.softmax(logits, dim=-1)
+    theta = theta.cpu().double()
+    zero_mask = zero_mask.cpu()
+    row = {
+        "params_variance": metrics.params_variance(theta),
+        "params_variance_se": metrics.jackknife_se(theta, metrics.params_variance),
+        "params_variance_zero_fisher": metrics.params_variance(theta[:, zero_mask]) if zero_mask.any() else np.nan,
+        "params_variance_other": metrics.params_variance(theta[:, ~zero_mask]) if (~zero_mask).any() else np.nan,
+        "logits_variance": metrics.logits_variance(logits),
+        "logits_variance_se": metrics.jackknife_se(logits, metrics.logits_variance),
+        "mutual_info": metrics.mutual_information(probs),
+        "mutual_info_se": metrics.jackknife_se(probs, metrics.mutual_information),
+        "nll": metrics.nll(probs, yt),
+        "accuracy": metrics.accuracy(probs, yt),
+    }
+    row["largest_chain_share"] = largest_chain_shares(logits)["largest_chain_share"]
+    return row
+
+
+def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
+               zero_mask: torch.Tensor, device: torch.device | None = None, use_cache: bool = True,
+               progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+    """One SMP run of ``variant`` (:func:`run_variant`, seeds of replicate 0) extended through the
+    grid ``cfg["growth_steps"]`` of K, with :func:`growth_point` at every K.
+
+    The step size ``tau / (N + k)`` does not depend on K, so the samples at a K of the grid are those
+    of a run of exactly K steps: the run resumes from its own checkpoint at each K (in
+    ``<cache_root>/mnist_growth/``, or a temporary folder without the cache) rather than starting
+    again. Each row is cached by its K, so that a rerun, or a longer grid, redoes nothing.
+    """
+    device = device or default_device()
+    grid = list(cfg["growth_steps"])
+    if not grid or any(b <= a for a, b in zip(grid, grid[1:], strict=False)) or grid[0] < 1:
+        raise ValueError(f"growth_steps must be increasing positive step counts, got {grid}")
+    key = growth_key(cfg, variant, smp_path(device))
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(cache_root) / "mnist_growth" if use_cache else Path(scratch)
+        folder.mkdir(parents=True, exist_ok=True)
+        checkpoint = folder / f"{config_key(key)}.checkpoint.pt"
+        for n_steps in grid:
+            def compute(n_steps=n_steps):
+                res = run_variant({**cfg, "n_steps": n_steps}, variant, theta0, data, index, device, checkpoint,
+                                  progress=progress)
+                point = growth_point(res.theta[~res.diverged], data, zero_mask, device)
+                return {"K": n_steps, "reached_share": reached_share(cfg["n_train"], n_steps),
+                        "seconds": res.elapsed, "diverged": res.n_diverged, **point}
+
+            rows.append(cached("mnist_growth", {**key, "n_steps": n_steps}, compute, root=cache_root,
+                               enabled=use_cache))
+    table = pd.DataFrame(rows).set_index("K")
+    table.insert(0, "method", f"SMP-{variant}")
+    return table
+
+
+def growth_against_linear(table: pd.DataFrame, column: str) -> pd.Series:
+    """``column`` at each K over its value at the first K, divided by the same ratio of
+    :func:`reached_share`: 1 where the variance grows as one Fisher predicts, above 1 where it grows
+    faster (the chains reach where the Fisher at the start no longer describes them)."""
+    first = table.index[0]
+    return (table[column] / table.loc[first, column]) / (table["reached_share"] / table.loc[first, "reached_share"])
+
+
+def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info",
+                    variants=("SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag")) -> pd.DataFrame:
+    """Per K, the diagonal variant with the smallest ``column`` and the z-score of its lead over the
+    runner-up (their difference over the root sum of the squared jackknife standard errors)."""
+    rows = []
+    for n_steps, at_k in growth[growth["method"].isin(variants)].groupby(level="K"):
+        ranked = at_k.sort_values(column)
+        first, second = ranked.iloc[0], ranked.iloc[1]
+        se = float(np.hypot(first[f"{column}_se"], second[f"{column}_se"]))
+        rows.append({"K": n_steps, "least": first["method"], "runner_up": second["method"],
+                     "lead_z": (second[column] - first[column]) / se if se > 0 else np.nan})
+    return pd.DataFrame(rows).set_index("K")

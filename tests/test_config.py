@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "mnist"):
+    for study in ("toy", "mnist", "mnist_growth"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -29,3 +29,18 @@ def test_unknown_names():
         get_config("toy", "huge")
     with pytest.raises(ValueError, match="unknown study"):
         get_config("cifar", "ci")
+
+
+def test_growth_study_shares_the_mnist_settings_but_s_and_k():
+    from smp_core import mnist_study as ms
+
+    for scale in SCALES:
+        mnist, growth = get_config("mnist", scale), get_config("mnist_growth", scale)
+        assert ms.map_key(growth) == ms.map_key(mnist)  # the same MAP, from the same cache
+        assert "n_steps" not in growth and "smp_replicates" not in growth
+        same = set(mnist) - {"n_steps", "smp_replicates", "n_chains", "study"}
+        assert {k: growth[k] for k in same} == {k: mnist[k] for k in same}
+        grid = growth["growth_steps"]
+        assert grid == sorted(set(grid)) and all(k % 50 == 0 for k in grid)  # whole divergence-check blocks
+    assert get_config("mnist_growth", "paper")["growth_steps"][-1] == get_config("mnist", "paper")["n_steps"]
+    assert get_config("mnist_growth", "paper")["n_chains"] == 100

@@ -17,6 +17,7 @@ from smp_core.metrics import (
     ece,
     epistemic_std,
     expected_entropy,
+    jackknife_se,
     logits_variance,
     mutual_information,
     nll,
@@ -310,3 +311,22 @@ def test_validation_errors_without_labels_and_variances():
         logits_variance(torch.zeros(2, 3, 4, 5))
     with pytest.raises(ValueError, match=r"floor must be in"):
         nll(_GOOD, torch.tensor([0, 1]), floor=0.0)
+
+
+def test_jackknife_se_of_the_mean_is_the_standard_error():
+    x = torch.randn(12, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    se = jackknife_se(x, lambda s: s[:, 0].mean())
+    assert se == pytest.approx(float(x[:, 0].std(correction=1)) / math.sqrt(12), rel=1e-12)
+    assert math.isnan(jackknife_se(x[:2], lambda s: s.mean()))
+
+
+def test_jackknife_se_of_the_variance_matches_its_monte_carlo_truth():
+    # S = 10 Gaussian chains, one coordinate: the unbiased variance of S - 1 = 9 samples has
+    # variance 2 / (S - 2), which the squared jackknife SE estimates without bias (Efron-Stein)
+    gen = torch.Generator().manual_seed(1)
+    n_chains, reps = 10, 4000
+    sq = torch.tensor([jackknife_se(torch.randn(n_chains, 1, dtype=torch.float64, generator=gen), params_variance)
+                       ** 2 for _ in range(reps)])
+    truth = 2 / (n_chains - 2)
+    z = (sq.mean() - truth) / (sq.std() / math.sqrt(reps))
+    assert abs(z) < 4, (float(sq.mean()), truth)

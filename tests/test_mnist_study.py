@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from smp_core import metrics
@@ -81,3 +82,78 @@ def test_largest_chain_shares():
     per_chain = ((logits - logits.mean(0)) ** 2).flatten(1).mean(1) / 9
     assert abs(float(per_chain.sum()) - metrics.logits_variance(logits)) < 1e-9
     assert math.isnan(ms.largest_chain_shares(logits[:1])["largest_chain_share"])
+
+
+def _tiny_mnist(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def part(n):
+        return torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+    return {"train": part(40), "val": part(20), "test": part(30)}
+
+
+def test_reached_share_is_the_sum_of_the_squared_step_sizes():
+    n_obs, n_steps = 500, 700
+    direct = sum((n_obs + k) ** -2.0 for k in range(1, n_steps + 1)) / sum((n_obs + k) ** -2.0 for k in range(1, 10**6))
+    assert abs(ms.reached_share(n_obs, n_steps) - direct) < 2e-3  # the 10^6 terms leave out < 1/(N + 10^6)
+    assert abs(ms.reached_share(54_000, 10**4) - 10**4 / 64_000) < 1e-4
+
+
+def test_run_growth_extends_one_run_through_the_grid(tmp_path):
+    from smp_core.config import get_config
+
+    cfg = {**get_config("mnist_growth", "ci"), "n_train": 40, "n_chains": 3, "growth_steps": [50, 100]}
+    data = _tiny_mnist()
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    zero = torch.zeros(theta0.numel(), dtype=torch.bool)
+    zero[:100] = True
+    # (SMP-none: a preconditioned variant from a random network on random images kills every unit)
+    kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    table = ms.run_growth(cfg, "none", theta0, data, 0, zero, **kw)
+    assert list(table.index) == [50, 100] and (table["method"] == "SMP-none").all()
+    # the point at K = 100 of the extended run is a run of exactly 100 steps
+    direct = ms.run_variant({**cfg, "n_steps": 100, "checkpoint_every": None}, "none", theta0, data, 0,
+                            torch.device("cpu"), progress=False)
+    point = ms.growth_point(direct.theta, data, zero, torch.device("cpu"))
+    assert table.loc[100, "params_variance"] == point["params_variance"]
+    assert table.loc[100, "mutual_info"] == point["mutual_info"]
+    assert table.loc[100, "params_variance"] != table.loc[50, "params_variance"]  # the run went on
+    assert table.loc[100, "seconds"] >= table.loc[50, "seconds"]  # the elapsed time runs on across the resume
+    # the split over the zero-Fisher coordinates averages back to the whole
+    whole = (100 * table.loc[100, "params_variance_zero_fisher"]
+             + (theta0.numel() - 100) * table.loc[100, "params_variance_other"]) / theta0.numel()
+    assert abs(whole - table.loc[100, "params_variance"]) < 1e-9 * table.loc[100, "params_variance"]
+    # a rerun is read from the cache; a longer grid extends the same checkpoint
+    assert ms.run_growth(cfg, "none", theta0, data, 0, zero, **kw).equals(table)
+    longer = ms.run_growth({**cfg, "growth_steps": [50, 100, 150]}, "none", theta0, data, 0, zero, **kw)
+    assert longer.loc[[50, 100]].equals(table)
+    # without the cache the same numbers come from a temporary checkpoint
+    uncached = ms.run_growth(cfg, "none", theta0, data, 0, zero, **{**kw, "cache_root": str(tmp_path / "no")},
+                             use_cache=False)
+    assert uncached.drop(columns="seconds").equals(table.drop(columns="seconds"))
+    assert not (tmp_path / "no").exists()
+    with pytest.raises(ValueError, match="increasing"):
+        ms.run_growth({**cfg, "growth_steps": [100, 50]}, "none", theta0, data, 0, zero, **kw)
+
+
+def test_growth_against_linear_and_least_dispersed():
+    import pandas as pd
+
+    grid = [1_000, 10_000, 100_000]
+    shares = [ms.reached_share(54_000, k) for k in grid]
+
+    def table(method, scale, se):
+        df = pd.DataFrame({"method": method, "reached_share": shares, "mutual_info": [scale * s for s in shares],
+                           "mutual_info_se": se}, index=pd.Index(grid, name="K"))
+        return df
+
+    linear = table("SMP-fixed-diag", 2.0, 0.01)
+    assert ms.growth_against_linear(linear, "mutual_info").tolist() == pytest.approx([1.0, 1.0, 1.0])
+    faster = linear.assign(mutual_info=linear["mutual_info"] * [1, 2, 4])
+    assert ms.growth_against_linear(faster, "mutual_info").tolist() == pytest.approx([1.0, 2.0, 4.0])
+    both = pd.concat([faster, table("SMP-periodic-diag", 3.0, 0.01), table("SMP-none", 0.0, 0.0)])
+    least = ms.least_dispersed(both)
+    assert least["least"].tolist() == ["SMP-fixed-diag", "SMP-periodic-diag", "SMP-periodic-diag"]  # 2s, 4s, 8s vs 3s
+    # at K = 10^3: 3 s - 2 s = s apart, s = share; z = s / (0.01 sqrt 2)
+    assert least.loc[1_000, "lead_z"] == pytest.approx(shares[0] / (0.01 * math.sqrt(2)))
