@@ -160,6 +160,43 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
                    checkpoint=checkpoint, checkpoint_every=cfg.get("checkpoint_every"), progress=progress)
 
 
+def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
+                   use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+    """Every SMP variant in each of ``cfg["smp_replicates"]`` replicates from the same MAP, evaluated.
+
+    Each run is cached in ``<cache_root>/mnist/`` by :func:`run_key` and, while it runs, saves a
+    checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from. Returns
+    ``tables``: :func:`tables` per replicate (MAP row included); ``diverged``: the diverged chains
+    per replicate (rows) and variant (columns), which every metric leaves out; ``figure_evals``:
+    the :func:`evaluate` results of the first replicate (with the test-set probabilities; the later
+    replicates keep only the tables).
+    """
+    device = device or default_device()
+    path = smp_path(device)
+    map_eval = evaluate(theta_map[None], data, device=device)
+    per_replicate, diverged, figure_evals = [], {}, None
+    for r in range(cfg["smp_replicates"]):
+        evals, elapsed = {"MAP": map_eval}, {"MAP": 0.0}
+        for i, variant in enumerate(MNIST_VARIANTS):
+            key = run_key(cfg, variant, r, path)
+            checkpoint = Path(cache_root) / "mnist" / f"{config_key(key)}.checkpoint.pt" if use_cache else None
+
+            def compute(variant=variant, i=i, r=r, checkpoint=checkpoint):
+                return run_variant(cfg, variant, theta_map, data, i, device, checkpoint, progress, replicate=r)
+
+            res = cached("mnist", key, compute, root=cache_root, enabled=use_cache)
+            name = f"SMP-{variant}"
+            elapsed[name], diverged[(r, name)] = res.elapsed, res.n_diverged
+            evals[name] = evaluate(res.theta[~res.diverged], data, device=device)
+            if r > 0:
+                evals[name].pop("probs")  # the figures show the first replicate only
+        per_replicate.append(tables(evals, elapsed))
+        figure_evals = figure_evals or evals
+    diverged = pd.Series(diverged, name="diverged chains").unstack()[[f"SMP-{v}" for v in MNIST_VARIANTS]]
+    diverged.index.name = "replicate"
+    return {"tables": per_replicate, "diverged": diverged, "figure_evals": figure_evals}
+
+
 def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.device | None = None) -> dict:
     """Scores, variances, calibration curve and test-set class probabilities of parameter samples."""
     device = device or default_device()
@@ -398,3 +435,21 @@ def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info",
         rows.append({"K": n_steps, "least": first["method"], "runner_up": second["method"],
                      "lead_z": (second[column] - first[column]) / se if se > 0 else np.nan})
     return pd.DataFrame(rows).set_index("K")
+
+
+def growth_summary(growth: pd.DataFrame, zero_fraction: float) -> pd.DataFrame:
+    """Per method, from the first to the last K of the grid: how many fold the parameter variance,
+    the logit variance and the mutual information grew, the growth one Fisher predicts (of the
+    reached share) and the share of the parameter variance that the zero-Fisher coordinates (a
+    ``zero_fraction`` of all) carry at the last K."""
+    rows = []
+    for method, t in growth.groupby("method", sort=False):
+        first, last = t.index[0], t.index[-1]
+        row = {"method": method, "from K": first, "to K": last,
+               "one-Fisher growth": t.loc[last, "reached_share"] / t.loc[first, "reached_share"]}
+        for column in ("params_variance", "logits_variance", "mutual_info"):
+            row[f"{column} growth"] = t.loc[last, column] / t.loc[first, column]
+        row["zero-Fisher share of params variance"] = (zero_fraction * t.loc[last, "params_variance_zero_fisher"]
+                                                       / t.loc[last, "params_variance"])
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("method")

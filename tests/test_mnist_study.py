@@ -157,3 +157,37 @@ def test_growth_against_linear_and_least_dispersed():
     assert least["least"].tolist() == ["SMP-fixed-diag", "SMP-periodic-diag", "SMP-periodic-diag"]  # 2s, 4s, 8s vs 3s
     # at K = 10^3: 3 s - 2 s = s apart, s = share; z = s / (0.01 sqrt 2)
     assert least.loc[1_000, "lead_z"] == pytest.approx(shares[0] / (0.01 * math.sqrt(2)))
+
+
+def test_run_replicates_tables_and_cache(tmp_path):
+    from smp_core.config import MNIST_VARIANTS, get_config
+
+    cfg = {**get_config("mnist", "ci"), "n_train": 40, "n_chains": 3, "n_steps": 50}
+    data = _tiny_mnist(1)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    runs = ms.run_replicates(cfg, theta0, data, **kw)
+    assert len(runs["tables"]) == cfg["smp_replicates"] == 2
+    assert list(runs["tables"][1]["scores"].index) == ms.method_names()
+    assert list(runs["diverged"].index) == [0, 1]
+    assert list(runs["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
+    assert all("probs" in ev for ev in runs["figure_evals"].values())
+    # other seeds per replicate; a rerun reads every run from the cache
+    assert not runs["tables"][0]["scores"].equals(runs["tables"][1]["scores"])
+    again = ms.run_replicates(cfg, theta0, data, **kw)
+    assert again["tables"][1]["scores"].equals(runs["tables"][1]["scores"])
+    assert len(list((tmp_path / "mnist").glob("*.pt"))) == 2 * len(MNIST_VARIANTS) * 2  # runs and checkpoints
+
+
+def test_growth_summary_ratios():
+    import pandas as pd
+
+    grid = [1_000, 100_000]
+    t = pd.DataFrame({"method": "SMP-x", "reached_share": [0.1, 0.5], "params_variance": [1.0, 8.0],
+                      "params_variance_zero_fisher": [0.0, 2.0], "logits_variance": [2.0, 4.0],
+                      "mutual_info": [0.5, 0.5]}, index=pd.Index(grid, name="K"))
+    row = ms.growth_summary(t, zero_fraction=0.5).loc["SMP-x"]
+    assert row["one-Fisher growth"] == pytest.approx(5.0) and row["params_variance growth"] == 8.0
+    assert row["logits_variance growth"] == 2.0 and row["mutual_info growth"] == 1.0
+    assert row["zero-Fisher share of params variance"] == pytest.approx(0.5 * 2.0 / 8.0)
+    assert (row["from K"], row["to K"]) == (1_000, 100_000)
