@@ -549,9 +549,10 @@ def jackknife_se(samples: torch.Tensor, statistic) -> float:
     ``sqrt((S-1)/S sum_l (t_(l) - t_bar)^2)`` where ``t_(l)`` is the statistic of the samples with
     sample ``l`` left out (Efron and Stein, 1981). It gives a Monte Carlo error to a metric of a few
     independent chains (the variances, the mutual information) without rerunning them. For the
-    sample mean it equals ``s / sqrt(S)`` exactly; for a U-statistic such as the unbiased variance
-    its square is unbiased for the variance of the statistic of ``S - 1`` samples (slightly
-    conservative for ``S``).
+    sample mean it equals ``s / sqrt(S)`` exactly. In general its square is conservative in
+    expectation (the Efron-Stein inequality); for the unbiased variance of Gaussian samples its
+    square has exactly the mean ``2 sigma^4 / (S - 2)``, the variance of that statistic for
+    ``S - 1`` samples (with heavier tails than the Gaussian's it is larger).
 
     Args:
         samples: ``(S, ...)`` with ``S >= 2`` (e.g. ``(S, d)`` parameters or ``(S, N, C)`` probabilities).

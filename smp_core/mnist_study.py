@@ -5,6 +5,7 @@ Runs on CUDA when a GPU is present and on the CPU otherwise, with no code change
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 import time
 from collections import Counter
@@ -165,7 +166,8 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     """Every SMP variant in each of ``cfg["smp_replicates"]`` replicates from the same MAP, evaluated.
 
     Each run is cached in ``<cache_root>/mnist/`` by :func:`run_key` and, while it runs, saves a
-    checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from. Returns
+    checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from (deleted once the
+    run is in the cache). Returns
     ``tables``: :func:`tables` per replicate (MAP row included); ``diverged``: the diverged chains
     per replicate (rows) and variant (columns), which every metric leaves out; ``figure_evals``:
     the :func:`evaluate` results of the first replicate (with the test-set probabilities; the later
@@ -185,6 +187,9 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
                 return run_variant(cfg, variant, theta_map, data, i, device, checkpoint, progress, replicate=r)
 
             res = cached("mnist", key, compute, root=cache_root, enabled=use_cache)
+            if checkpoint is not None:
+                # the run is in the cache now, and K is part of its key: nothing will resume from this file
+                checkpoint.unlink(missing_ok=True)
             name = f"SMP-{variant}"
             elapsed[name], diverged[(r, name)] = res.elapsed, res.n_diverged
             evals[name] = evaluate(res.theta[~res.diverged], data, device=device)
@@ -388,12 +393,19 @@ def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: di
     The step size ``tau / (N + k)`` does not depend on K, so the samples at a K of the grid are those
     of a run of exactly K steps: the run resumes from its own checkpoint at each K (in
     ``<cache_root>/mnist_growth/``, or a temporary folder without the cache) rather than starting
-    again. Each row is cached by its K, so that a rerun, or a longer grid, redoes nothing.
+    again. Each row is cached by its K, so that a rerun, or a grid with larger K appended, redoes
+    nothing; a K inserted below one already run cannot be had from the checkpoint (``run_smp`` then
+    raises: delete the checkpoint to start the run again). Every K must be a multiple of
+    ``run_smp``'s ``check_every`` (50): the run is resumed at whole blocks of steps, so that its
+    random stream is that of a run of K steps.
     """
     device = device or default_device()
     grid = list(cfg["growth_steps"])
     if not grid or any(b <= a for a, b in zip(grid, grid[1:], strict=False)) or grid[0] < 1:
         raise ValueError(f"growth_steps must be increasing positive step counts, got {grid}")
+    block = inspect.signature(run_smp).parameters["check_every"].default
+    if any(k % block for k in grid):
+        raise ValueError(f"every K of growth_steps must be a multiple of {block} (run_smp's check_every), got {grid}")
     key = growth_key(cfg, variant, smp_path(device))
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -439,16 +451,27 @@ def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info",
 
 def growth_summary(growth: pd.DataFrame, zero_fraction: float) -> pd.DataFrame:
     """Per method, from the first to the last K of the grid: how many fold the parameter variance,
-    the logit variance and the mutual information grew, the growth one Fisher predicts (of the
-    reached share) and the share of the parameter variance that the zero-Fisher coordinates (a
-    ``zero_fraction`` of all) carry at the last K."""
+    the logit variance and the mutual information grew, each with a standard error, the growth one
+    Fisher predicts (of the reached share), the largest chain's share of the logit variance at the
+    last K and the share of the parameter variance that the zero-Fisher coordinates (a
+    ``zero_fraction`` of all) carry there.
+
+    The standard error of a ratio ``b / a`` is ``(b / a) sqrt((se_a / a)^2 + (se_b / b)^2)`` from the
+    jackknife errors of its two ends, taken as independent: most of the variance at the last K comes
+    from the steps after the first K."""
     rows = []
     for method, t in growth.groupby("method", sort=False):
         first, last = t.index[0], t.index[-1]
         row = {"method": method, "from K": first, "to K": last,
                "one-Fisher growth": t.loc[last, "reached_share"] / t.loc[first, "reached_share"]}
         for column in ("params_variance", "logits_variance", "mutual_info"):
-            row[f"{column} growth"] = t.loc[last, column] / t.loc[first, column]
+            a, b = t.loc[first, column], t.loc[last, column]
+            row[f"{column} growth"] = b / a
+            if f"{column}_se" in t:
+                row[f"{column} growth se"] = b / a * float(np.hypot(t.loc[first, f"{column}_se"] / a,
+                                                                     t.loc[last, f"{column}_se"] / b))
+        if "largest_chain_share" in t:
+            row["largest chain share"] = t.loc[last, "largest_chain_share"]
         row["zero-Fisher share of params variance"] = (zero_fraction * t.loc[last, "params_variance_zero_fisher"]
                                                        / t.loc[last, "params_variance"])
         rows.append(row)

@@ -321,8 +321,9 @@ def test_jackknife_se_of_the_mean_is_the_standard_error():
 
 
 def test_jackknife_se_of_the_variance_matches_its_monte_carlo_truth():
-    # S = 10 Gaussian chains, one coordinate: the unbiased variance of S - 1 = 9 samples has
-    # variance 2 / (S - 2), which the squared jackknife SE estimates without bias (Efron-Stein)
+    # S = 10 Gaussian chains, one coordinate: the squared jackknife SE of the unbiased variance has the
+    # mean 4 s1/S + 4 s2/(S(S-2)) (Hoeffding components s1 = Var h1 = 1/2, s2 = Var h2 = 1 for the kernel
+    # (x-y)^2/2 of N(0,1) data), that is 2/(S-2)
     gen = torch.Generator().manual_seed(1)
     n_chains, reps = 10, 4000
     sq = torch.tensor([jackknife_se(torch.randn(n_chains, 1, dtype=torch.float64, generator=gen), params_variance)

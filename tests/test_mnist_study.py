@@ -100,7 +100,7 @@ def test_reached_share_is_the_sum_of_the_squared_step_sizes():
     assert abs(ms.reached_share(54_000, 10**4) - 10**4 / 64_000) < 1e-4
 
 
-def test_run_growth_extends_one_run_through_the_grid(tmp_path):
+def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
     from smp_core.config import get_config
 
     cfg = {**get_config("mnist_growth", "ci"), "n_train": 40, "n_chains": 3, "growth_steps": [50, 100]}
@@ -126,8 +126,19 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path):
     assert abs(whole - table.loc[100, "params_variance"]) < 1e-9 * table.loc[100, "params_variance"]
     # a rerun is read from the cache; a longer grid extends the same checkpoint
     assert ms.run_growth(cfg, "none", theta0, data, 0, zero, **kw).equals(table)
+    from smp_core import recursion
+
+    advanced = []
+    real_advance = recursion.advance_smp
+
+    def spy(state, *args, until, **kwargs):
+        advanced.append((state.step, until))
+        return real_advance(state, *args, until=until, **kwargs)
+
+    monkeypatch.setattr(recursion, "advance_smp", spy)
     longer = ms.run_growth({**cfg, "growth_steps": [50, 100, 150]}, "none", theta0, data, 0, zero, **kw)
     assert longer.loc[[50, 100]].equals(table)
+    assert advanced == [(100, 150)]  # only the new steps were run, from the checkpoint at K = 100
     # without the cache the same numbers come from a temporary checkpoint
     uncached = ms.run_growth(cfg, "none", theta0, data, 0, zero, **{**kw, "cache_root": str(tmp_path / "no")},
                              use_cache=False)
@@ -135,6 +146,8 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path):
     assert not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match="increasing"):
         ms.run_growth({**cfg, "growth_steps": [100, 50]}, "none", theta0, data, 0, zero, **kw)
+    with pytest.raises(ValueError, match="multiple of 50"):
+        ms.run_growth({**cfg, "growth_steps": [50, 120]}, "none", theta0, data, 0, zero, **kw)
 
 
 def test_growth_against_linear_and_least_dispersed():
@@ -176,7 +189,9 @@ def test_run_replicates_tables_and_cache(tmp_path):
     assert not runs["tables"][0]["scores"].equals(runs["tables"][1]["scores"])
     again = ms.run_replicates(cfg, theta0, data, **kw)
     assert again["tables"][1]["scores"].equals(runs["tables"][1]["scores"])
-    assert len(list((tmp_path / "mnist").glob("*.pt"))) == 2 * len(MNIST_VARIANTS) * 2  # runs and checkpoints
+    # one cached result per run; the checkpoints of finished runs are gone
+    assert len(list((tmp_path / "mnist").glob("*.pt"))) == 2 * len(MNIST_VARIANTS)
+    assert not list((tmp_path / "mnist").glob("*.checkpoint.pt"))
 
 
 def test_growth_summary_ratios():
@@ -191,3 +206,8 @@ def test_growth_summary_ratios():
     assert row["logits_variance growth"] == 2.0 and row["mutual_info growth"] == 1.0
     assert row["zero-Fisher share of params variance"] == pytest.approx(0.5 * 2.0 / 8.0)
     assert (row["from K"], row["to K"]) == (1_000, 100_000)
+    assert "params_variance growth se" not in row  # no errors given, none made up
+    with_se = t.assign(params_variance_se=[0.1, 0.4], largest_chain_share=[0.2, 0.7])
+    row = ms.growth_summary(with_se, zero_fraction=0.5).loc["SMP-x"]
+    assert row["params_variance growth se"] == pytest.approx(8.0 * math.hypot(0.1, 0.05))
+    assert row["largest chain share"] == 0.7
