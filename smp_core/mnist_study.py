@@ -23,16 +23,27 @@ from .config import MNIST_TAU, MNIST_VARIANTS
 from .fisher import estimate_fisher
 from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
+from .mnist import mnist_tensors
 from .models import as_chain_model, lenet5, predict
 from .recursion import residual_variance_ratio, run_smp
 from .results import cached, config_key, summarise_replicates
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
 INPUT_SHAPE = (1, 28, 28)
+FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
+DIAGONAL_METHODS = tuple(f"SMP-{v}" for v in MNIST_VARIANTS if v != "none")
 
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_data(cfg: dict[str, Any], data_dir: str = "data") -> tuple[dict, dict[str, Any]]:
+    """The three MNIST sets at the sizes of ``cfg`` (:func:`smp_core.mnist.mnist_tensors`, split by
+    ``cfg["split_seed"]``): at the paper's sizes the whole sets, the test set in its official order;
+    at smaller ones (the ``ci`` scale) the first entries of the seeded orders. Returns ``(data, provenance)``."""
+    sizes = (cfg["n_train"], cfg["n_val"], cfg["n_test"])
+    return mnist_tensors(data_dir, seed=cfg["split_seed"], subset=None if sizes == FULL_SIZES else sizes)
 
 
 def method_names(variants=MNIST_VARIANTS) -> list[str]:
@@ -202,12 +213,17 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     return {"tables": per_replicate, "diverged": diverged, "figure_evals": figure_evals}
 
 
-def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.device | None = None) -> dict:
-    """Scores, variances, calibration curve and test-set class probabilities of parameter samples."""
+def logits_on_test_set(theta: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
+    """The LeNet-5 logits ``(S, n_test, 10)`` of parameter samples ``theta`` ``(S, d)`` on the test set (on the CPU)."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
-    xt, yt = data["test"]
-    logits = predict(model, theta.to(device), xt.to(device), batch_size=2500).cpu()  # (S, n, 10)
+    return predict(model, theta.to(device), data["test"][0].to(device), batch_size=2500).cpu()
+
+
+def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.device | None = None) -> dict:
+    """Scores, variances, calibration curve and test-set class probabilities of parameter samples."""
+    yt = data["test"][1]
+    logits = logits_on_test_set(theta, data, device)  # (S, n, 10)
     probs = torch.softmax(logits.double(), dim=-1)
     return {
         "scores": metrics.all_scores(probs, yt, n_bins=n_bins),
@@ -305,7 +321,7 @@ def _claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:
         "MI < 0.005 and epistemic std < 0.005",
         "holds" if mi < 0.005 and s.loc["SMP-none", "epistemic_std"] < 0.005 else "does not hold",
         f"MI {mi:.5f}, epistemic std {s.loc['SMP-none', 'epistemic_std']:.5f}")
-    diag = [f"SMP-{v}" for v in ("fixed-diag", "ema-diag", "periodic-diag")]
+    diag = DIAGONAL_METHODS
     over = [s.loc[d, "mutual_info"] > 10 * max(mi, 1e-6) and s.loc[d, "nll"] > s.loc["MAP", "nll"] for d in diag]
     add("The diagonal variants over-disperse: much larger MI and worse NLL than MAP and SMP-none",
         "for each diagonal variant MI > 10x SMP-none's and NLL > MAP's (partly: some of them)",
@@ -361,10 +377,8 @@ def growth_point(theta: torch.Tensor, data: dict, zero_mask: torch.Tensor,
     split into the coordinates where the Fisher diagonal at the MAP is exactly zero, ``zero_mask``,
     and the others), logit variance and mutual information; and NLL, accuracy and the largest chain's
     share of the logit variance."""
-    device = device or default_device()
-    model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
-    xt, yt = data["test"]
-    logits = predict(model, theta.to(device), xt.to(device), batch_size=2500).cpu().double()
+    yt = data["test"][1]
+    logits = logits_on_test_set(theta, data, device).double()
     probs = torch.softmax(logits, dim=-1)
     theta = theta.cpu().double()
     zero_mask = zero_mask.cpu()
@@ -435,8 +449,7 @@ def growth_against_linear(table: pd.DataFrame, column: str) -> pd.Series:
     return (table[column] / table.loc[first, column]) / (table["reached_share"] / table.loc[first, "reached_share"])
 
 
-def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info",
-                    variants=("SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag")) -> pd.DataFrame:
+def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info", variants=DIAGONAL_METHODS) -> pd.DataFrame:
     """Per K, the diagonal variant with the smallest ``column`` and the z-score of its lead over the
     runner-up (their difference over the root sum of the squared jackknife standard errors)."""
     rows = []

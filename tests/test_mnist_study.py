@@ -211,3 +211,17 @@ def test_growth_summary_ratios():
     row = ms.growth_summary(with_se, zero_fraction=0.5).loc["SMP-x"]
     assert row["params_variance growth se"] == pytest.approx(8.0 * math.hypot(0.1, 0.05))
     assert row["largest chain share"] == 0.7
+
+
+def test_load_data_takes_whole_sets_at_the_papers_sizes(monkeypatch):
+    from smp_core.config import get_config
+
+    asked = []
+    monkeypatch.setattr(ms, "mnist_tensors", lambda data_dir, seed, subset: asked.append((data_dir, seed, subset)))
+    for scale in ("paper", "laptop", "ci"):
+        ms.load_data(get_config("mnist", scale), "somewhere")
+    ms.load_data(get_config("mnist_growth", "ci"))
+    ci = get_config("mnist", "ci")
+    assert asked == [("somewhere", 0, None), ("somewhere", 0, None),
+                     ("somewhere", 0, (ci["n_train"], ci["n_val"], ci["n_test"])),
+                     ("data", 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
