@@ -22,6 +22,10 @@ TOY_VARIANTS = [
     "periodic-diag", "periodic-block", "periodic-dense",
 ]
 TOY_TAU = {"none": 1.0, "diag": 0.3, "block": 0.3, "dense": 0.1}  # paper
+# Beyond the paper (notebooks/toy_kfac.md): Kronecker-factored blocks, one per layer. tau is ours: the
+# paper's value for the other per-layer blocks (block), since KFAC keeps one block per layer too.
+TOY_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
+TOY_TAU["kfac"] = 0.3  # ours
 
 _TOY_PAPER: dict[str, Any] = {
     "n_train": 500,  # paper
@@ -96,11 +100,16 @@ MNIST_GROWTH: dict[str, dict[str, Any]] = {
     "ci": _growth("ci", n_chains=4, growth_steps=[50, 100, 200]),
 }
 
-_TABLES = {"toy": TOY, "mnist": MNIST, "mnist_growth": MNIST_GROWTH}
+# Beyond the paper: the toy study's settings, data and NUTS (the same seeds), with the KFAC variants.
+TOY_KFAC: dict[str, dict[str, Any]] = {scale: {**settings, "variants": TOY_KFAC_VARIANTS}
+                                       for scale, settings in TOY.items()}
+
+_TABLES = {"toy": TOY, "toy_kfac": TOY_KFAC, "mnist": MNIST, "mnist_growth": MNIST_GROWTH}
 
 
 def get_config(study: str, scale: str) -> dict[str, Any]:
-    """The settings of one study (``"toy"``, ``"mnist"`` or ``"mnist_growth"``) at one scale, as a fresh dict."""
+    """The settings of one study (``"toy"``, ``"toy_kfac"``, ``"mnist"`` or ``"mnist_growth"``) at one scale,
+    as a fresh dict."""
     if study not in _TABLES:
         raise ValueError(f"unknown study {study!r}; choose one of {sorted(_TABLES)}")
     if scale not in SCALES:

@@ -20,6 +20,9 @@ path for networks whose parameters all sit in ``Linear`` and ``Conv2d`` layers
 chain over many examples, which never forms a per-example gradient of the whole network. For a
 linear layer ``sum_i (grad W_i)^2 = (delta^2)^T (h^2)``, one matrix product over the examples;
 a convolution forms its (small) per-example weight gradients from the patches of its input.
+
+The Kronecker-factored (KFAC) statistic of the ``kfac`` structure, beyond the paper, comes from the
+same recorded layer inputs and output gradients (:func:`kronecker_fisher`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col
-from .preconditioners import Stat, Structure
+from .preconditioners import KroneckerLayer, Stat, Structure
 
 
 def fisher_vectors(
@@ -97,7 +100,7 @@ def estimate_fisher(
         y: ``(n,)`` labels, for ``kind="empirical"``.
         kind: ``"model"`` (model-expected) or ``"empirical"``.
         structure: a :class:`~smp_core.preconditioners.Structure` or one of ``"diag"``, ``"block"``
-            (one block per parameter tensor), ``"dense"``.
+            (one block per parameter tensor), ``"dense"``, ``"kfac"`` (:func:`kronecker_fisher`).
         max_rows: at most this many (chain, example) rows per backward pass.
         max_elements: at most this many elements in the per-example gradients of one pass.
 
@@ -108,7 +111,8 @@ def estimate_fisher(
         theta = theta.unsqueeze(0)
     if isinstance(structure, str):
         blocks = model.layout.block_slices if structure == "block" else ()
-        structure = Structure(structure, model.layout.dim, blocks)
+        layers = kronecker_layers(model) if structure == "kfac" else ()
+        structure = Structure(structure, model.layout.dim, blocks, layers)
     n = x.shape[0]
     if n == 0:
         raise ValueError("the Fisher needs at least one data point")
@@ -116,6 +120,9 @@ def estimate_fisher(
         raise ValueError(f"x has {n} rows but y has {y.shape[0]}")
     if not torch.isfinite(x).all():
         raise ValueError("the Fisher data x contains NaN or infinite values")
+    if structure.name == "kfac":
+        return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,
+                                max_elements=max_elements)
     n_chains, dim = theta.shape
     per_row = dim * (model.out_dim if kind == "model" else 1)
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
@@ -151,34 +158,167 @@ def _layers_covering(model: ChainModel) -> list[tuple[nn.Module, str | None, str
     """
     if not isinstance(model, SequentialChainModel | MLPChainModel):
         return None
+    layers, _ = _linear_and_conv_layers(model)
+    return layers
+
+
+def _linear_and_conv_layers(model: ChainModel) -> tuple[list[tuple[nn.Module, str, str | None]] | None, str]:
+    """The ``Linear`` / ``Conv2d`` layers of any module that own all its parameters, or ``None`` and why not."""
+    module = getattr(model, "module", None)
+    if not isinstance(module, nn.Module):
+        return None, f"the model {type(model).__name__} has no torch module to look into"
     names = set(model.layout.names)
     layers, covered = [], []
-    for prefix, layer in model.module.named_modules():
+    for prefix, layer in module.named_modules():
         if isinstance(layer, nn.Linear | nn.Conv2d):
             if type(layer) not in (nn.Linear, nn.Conv2d):
-                return None  # a subclass may change forward
+                return None, f"{prefix!r} is a subclass of {type(layer).__mro__[1].__name__} (it may change forward)"
             if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"
                                                  or isinstance(layer.padding, str)):
-                return None
+                return None, f"the convolution {prefix!r} has groups, a padding mode or string padding"
             own = [f"{prefix}.{p}" if prefix else p for p in ("weight", "bias")]
             weight, bias = (own[0] if own[0] in names else None), (own[1] if layer.bias is not None else None)
             if weight is None or (bias is not None and bias not in names):
-                return None  # a parameter shared with, or registered under, another module
+                return None, f"{prefix!r} shares a parameter with another module"
             layers.append((layer, weight, bias))
             covered += [weight] + ([bias] if bias else [])
-    if sorted(covered) != sorted(names):
-        return None  # parameters outside Linear / Conv2d layers (normalisation, embeddings, ...)
-    return layers
+    outside = sorted(names - set(covered))
+    if outside or len(covered) != len(names):
+        return None, f"the parameters {outside} lie outside Linear and Conv2d layers"
+    return layers, ""
+
+
+def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
+    """The :class:`~smp_core.preconditioners.KroneckerLayer` of every ``Linear`` / ``Conv2d`` layer of a model,
+    in the order of its parameters, for the ``kfac`` structure.
+
+    Any module qualifies whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
+    zero padding) layers, each called once per forward pass on a batch whose rows are the examples
+    (checked when the factors are computed). Raises ``ValueError`` naming what stands in the way
+    otherwise (normalisation layers, embeddings, shared weights, ...).
+    """
+    layers, problem = _linear_and_conv_layers(model)
+    if layers is None:
+        raise ValueError(f"the kfac preconditioner needs every parameter in an nn.Linear or nn.Conv2d layer: {problem}")
+    entries = {e.name: e for e in model.layout.entries}
+    result = []
+    for layer, weight, bias in layers:
+        w = entries[weight]
+        n_in = layer.in_features if isinstance(layer, nn.Linear) else w.size // layer.out_channels
+        b = entries[bias] if bias else None
+        result.append(KroneckerLayer(slice(w.start, w.stop), slice(b.start, b.stop) if b else None, w.shape[0], n_in))
+    return tuple(sorted(result, key=lambda k: k.weight.start))
+
+
+def kronecker_fisher(
+    model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None,
+    kind: str = "model", structure: Structure | None = None, batch_size: int = 512, max_elements: int = 2**26,
+) -> Stat:
+    """The KFAC factors ``(A_1, G_1, A_2, G_2, ...)`` of the Fisher at every row of ``theta`` (``kfac`` structure).
+
+    For a ``Linear`` layer with input ``a_i`` (a 1 appended for the bias) and output gradients
+    ``g_ic``: ``A = (1/n) sum_i a_i a_i^T`` and ``G = (1/n) sum_i sum_c g_ic g_ic^T``, where ``g_ic``
+    pulls back ``L_i[:, c]`` (the model-expected Fisher, ``L L^T`` the output Fisher of the likelihood)
+    or the residual ``d log f(y_i | x_i) / d out`` (the empirical Fisher, one column). A ``Conv2d``
+    treats its ``T`` output positions as examples that share the weights (KFAC-expand, Grosse and
+    Martens 2016; Eschenhagen et al. 2023): ``A = (1/(n T)) sum_{i,t} a_it a_it^T`` over the input
+    patches and ``G = (1/n) sum_{i,t} sum_c g_itc g_itc^T``. For one example of a linear layer
+    ``G (x) A`` is that example's Fisher block exactly.
+
+    Per chain and per batch: one forward pass of the module (``functional_call``) that records each
+    layer's input and output, and one backward pass per column ``c`` for the output gradients only.
+
+    Any module whose parameters all sit in such layers is taken (:func:`kronecker_layers`); a weight
+    that also enters the output outside its own layer's call (weight tying) contributes nothing to
+    its factors. The result is then a coarser approximation, still positive semi-definite: SMP stays
+    a martingale with any positive definite ``P_k`` that is ``F_{k-1}``-measurable, so only the spread
+    of the posterior, not its validity, depends on how well ``G (x) A`` approximates the Fisher.
+    """
+    theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
+    layers, problem = _linear_and_conv_layers(model)
+    if layers is None:
+        raise ValueError(f"the kfac preconditioner needs every parameter in an nn.Linear or nn.Conv2d layer: {problem}")
+    found = kronecker_layers(model)
+    if structure is not None and tuple(structure.layers) != found:
+        raise ValueError("the kfac structure was built for another model (its layers differ from this model's)")
+    if kind == "empirical" and y is None:
+        raise ValueError("the empirical Fisher needs labels y")
+    if kind not in ("model", "empirical"):
+        raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
+    if not x.is_floating_point():
+        raise ValueError("the kfac Fisher needs floating-point inputs x")
+    order = {k.weight.start: i for i, k in enumerate(found)}
+    entries = {e.name: e for e in model.layout.entries}
+    layers = sorted(layers, key=lambda t: order[entries[t[1]].start])
+    n, n_chains = x.shape[0], theta.shape[0]
+    batch_size = max(1, min(batch_size, max_elements // _elements_per_example(model, layers, theta[0], x[:2])))
+    factors = []
+    for k in found:
+        factors.append(theta.new_zeros(n_chains, k.n_cols, k.n_cols))
+        factors.append(theta.new_zeros(n_chains, k.n_out, k.n_out))
+    # copies of the buffers: a layer that updates its running statistics leaves the module alone
+    buffers = {name: buffer.clone() for name, buffer in model.module.named_buffers()}
+    for chain, row in enumerate(theta):
+        params = {**buffers, **model.layout.unflatten(row.detach())}
+        for start in range(0, n, batch_size):
+            xb = x[start : start + batch_size]
+            b = xb.shape[0]
+            record: dict[nn.Module, list] = {layer: [] for layer, _, _ in layers}
+
+            def keep(layer, inputs, output, record=record):
+                record[layer].append((inputs[0].detach(), output))
+                return output.clone()  # what follows (an in-place activation, say) must not overwrite it
+
+            hooks = [layer.register_forward_hook(keep) for layer, _, _ in layers]
+            try:
+                with torch.enable_grad():
+                    out = functional_call(model.module, params, (xb.detach().requires_grad_(True),)).reshape(b, -1)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            for (layer, weight, _), rec in zip(layers, record.values(), strict=True):
+                if len(rec) != 1 or rec[0][0].shape[0] != b or (isinstance(layer, nn.Linear) and rec[0][0].ndim != 2):
+                    raise ValueError(f"the kfac Fisher needs each Linear / Conv2d layer called once per forward pass "
+                                     f"on a batch whose rows are the examples; {weight!r} is not")
+            if kind == "empirical":
+                cotangents = [likelihood.residual(out.detach(), y[start : start + batch_size])]
+            else:
+                factor = likelihood.fisher_factor(out.detach())  # (b, m, r)
+                cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+            outputs = [record[layer][0][1] for layer, _, _ in layers]
+            for i, (layer, _, bias) in enumerate(layers):
+                h = record[layer][0][0]
+                if isinstance(layer, nn.Linear):
+                    a, positions = h, 1
+                else:
+                    cols, _ = _im2col(h, layer)  # (b, C * kh * kw, T)
+                    positions = cols.shape[-1]
+                    a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+                if bias is not None:
+                    a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+                factors[2 * i][chain].add_(a.T @ a, alpha=1.0 / positions)
+            for c, cotangent in enumerate(cotangents):
+                deltas = torch.autograd.grad(out, outputs, cotangent, retain_graph=c < len(cotangents) - 1,
+                                             allow_unused=True)
+                for i, delta in enumerate(deltas):
+                    if delta is None:
+                        continue  # the layer does not reach the output
+                    g = delta if delta.ndim == 2 else delta.flatten(2).transpose(1, 2).reshape(-1, delta.shape[1])
+                    factors[2 * i + 1][chain] += g.T @ g
+    return tuple(f / n for f in factors)
 
 
 def _elements_per_example(model: ChainModel, layers, theta_row: torch.Tensor, x1: torch.Tensor) -> int:
     """Numbers held per example by the convolutions' patches and per-example weight gradients (one
-    forward pass of one example to learn the layers' input sizes)."""
+    forward pass of the examples ``x1`` (one or two) to learn the layers' input sizes)."""
+    if not any(isinstance(layer, nn.Conv2d) for layer, _, _ in layers):
+        return 1
     sizes: dict[nn.Module, torch.Size] = {}
     hooks = [layer.register_forward_hook(lambda m, i, o: sizes.__setitem__(m, i[0].shape)) for layer, _, _ in layers]
+    buffers = {name: buffer.clone() for name, buffer in model.module.named_buffers()}  # left alone
     try:
         with torch.no_grad():
-            functional_call(model.module, model.layout.unflatten(theta_row.detach()), (x1,))
+            functional_call(model.module, {**buffers, **model.layout.unflatten(theta_row.detach())}, (x1,))
     finally:
         for hook in hooks:
             hook.remove()

@@ -3,8 +3,11 @@
 Section 3.1.1 of the paper separates two independent choices, and so does this module:
 
 * the **structure** (:class:`Structure`): which entries of the Fisher estimate are kept:
-  ``none`` (P = I), ``diag``, ``block`` (one block per layer weight and per layer bias) or
-  ``dense``;
+  ``none`` (P = I), ``diag``, ``block`` (one block per layer weight and per layer bias),
+  ``dense``, or, beyond the paper, ``kfac`` (one block per ``Linear`` / ``Conv2d`` layer, weight
+  and bias together, approximated by a Kronecker product ``A (x) G`` of the second moments of the
+  layer's inputs ``A`` and of its output gradients ``G``; Martens and Grosse 2015, Grosse and
+  Martens 2016);
 * the **temporal strategy**: how the values are obtained over the run: ``fixed`` (the Fisher at
   theta_0 over a data set, once), ``ema`` (I_k = beta I_{k-1} + (1 - beta) s_{k-1} s_{k-1}^T,
   so that P_k depends only on F_{k-1}) or ``periodic`` (recomputed every T steps at the
@@ -15,8 +18,9 @@ A ridge ``lambda`` is added to the diagonal of every structured preconditioner: 
 A Fisher *statistic* is a tuple of tensors with a leading batch dimension C (1 when shared by
 all chains, S when per chain): ``(diag,)`` with ``diag`` of shape ``(C, d)`` for ``diag``,
 ``(M,)`` with ``M`` of shape ``(C, d, d)`` for ``dense``, one ``(C, n_b, n_b)`` matrix per block
-for ``block`` and ``()`` for ``none``. Statistics are plain tensors, so the EMA is a map over
-the tuple. A :class:`Preconditioner` is the small bundle of pure functions ``init``,
+for ``block``, the pairs ``(A_1, G_1, A_2, G_2, ...)`` of ``(C, p_l, p_l)`` and ``(C, o_l, o_l)``
+matrices for ``kfac`` (:class:`KroneckerLayer`) and ``()`` for ``none``. Statistics are plain
+tensors, so the EMA is a map over the tuple. A :class:`Preconditioner` is the small bundle of pure functions ``init``,
 ``update`` and ``solve`` that the recursion calls, modelled on optax's
 ``GradientTransformation``.
 """
@@ -32,7 +36,7 @@ import torch
 Stat = tuple[torch.Tensor, ...]
 Curvature = Callable[[torch.Tensor], Stat]
 
-STRUCTURES = ("none", "diag", "block", "dense")
+STRUCTURES = ("none", "diag", "block", "dense", "kfac")
 STRATEGIES = ("fixed", "ema", "periodic")
 
 
@@ -42,16 +46,62 @@ STRATEGIES = ("fixed", "ema", "periodic")
 
 
 @dataclass(frozen=True)
+class KroneckerLayer:
+    """One layer of a ``kfac`` structure: where its weight and bias sit in the flat parameter vector.
+
+    The weight, ``(n_out, ...)`` flattened row-major, is read as an ``(n_out, n_in)`` matrix (a
+    ``Linear`` layer's own shape; a ``Conv2d``'s ``(out_channels, in_channels * kh * kw)``, the order
+    of its input patches). With the bias as a last column the layer's parameters form the
+    ``(n_out, p)`` matrix ``M = [W, b]``, ``p = n_in + 1`` (``n_in`` without a bias). One example's
+    score for a linear layer is ``M`` = ``g a^T`` with ``a`` the input (and a 1 for the bias) and
+    ``g`` the output gradient, so its outer product is ``(g g^T) (x) (a a^T)`` in the row-major
+    order of ``M``: KFAC keeps ``G (x) A`` with ``A = E[a a^T]`` and ``G = E[g g^T]``.
+    """
+
+    weight: slice
+    bias: slice | None
+    n_out: int
+    n_in: int
+
+    @property
+    def n_cols(self) -> int:
+        """``p``: the columns of ``[W, b]``."""
+        return self.n_in + (self.bias is not None)
+
+    def matrix(self, v: torch.Tensor) -> torch.Tensor:
+        """The ``(S, n_out, p)`` matrices ``[W, b]`` of the rows of ``v`` ``(S, d)`` (a copy)."""
+        w = v[:, self.weight].reshape(v.shape[0], self.n_out, self.n_in)
+        if self.bias is None:
+            return w.clone()
+        return torch.cat([w, v[:, self.bias].unsqueeze(-1)], dim=-1)
+
+    def scatter_(self, out: torch.Tensor, m: torch.Tensor) -> None:
+        """Write the ``(S, n_out, p)`` matrices ``m`` into their places in ``out`` ``(S, d)``."""
+        out[:, self.weight] = m[..., : self.n_in].reshape(m.shape[0], -1)
+        if self.bias is not None:
+            out[:, self.bias] = m[..., self.n_in]
+
+    def positions(self) -> torch.Tensor:
+        """The flat-vector index of each entry of ``[W, b]`` in row-major order, ``(n_out * p,)``."""
+        idx = torch.arange(self.weight.start, self.weight.stop).reshape(self.n_out, self.n_in)
+        if self.bias is not None:
+            idx = torch.cat([idx, torch.arange(self.bias.start, self.bias.stop).unsqueeze(-1)], dim=-1)
+        return idx.reshape(-1)
+
+
+@dataclass(frozen=True)
 class Structure:
     """Which entries of the Fisher estimate a preconditioner keeps, and how it solves with them.
 
     ``blocks`` (for ``block``) are slices of the flat parameter vector, e.g.
-    ``ParamLayout.block_slices``.
+    ``ParamLayout.block_slices``; ``layers`` (for ``kfac``) the :class:`KroneckerLayer` of every
+    layer (:func:`smp_core.fisher.kronecker_layers` finds them for a model).
     """
 
     name: str
     dim: int
     blocks: tuple[slice, ...] = field(default=())
+    layers: tuple[KroneckerLayer, ...] = field(default=())
 
     def __post_init__(self):
         if self.name not in STRUCTURES:
@@ -67,6 +117,39 @@ class Structure:
                 position = stop
             if position != self.dim:
                 raise ValueError(f"the blocks cover {position} parameters, the model has {self.dim}")
+        if self.name == "kfac":
+            if not self.layers:
+                raise ValueError("a kfac structure needs the layers (smp_core.fisher.kronecker_layers(model))")
+            pieces = []
+            for layer in self.layers:
+                if layer.weight.stop - layer.weight.start != layer.n_out * layer.n_in:
+                    raise ValueError(f"a kfac layer's weight slice {layer.weight} does not hold "
+                                     f"{layer.n_out} x {layer.n_in} entries")
+                if layer.bias is not None and layer.bias.stop - layer.bias.start != layer.n_out:
+                    raise ValueError(f"a kfac layer's bias slice {layer.bias} does not hold {layer.n_out} entries")
+                pieces += [layer.weight] + ([layer.bias] if layer.bias is not None else [])
+            position = 0
+            for start, stop in sorted((b.start, b.stop) for b in pieces):
+                if start != position:
+                    raise ValueError("the kfac layers must cover the parameter vector without gaps or overlaps "
+                                     "(every parameter in a Linear or Conv2d layer)")
+                position = stop
+            if position != self.dim:
+                raise ValueError(f"the kfac layers cover {position} parameters, the model has {self.dim}")
+
+    def stat_numel(self) -> int:
+        """Numbers in one chain's Fisher statistic (what a per-chain EMA or periodic strategy stores
+        per chain): ``0`` (none), ``d`` (diag), ``sum n_b^2`` (block), ``d^2`` (dense) and
+        ``sum p_l^2 + o_l^2`` (kfac)."""
+        if self.name == "none":
+            return 0
+        if self.name == "diag":
+            return self.dim
+        if self.name == "dense":
+            return self.dim**2
+        if self.name == "kfac":
+            return sum(layer.n_cols**2 + layer.n_out**2 for layer in self.layers)
+        return sum((b.stop - b.start) ** 2 for b in self.blocks)
 
     # --- statistics -------------------------------------------------------------------------
 
@@ -80,6 +163,9 @@ class Structure:
             return ((vectors * vectors).sum(1),)
         if self.name == "dense":
             return (vectors.transpose(1, 2) @ vectors,)
+        if self.name == "kfac":
+            raise ValueError("the kfac factors come from the layers' inputs and output gradients, not from "
+                             "score vectors: use smp_core.fisher.estimate_fisher (kronecker_fisher)")
         return tuple(vectors[..., b].transpose(1, 2) @ vectors[..., b] for b in self.blocks)
 
     def ema_update_(self, stat: Stat, v: torch.Tensor, beta: float) -> Stat:
@@ -93,6 +179,16 @@ class Structure:
             for b, m in zip(self.blocks, stat, strict=True):
                 vb = v[:, b]
                 m.baddbmm_(vb.unsqueeze(-1), vb.unsqueeze(-2), beta=beta, alpha=1 - beta)
+        elif self.name == "kfac":
+            # One score gives per layer the matrix M = [grad W, grad b]. For one example of a linear
+            # layer M = g a^T and (M^T M / |M|) (x) (M M^T / |M|) = (a a^T) (x) (g g^T) exactly, the
+            # example's own KFAC term; in general these are the Kronecker factors of the score's
+            # per-layer second moments (as in Shampoo), folded into A and G by the EMA.
+            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+                m = layer.matrix(v)
+                norm = torch.linalg.matrix_norm(m).clamp_min(torch.finfo(m.dtype).tiny)[:, None, None]
+                a.mul_(beta).add_(m.transpose(1, 2) @ m / norm, alpha=1 - beta)
+                g.mul_(beta).add_(m @ m.transpose(1, 2) / norm, alpha=1 - beta)
         return stat
 
     def identity(self, batch: int = 1, dtype=torch.float32, device=None) -> Stat:
@@ -101,7 +197,12 @@ class Structure:
             return ()
         if self.name == "diag":
             return (torch.ones(batch, self.dim, dtype=dtype, device=device),)
-        sizes = [self.dim] if self.name == "dense" else [b.stop - b.start for b in self.blocks]
+        if self.name == "dense":
+            sizes = [self.dim]
+        elif self.name == "kfac":
+            sizes = [n for layer in self.layers for n in (layer.n_cols, layer.n_out)]
+        else:
+            sizes = [b.stop - b.start for b in self.blocks]
         return tuple(torch.eye(n, dtype=dtype, device=device).expand(batch, n, n).clone() for n in sizes)
 
     def to_dense(self, stat: Stat) -> torch.Tensor:
@@ -114,6 +215,11 @@ class Structure:
             return stat[0]
         batch = stat[0].shape[0]
         out = stat[0].new_zeros(batch, self.dim, self.dim)
+        if self.name == "kfac":
+            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+                idx = layer.positions().to(out.device)
+                out[:, idx[:, None], idx[None, :]] = _kronecker(g, a)
+            return out
         for b, m in zip(self.blocks, stat, strict=True):
             out[:, b, b] = m
         return out
@@ -124,12 +230,30 @@ class Structure:
         """A factor of ``P = stat + ridge I`` that :meth:`apply` uses for repeated solves.
 
         ``diag``: ``1 / (diag + ridge)``; ``dense`` and ``block``: the explicit inverse from a
-        Cholesky factorisation (P is symmetric positive definite for ``ridge > 0``).
+        Cholesky factorisation (P is symmetric positive definite for ``ridge > 0``); ``kfac``: per
+        layer the eigenvectors ``U_A``, ``U_G`` of both factors and ``1 / (lambda_G lambda_A^T +
+        ridge)``, so that ``(G (x) A + ridge I)^{-1}`` is applied exactly (the ridge is not split
+        between the factors, as KFAC's usual damping ``(G + sqrt(ridge) I) (x) (A + sqrt(ridge) I)`` does).
         """
         if self.name == "none":
             return ()
         if self.name == "diag":
             return (1.0 / (stat[0] + ridge),)
+        if self.name == "kfac":
+            factor: list[torch.Tensor] = []
+            for a, g in zip(stat[0::2], stat[1::2], strict=True):
+                # a chain that already diverged has non-finite factors: it gets NaN (which the recursion
+                # detects and reports for that chain) instead of failing the decomposition for the batch
+                bad = ~(torch.isfinite(a).all((-2, -1)) & torch.isfinite(g).all((-2, -1)))
+                if bool(bad.any()):
+                    a = torch.where(bad[:, None, None], torch.eye(a.shape[-1], dtype=a.dtype, device=a.device), a)
+                    g = torch.where(bad[:, None, None], torch.eye(g.shape[-1], dtype=g.dtype, device=g.device), g)
+                eig_a, u_a = torch.linalg.eigh(a)
+                eig_g, u_g = torch.linalg.eigh(g)
+                # both factors are positive semi-definite; rounding may leave tiny negative eigenvalues
+                scale = 1.0 / (eig_g.clamp_min(0)[:, :, None] * eig_a.clamp_min(0)[:, None, :] + ridge)
+                factor += [u_a, u_g, scale.masked_fill(bad[:, None, None], float("nan"))]
+            return tuple(factor)
         return tuple(_spd_inverse(m, ridge) for m in stat)
 
     def apply(self, factor: Stat, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -144,6 +268,11 @@ class Structure:
             return torch.mul(v, factor[0], out=out)
         if self.name == "dense":
             return _batched_matvec(factor[0], v)
+        if self.name == "kfac":
+            result = torch.empty_like(v)
+            for layer, u_a, u_g, scale in zip(self.layers, factor[0::3], factor[1::3], factor[2::3], strict=True):
+                _kronecker_apply(layer, u_a, u_g, scale, v, result)
+            return result
         return torch.cat([_batched_matvec(m, v[:, b]) for b, m in zip(self.blocks, factor, strict=True)], dim=1)
 
     def solve(self, stat: Stat, ridge: float, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +288,36 @@ class Structure:
             return torch.div(v, torch.add(stat[0], ridge, out=out), out=out)
         if self.name == "dense":
             return _spd_solve(stat[0], ridge, v)
+        if self.name == "kfac":
+            result = torch.empty_like(v)
+            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+                if layer.n_out * layer.n_cols <= _SMALL_KRONECKER:  # the block itself, one Cholesky solve
+                    block = _kronecker(g, a)
+                    solved = _spd_solve(block, ridge, layer.matrix(v).reshape(v.shape[0], -1))
+                    layer.scatter_(result, solved.reshape(v.shape[0], layer.n_out, layer.n_cols))
+                else:  # two eigendecompositions of the factors
+                    _kronecker_apply(layer, *self.factorize((a, g), ridge), v, result)
+            return result
         return torch.cat([_spd_solve(m, ridge, v[:, b]) for b, m in zip(self.blocks, stat, strict=True)], dim=1)
+
+
+# A kfac layer whose block G (x) A has at most this many rows is solved with the block itself (one
+# batched Cholesky, for the EMA's per-step solves); larger ones through eigendecompositions of A and G.
+_SMALL_KRONECKER = 64
+
+
+def _kronecker(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``G (x) A`` for batches ``(C, o, o)`` and ``(C, p, p)``: ``(C, o p, o p)``."""
+    o, p = g.shape[-1], a.shape[-1]
+    return (g[:, :, None, :, None] * a[:, None, :, None, :]).reshape(g.shape[0], o * p, o * p)
+
+
+def _kronecker_apply(layer: KroneckerLayer, u_a: torch.Tensor, u_g: torch.Tensor, scale: torch.Tensor,
+                     v: torch.Tensor, result: torch.Tensor) -> None:
+    """``(G (x) A + ridge I)^{-1}`` on one layer's piece of ``v``, from the eigenbases and the scaled
+    reciprocal eigenvalues of :meth:`Structure.factorize`, written into ``result`` (C = 1 broadcasts)."""
+    m = u_g.transpose(1, 2) @ layer.matrix(v) @ u_a
+    layer.scatter_(result, u_g @ (m * scale) @ u_a.transpose(1, 2))
 
 
 def _ridged(m: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -340,6 +498,7 @@ def build_preconditioner(
     *,
     dim: int,
     blocks: Sequence[slice] = (),
+    layers: Sequence[KroneckerLayer] = (),
     ridge: float = 1e-4,
     beta: float = 0.98,
     period: int = 500,
@@ -348,10 +507,13 @@ def build_preconditioner(
     """Compose a structure with a temporal strategy (Section 3.1.1).
 
     Args:
-        structure: ``"none"``, ``"diag"``, ``"block"`` or ``"dense"``.
+        structure: ``"none"``, ``"diag"``, ``"block"``, ``"dense"`` or ``"kfac"``.
         strategy: ``"fixed"``, ``"ema"`` or ``"periodic"`` (ignored, and may be omitted, for ``none``).
         dim: number of parameters ``d``.
         blocks: the parameter blocks for ``block`` (``ParamLayout.block_slices``).
+        layers: the layers for ``kfac`` (:func:`smp_core.fisher.kronecker_layers`). Its EMA folds in
+            the Kronecker factors of each step's score (see :meth:`Structure.ema_update_`) and
+            decomposes both factors of every layer and chain at every step.
         ridge: ``lambda`` added to the diagonal (the paper: 1e-4).
         beta: EMA weight (the paper: 0.98).
         period: ``T``, steps between recomputations for ``periodic`` (the paper: 500).
@@ -376,7 +538,8 @@ def build_preconditioner(
         raise ValueError(f"the period T must be a positive integer, got {period}")
     if ema_init not in ("fisher", "identity"):
         raise ValueError(f"ema_init must be 'fisher' or 'identity', got {ema_init!r}")
-    struct = Structure(structure, dim, tuple(blocks) if structure == "block" else ())
+    struct = Structure(structure, dim, tuple(blocks) if structure == "block" else (),
+                       tuple(layers) if structure == "kfac" else ())
     name = "none" if structure == "none" else f"{strategy}-{structure}"
     hyper = {"ridge": ridge}
 

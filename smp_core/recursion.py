@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .fisher import estimate_fisher
+from .fisher import estimate_fisher, kronecker_layers
 from .likelihoods import get_likelihood
 from .memory import retain_freed_memory
 from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model
@@ -510,7 +510,8 @@ def run_smp(
         likelihood: ``"bernoulli"``, ``"categorical"``, ``"gaussian"`` or a likelihood object.
         x_train: ``(N, *input_shape)`` training inputs; covariates are resampled from them.
         theta0: start ``(d,)`` or ``(S, d)``; default: the module's current parameters.
-        preconditioner: ``"none"``, ``"<strategy>-<structure>"`` (e.g. ``"ema-block"``) or a
+        preconditioner: ``"none"``, ``"<strategy>-<structure>"`` (e.g. ``"ema-block"``; beyond the paper
+            ``"fixed-kfac"`` and the like, for networks of Linear and Conv2d layers) or a
             :class:`~smp_core.preconditioners.Preconditioner`.
         tau: step-size scale; ``gamma_k = tau / (N + k)``.
         n_steps: ``K``. n_chains: ``S``. seed: an int or a ``torch.Generator``.
@@ -554,9 +555,10 @@ def run_smp(
     x_train = x_train.to(device=device, dtype=dtype)
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
     if isinstance(preconditioner, str):
+        layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(
-            preconditioner, dim=net.layout.dim, blocks=net.layout.block_slices, ridge=ridge, beta=beta,
-            period=period, ema_init=ema_init)
+            preconditioner, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, ridge=ridge,
+            beta=beta, period=period, ema_init=ema_init)
     else:
         precond = preconditioner
     n_obs = x_train.shape[0] if n_obs is None else int(n_obs)

@@ -68,8 +68,13 @@ def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bin
     return Evaluation(scores, variances, curve, surfaces)
 
 
-def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True) -> dict[str, Any]:
+def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
+                  seed_offset: int = 0) -> dict[str, Any]:
     """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
+
+    Variant ``i`` of ``variants`` runs with the seed ``seeds["smp"] + seed_offset + i``: a study of
+    other variants on the same replicates (the same data and NUTS) passes ``seed_offset =
+    len(TOY_VARIANTS)`` so that its chains draw other random numbers than the paper's variants.
 
     SMP starts from NUTS-mean, as in the paper, even where :func:`smp_core.nuts.check_nuts_mean`
     finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
@@ -105,8 +110,9 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     for i, variant in enumerate(variants):
         net = toy_mlp()
         res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=variant, tau=toy_tau(variant),
-                      n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seeds["smp"] + i, ridge=cfg["ridge"],
-                      beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"], progress=progress)
+                      n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seeds["smp"] + seed_offset + i,
+                      ridge=cfg["ridge"], beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"],
+                      progress=progress)
         name = f"SMP-{variant}"
         elapsed[name] = res.elapsed
         diverged[name] = res.n_diverged
@@ -231,3 +237,44 @@ def claims(mean: pd.DataFrame, std: pd.DataFrame, var_mean: pd.DataFrame, elapse
         "holds" if slowest < elapsed.loc["NUTS", "seconds"] else "does not hold",
         f"NUTS {elapsed.loc['NUTS', 'seconds']:.1f} s; slowest SMP {slowest:.1f} s")
     return pd.DataFrame(rows)
+
+
+def structure_comparison(mean: pd.DataFrame, var_mean: pd.DataFrame, elapsed: pd.DataFrame,
+                         structures=("block", "dense", "kfac")) -> pd.DataFrame:
+    """Per temporal strategy and structure, the numbers that tell the structures apart (replicate means):
+    accuracy, NLL, ECE, mutual information and logit variance as multiples of NUTS's, and seconds.
+
+    ``mean``, ``var_mean`` and ``elapsed`` hold rows ``NUTS`` and ``SMP-<strategy>-<structure>``
+    (rows of several studies on the same replicates may be concatenated).
+    """
+    from .preconditioners import STRATEGIES
+
+    nuts_mi, nuts_lv = mean.loc["NUTS", "mutual_info"], var_mean.loc["NUTS", "logits_variance"]
+    rows = []
+    for strategy in STRATEGIES:
+        for structure in structures:
+            name = f"SMP-{strategy}-{structure}"
+            if name not in mean.index:
+                continue
+            rows.append({"strategy": strategy, "structure": structure, "accuracy": mean.loc[name, "accuracy"],
+                         "nll": mean.loc[name, "nll"], "ece": mean.loc[name, "ece"],
+                         "mi_over_nuts": mean.loc[name, "mutual_info"] / nuts_mi,
+                         "logits_variance_over_nuts": var_mean.loc[name, "logits_variance"] / nuts_lv,
+                         "seconds": elapsed.loc[name, "seconds"]})
+    return pd.DataFrame(rows).set_index(["strategy", "structure"])
+
+
+def structure_findings(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Per temporal strategy: the structure whose mutual information is closest to NUTS's (smallest
+    ``|log(MI / MI_NUTS)|``), the one with the lowest NLL, and where KFAC ranks on each (1 = best)."""
+    rows = []
+    for strategy, group in comparison.groupby(level="strategy", sort=False):
+        group = group.droplevel("strategy")
+        distance = np.log(group["mi_over_nuts"]).abs()
+        rows.append({"strategy": strategy, "closest to NUTS by MI": distance.idxmin(),
+                     "kfac rank by MI distance": int(distance.rank(method="min")["kfac"]) if "kfac" in group.index
+                     else None,
+                     "lowest NLL": group["nll"].idxmin(),
+                     "kfac rank by NLL": int(group["nll"].rank(method="min")["kfac"]) if "kfac" in group.index
+                     else None})
+    return pd.DataFrame(rows).set_index("strategy")

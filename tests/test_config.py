@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "mnist", "mnist_growth"):
+    for study in ("toy", "toy_kfac", "mnist", "mnist_growth"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -29,6 +29,17 @@ def test_unknown_names():
         get_config("toy", "huge")
     with pytest.raises(ValueError, match="unknown study"):
         get_config("cifar", "ci")
+
+
+def test_kfac_study_shares_the_toy_settings_and_seeds():
+    from smp_core.config import TOY_KFAC_VARIANTS, toy_tau
+
+    for scale in SCALES:
+        toy, kfac = get_config("toy", scale), get_config("toy_kfac", scale)
+        assert {k: v for k, v in kfac.items() if k not in ("study", "variants")} == {
+            k: v for k, v in toy.items() if k != "study"}  # the same data, NUTS and SMP settings
+        assert kfac["variants"] == TOY_KFAC_VARIANTS
+    assert {toy_tau(v) for v in TOY_KFAC_VARIANTS} == {0.3}
 
 
 def test_growth_study_shares_the_mnist_settings_but_s_and_k():

@@ -264,3 +264,149 @@ def test_diagonal_empirical_fisher_by_layers_declines_integer_inputs():
     model = as_chain_model(module, (3,))
     x, y = torch.randint(0, 3, (5, 3)), torch.randint(0, 2, (5,))
     assert diagonal_empirical_fisher_by_layers(model, Categorical(), model.layout.flatten(module), x, y) is None
+
+
+# --- kfac -----------------------------------------------------------------------------------------
+
+
+def _exact_layer_blocks(model, lik, theta, x, y, kind):
+    """The exact Fisher (one chain) by per-example autograd, dense ``(d, d)``."""
+    dense = torch.zeros(model.layout.dim, model.layout.dim, dtype=theta.dtype)
+    for i in range(x.shape[0]):
+        t = theta.clone().requires_grad_(True)
+        out = functional_call(model.module, model.layout.unflatten(t), (x[i : i + 1],)).reshape(1, -1)
+        if kind == "empirical":
+            cotangents = [lik.residual(out.detach(), y[i : i + 1])]
+        else:
+            factor = lik.fisher_factor(out.detach())
+            cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+        for c, cot in enumerate(cotangents):
+            (grad,) = torch.autograd.grad(out, t, cot, retain_graph=c < len(cotangents) - 1)
+            dense += torch.outer(grad, grad) / x.shape[0]
+    return dense
+
+
+@pytest.mark.parametrize(
+    "module, shape, lik, kind",
+    [
+        (toy_mlp().double(), (2,), Bernoulli(), "model"),
+        (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3, bias=False)).double(), (3,), Categorical(), "model"),
+        (nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double(), (3,), Categorical(), "empirical"),
+        # convolutions with one output position each: linear layers on their patch, so exact too
+        (nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 2, 1), nn.Flatten(), nn.Linear(2, 3)).double(),
+         (2, 3, 3), Categorical(), "empirical"),
+    ],
+)
+def test_kfac_of_one_example_is_the_exact_fisher_on_each_layer(module, shape, lik, kind, generator):
+    # for one example the layer's Fisher block is (g g^T) (x) (a a^T): KFAC loses nothing there
+    from smp_core.fisher import kronecker_layers
+
+    model = as_chain_model(module, shape)
+    theta = model.layout.flatten(module) + 0.3 * torch.randn(model.layout.dim, generator=generator, dtype=torch.float64)
+    x = torch.randn(1, *shape, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 2, (1,), generator=generator)
+    stat = estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac")
+    struct = Structure("kfac", model.layout.dim, layers=kronecker_layers(model))
+    kron = struct.to_dense(stat)[0]
+    exact = _exact_layer_blocks(model, lik, theta, x, y, kind)
+    for layer in struct.layers:
+        idx = layer.positions()
+        assert torch.allclose(kron[idx][:, idx], exact[idx][:, idx], rtol=1e-8, atol=1e-12)
+    mask = torch.zeros_like(exact, dtype=torch.bool)
+    for layer in struct.layers:
+        idx = layer.positions()
+        mask[idx[:, None], idx[None, :]] = True
+    assert (kron[~mask] == 0).all() and exact[~mask].abs().max() > 0  # the cross-layer terms are dropped
+
+
+def test_kfac_of_a_linear_gaussian_model_is_its_whole_fisher(generator):
+    # y = W [x, 1] + sigma eps: the model-expected Fisher is (I / sigma^2) (x) mean([x, 1][x, 1]^T) for any n
+    module = nn.Sequential(nn.Linear(3, 2)).double()
+    model = as_chain_model(module)
+    x = torch.randn(40, 3, generator=generator, dtype=torch.float64)
+    theta = model.layout.flatten(module)
+    kfac = estimate_fisher(model, Gaussian(0.4), theta, x, kind="model", structure="kfac")
+    (dense,) = estimate_fisher(model, Gaussian(0.4), theta, x, kind="model", structure="dense")
+    struct = Structure("kfac", model.layout.dim, layers=fisher_module.kronecker_layers(model))
+    assert torch.allclose(struct.to_dense(kfac), dense, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["model", "empirical"])
+def test_kfac_factors_of_a_convolution_by_brute_force(kind, generator):
+    # KFAC-expand for Conv2d: A = mean over examples and positions of a_it a_it^T (patches, a 1 for the
+    # bias), G = (1/n) sum over examples, positions and columns c of g_itc g_itc^T; here from F.unfold and
+    # an autograd pass through a hand-written conv, per example and chain
+    module = _cnn(False).double()
+    model = as_chain_model(module, (2, 8, 8))
+    theta = model.layout.flatten(module) + 0.2 * torch.randn(2, model.layout.dim, generator=generator,
+                                                             dtype=torch.float64)
+    n = 5
+    x = torch.randn(n, 2, 8, 8, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 4, (n,), generator=generator)
+    lik = Categorical()
+    stat = estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac")
+    for chain in range(2):
+        params = model.layout.unflatten(theta[chain])
+        a_sum, g_sum = torch.zeros(19, 19, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64)
+        for i in range(n):
+            patches = nn.functional.unfold(x[i : i + 1], 3, padding=1, stride=2)[0].T  # (T, 18)
+            patches = torch.cat([patches, torch.ones(patches.shape[0], 1, dtype=torch.float64)], dim=1)
+            a_sum += patches.T @ patches / patches.shape[0]
+            pre = (patches @ torch.cat([params["0.weight"].reshape(3, -1), params["0.bias"][:, None]], 1).T)
+            pre = pre.T.reshape(1, 3, 4, 4).detach().requires_grad_(True)
+            tail = nn.Sequential(*list(module)[1:])  # its layer i is the module's layer i + 1
+            renamed = {f"{int(k.split('.')[0]) - 1}.{k.split('.')[1]}": v for k, v in params.items()
+                       if not k.startswith("0.")}
+            out = functional_call(tail, renamed, (pre,))
+            if kind == "empirical":
+                cotangents = [lik.residual(out.detach(), y[i : i + 1])]
+            else:
+                factor = lik.fisher_factor(out.detach())
+                cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+            for c, cot in enumerate(cotangents):
+                (g,) = torch.autograd.grad(out, pre, cot, retain_graph=c < len(cotangents) - 1)
+                g = g[0].reshape(3, -1).T  # (T, 3)
+                g_sum += g.T @ g
+        assert torch.allclose(stat[0][chain], a_sum / n, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(stat[1][chain], g_sum / n, rtol=1e-8, atol=1e-12)
+    # one chain at a time gives the same rows
+    alone = estimate_fisher(model, lik, theta[1], x, y, kind=kind, structure="kfac")
+    assert all(torch.allclose(m[1:], one, rtol=1e-12, atol=0) for m, one in zip(stat, alone, strict=True))
+
+
+@pytest.mark.parametrize(
+    "module, shape, match",
+    [
+        (_Twice(), (3,), "called once"),
+        (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), (3,), "outside Linear and Conv2d"),
+        (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 2)), (2, 4, 4), "groups"),
+        (nn.Sequential(nn.Linear(3, 2)), (4, 3), "called once"),  # rows that are not the examples
+        (nn.Sequential(_DoubledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)), (3,), "subclass"),
+    ],
+)
+def test_kfac_refuses_what_it_cannot_factor_with_a_clear_error(module, shape, match, generator):
+    model = as_chain_model(module, shape)
+    x = torch.randn(6, *shape, generator=generator)
+    with pytest.raises(ValueError, match=match):
+        estimate_fisher(model, Categorical(), model.layout.flatten(module), x, structure="kfac")
+
+
+def test_kfac_leaves_the_modules_buffers_alone(generator):
+    # a user's module (not an nn.Sequential the models batch by hand) that updates a buffer as it runs
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls += 1
+            return self.b(torch.tanh(self.a(x)))
+
+    module = Net()
+    model = as_chain_model(module, (3,))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    stat = estimate_fisher(model, Categorical(), model.layout.flatten(module), torch.randn(8, 3, generator=generator),
+                           structure="kfac")
+    assert len(stat) == 4 and all(torch.isfinite(m).all() for m in stat)
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())

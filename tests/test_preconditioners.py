@@ -5,9 +5,11 @@ import itertools
 import pytest
 import torch
 
+import smp_core.preconditioners as preconditioners_module
 from smp_core.preconditioners import (
     STRATEGIES,
     STRUCTURES,
+    KroneckerLayer,
     Structure,
     build_preconditioner,
     preconditioner_from_name,
@@ -16,7 +18,9 @@ from smp_core.preconditioners import (
 DIM = 7
 BLOCKS = (slice(0, 3), slice(3, 4), slice(4, 7))
 RIDGE = 1e-2
-VARIANTS = [("none", None)] + list(itertools.product(STRUCTURES[1:], STRATEGIES))
+VARIANTS = [("none", None)] + list(itertools.product([s for s in STRUCTURES[1:] if s != "kfac"], STRATEGIES))
+# kfac: a 2 x 2 weight (entries 0-3) with its bias (4-5), then a 1 x 1 weight (6) without a bias
+LAYERS = (KroneckerLayer(slice(0, 4), slice(4, 6), 2, 2), KroneckerLayer(slice(6, 7), None, 1, 1))
 
 
 def _vectors(generator, chains, n=5):
@@ -119,7 +123,15 @@ def test_names_and_errors():
     assert preconditioner_from_name("SMP-ema-block", dim=DIM, blocks=BLOCKS).name == "ema-block"
     assert preconditioner_from_name("none", dim=DIM).name == "none"
     with pytest.raises(ValueError, match="unknown preconditioner structure"):
+        build_preconditioner("shampoo", "ema", dim=DIM)
+    with pytest.raises(ValueError, match="needs the layers"):
         build_preconditioner("kfac", "ema", dim=DIM)
+    with pytest.raises(ValueError, match="without gaps"):
+        Structure("kfac", DIM, layers=(LAYERS[0], KroneckerLayer(slice(5, 6), None, 1, 1)))
+    with pytest.raises(ValueError, match="2 x 3 entries"):
+        Structure("kfac", DIM, layers=(KroneckerLayer(slice(0, 4), None, 2, 3),))
+    with pytest.raises(ValueError, match="not from score vectors"):
+        Structure("kfac", DIM, layers=LAYERS).outer_sum(torch.zeros(1, 2, DIM))
     with pytest.raises(ValueError, match="unknown temporal strategy"):
         build_preconditioner("diag", "weekly", dim=DIM)
     with pytest.raises(ValueError, match="unknown preconditioner"):
@@ -188,3 +200,119 @@ def test_only_elementwise_preconditioners_have_a_rule():
         # when update() can change the state: never, every T steps, or at any step (EMA)
         expected = {"fixed": 0, "periodic": 500, "ema": None}[strategy] if structure != "none" else 0
         assert precond.update_every == expected
+
+
+# --- kfac -----------------------------------------------------------------------------------------
+
+
+def _kfac_brute_dense(a_g_pairs):
+    """The (C, d, d) matrix of per-layer G (x) A blocks, placed by hand: entry (o, j) of the layer's
+    ``[W, b]`` sits at ``weight.start + o * n_in + j`` (j < n_in) or ``bias.start + o``."""
+    chains = a_g_pairs[0][0].shape[0]
+    out = torch.zeros(chains, DIM, DIM, dtype=torch.float64)
+    for layer, (a, g) in zip(LAYERS, a_g_pairs, strict=True):
+        where = []
+        for o in range(layer.n_out):
+            where += [layer.weight.start + o * layer.n_in + j for j in range(layer.n_in)]
+            if layer.bias is not None:
+                where.append(layer.bias.start + o)
+        for c in range(chains):
+            kron = torch.kron(g[c], a[c])
+            for r, i in enumerate(where):
+                for q, j in enumerate(where):
+                    out[c, i, j] = kron[r, q]
+    return out
+
+
+def _score_matrix(layer, s):
+    w = s[:, layer.weight].reshape(s.shape[0], layer.n_out, layer.n_in)
+    return w if layer.bias is None else torch.cat([w, s[:, layer.bias, None]], dim=2)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_kfac_contract(strategy, generator):
+    chains = 3
+    theta0 = torch.zeros(chains, DIM, dtype=torch.float64)
+    last = {}
+
+    def curvature(theta):
+        pairs = []
+        for layer in LAYERS:
+            a = torch.randn(theta.shape[0], 4, layer.n_cols, generator=generator, dtype=torch.float64)
+            g = torch.randn(theta.shape[0], 4, layer.n_out, generator=generator, dtype=torch.float64)
+            pairs.append((a.transpose(1, 2) @ a / 4, g.transpose(1, 2) @ g / 4))
+        last["pairs"] = pairs
+        return tuple(m for pair in pairs for m in pair)
+
+    pre = build_preconditioner("kfac", strategy, dim=DIM, layers=LAYERS, ridge=RIDGE, period=2)
+    state = pre.init(theta0, curvature)
+    scores = []
+    for k in range(1, 4):
+        s = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+        scores.append(s)
+        state = pre.update(state, k, theta0 + k, s, curvature)
+    pairs = [(a.expand(chains, -1, -1), g.expand(chains, -1, -1)) for a, g in last["pairs"]]
+    if strategy == "ema":  # the factors of each score's layer matrix M: M^T M / |M| and M M^T / |M|
+        beta = pre.hyper["beta"]
+        for s in scores:
+            new = []
+            for layer, (a, g) in zip(LAYERS, pairs, strict=True):
+                m = _score_matrix(layer, s)
+                norm = m.square().sum((1, 2)).sqrt()[:, None, None]
+                new.append((beta * a + (1 - beta) * m.transpose(1, 2) @ m / norm,
+                            beta * g + (1 - beta) * m @ m.transpose(1, 2) / norm))
+            pairs = new
+    matrix = _kfac_brute_dense(pairs) + RIDGE * torch.eye(DIM, dtype=torch.float64)
+    assert torch.allclose(pre.dense_matrix(state).expand(chains, DIM, DIM), matrix, atol=1e-10)
+    v = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+    expected = torch.linalg.solve(matrix, v.unsqueeze(-1)).squeeze(-1)
+    v_before = v.clone()
+    assert torch.allclose(pre.solve(state, v), expected, atol=1e-8, rtol=1e-6)
+    assert torch.equal(v, v_before)
+
+
+def test_kfac_solves_by_the_block_or_by_eigendecompositions_alike(generator, monkeypatch):
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    stat = []
+    for layer in LAYERS:
+        a = torch.randn(5, 3, layer.n_cols, generator=generator, dtype=torch.float64)  # rank 3 or less
+        g = torch.randn(5, 2, layer.n_out, generator=generator, dtype=torch.float64)
+        stat += [a.transpose(1, 2) @ a, g.transpose(1, 2) @ g]
+    v = torch.randn(5, DIM, generator=generator, dtype=torch.float64)
+    matrix = struct.to_dense(tuple(stat)) + RIDGE * torch.eye(DIM, dtype=torch.float64)
+    expected = torch.linalg.solve(matrix, v.unsqueeze(-1)).squeeze(-1)
+    by_block = struct.solve(tuple(stat), RIDGE, v)
+    monkeypatch.setattr(preconditioners_module, "_SMALL_KRONECKER", 0)
+    by_eigen = struct.solve(tuple(stat), RIDGE, v)
+    factored = struct.apply(struct.factorize(tuple(stat), RIDGE), v)
+    for result in (by_block, by_eigen, factored):
+        assert torch.allclose(result, expected, atol=1e-8, rtol=1e-6)
+
+
+def test_kfac_ema_of_one_linear_example_is_its_kronecker_block(generator):
+    # one example of a linear layer: the score's layer matrix is g [a, 1]^T, and one EMA step from zero
+    # factors gives (1 - beta)^2 (g g^T) (x) (a a^T) exactly, whatever the split of the norms
+    layer = LAYERS[0]
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    a = torch.cat([torch.randn(2, generator=generator, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    g = 3.0 * torch.randn(2, generator=generator, dtype=torch.float64)
+    s = torch.zeros(1, DIM, dtype=torch.float64)
+    s[0, layer.weight] = torch.outer(g, a[:2]).reshape(-1)
+    s[0, layer.bias] = g
+    stat = tuple(torch.zeros(1, n, n, dtype=torch.float64) for n in (3, 2, 1, 1))
+    struct.ema_update_(stat, s, beta=0.9)
+    assert torch.allclose(torch.kron(stat[1][0], stat[0][0]),
+                          0.01 * torch.kron(torch.outer(g, g), torch.outer(a, a)), atol=1e-12)
+    assert not torch.allclose(stat[0][0], 0.1 * torch.outer(a, a))  # the factors alone carry the norms' split
+    zero = torch.zeros(1, 1, 1, dtype=torch.float64)
+    assert torch.equal(stat[2], zero) and torch.equal(stat[3], zero)  # a zero score leaves zero factors
+
+
+def test_kfac_isolates_a_chain_with_non_finite_factors(generator):
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    stat = [torch.eye(n, dtype=torch.float64).expand(4, n, n).clone() for n in (3, 2, 1, 1)]
+    stat[0][1, 0, 0] = float("nan")
+    v = torch.randn(4, DIM, generator=generator, dtype=torch.float64)
+    for out in (struct.apply(struct.factorize(tuple(stat), RIDGE), v), struct.solve(tuple(stat), RIDGE, v)):
+        assert torch.isnan(out[1, :6]).all()  # the chain's first layer
+        assert torch.isfinite(out[[0, 2, 3]]).all()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from smp_core.fisher import kronecker_layers
 from smp_core.likelihoods import Gaussian, get_likelihood
 from smp_core.models import as_chain_model, toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
@@ -36,6 +37,9 @@ def _z_mean_and_covariance(samples, theta0, expected_cov):
 @pytest.mark.parametrize("name, cuda_graph", [
     ("none", False), ("fixed-diag", False), ("fixed-block", False), ("fixed-dense", False),
     ("periodic-diag", False), ("periodic-block", False), ("periodic-dense", False),
+    # beyond the paper: KFAC, exact here (a single linear layer with a Gaussian response: the Fisher
+    # is (I / sigma^2) (x) mean([x, 1][x, 1]^T))
+    ("fixed-kfac", False), ("periodic-kfac", False),
     # blocks of steps from pre-drawn noise (what a CUDA graph replays; uncaptured on a CPU)
     ("none", True), ("fixed-diag", True), ("periodic-diag", True),
     # the compiled whole step of smp_core.fused (None: the default, which takes it on a CPU)
@@ -65,6 +69,7 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
     else:
         structure = name.split("-")[1]
         kept = {"diag": torch.eye(3, dtype=torch.bool), "dense": torch.ones(3, 3, dtype=torch.bool),
+                "kfac": torch.ones(3, 3, dtype=torch.bool),
                 "block": torch.block_diag(torch.ones(2, 2), torch.ones(1, 1)).bool()}[structure]
         p_inv = torch.linalg.inv(fisher * kept + ridge * torch.eye(3, dtype=torch.float64))
         expected = c_k * p_inv @ fisher @ p_inv
@@ -74,14 +79,16 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
     assert z_cov.abs().max() < Z_MAX, z_cov
 
 
-def test_martingale_mean_of_the_toy_network_with_ema_block():
-    # E[theta_K] = theta_0 for a non-linear network and a preconditioner that changes every step.
+@pytest.mark.parametrize("name", ["ema-block", "ema-kfac", "periodic-kfac"])
+def test_martingale_mean_of_the_toy_network(name):
+    # E[theta_K] = theta_0 for a non-linear network and a preconditioner that changes every step (EMA)
+    # or every T steps at the current parameters (periodic), per chain.
     torch.manual_seed(0)
     net = toy_mlp().double()
     gen = torch.Generator().manual_seed(5)
     x = torch.rand(100, 2, generator=gen, dtype=torch.float64) * 2 - 1
-    result = run_smp(net, "bernoulli", x, preconditioner="ema-block", tau=0.3, n_steps=60, n_chains=3000,
-                     seed=3, progress=False)
+    result = run_smp(net, "bernoulli", x, preconditioner=name, tau=0.3, n_steps=60, n_chains=3000,
+                     seed=3, period=20, progress=False)
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     dev = result.theta - theta0
     z = dev.mean(0) / (dev.std(0) / math.sqrt(dev.shape[0]))
@@ -137,14 +144,15 @@ def test_divergence_is_detected_reported_and_never_averaged():
                 progress=False)
 
 
-@pytest.mark.parametrize("name", ["ema-diag", "ema-dense", "none"])
+@pytest.mark.parametrize("name", ["ema-diag", "ema-dense", "ema-kfac", "none"])
 def test_frozen_chains_with_a_nan_preconditioner_stay_frozen(name):
     # a diverged chain's EMA statistic is NaN; the frozen chain must stay exactly at theta0 and
     # the NaN must not reach the other chains
     net = toy_mlp()
     model, lik = as_chain_model(net), get_likelihood("bernoulli")
     x = torch.rand(50, 2) * 2 - 1
-    precond = preconditioner_from_name(name, dim=20, ema_init="identity")
+    layers = kronecker_layers(model) if name.endswith("kfac") else ()
+    precond = preconditioner_from_name(name, dim=20, layers=layers, ema_init="identity")
     theta0 = model.layout.flatten(net).expand(8, 20).clone()
     state = init_smp(model, lik, theta0, precond, None, seed=0)
     for m in state.precond.stat:
@@ -459,6 +467,7 @@ def test_residual_variance_ratio():
         (dict(n_chains=0), "S must be an integer >= 1"),
         (dict(preconditioner="ema_block"), "unknown preconditioner"),
         (dict(preconditioner="fixed-diag", fisher="empirical"), "needs labels"),
+        (dict(preconditioner="fixed-kron"), "unknown preconditioner structure"),
         (dict(theta0=torch.zeros(19)), "d = 20 parameters"),
         (dict(theta0=torch.full((20,), float("nan"))), "theta0 contains NaN"),
     ],
