@@ -5,8 +5,8 @@ Section 3.1.1 of the paper separates two independent choices, and so does this m
 * the **structure** (:class:`Structure`): which entries of the Fisher estimate are kept:
   ``none`` (P = I), ``diag``, ``block`` (one block per layer weight and per layer bias),
   ``dense``, or, beyond the paper, ``kfac`` (one block per ``Linear`` / ``Conv2d`` layer, weight
-  and bias together, approximated by a Kronecker product ``A (x) G`` of the second moments of the
-  layer's inputs ``A`` and of its output gradients ``G``; Martens and Grosse 2015, Grosse and
+  and bias together, approximated by a Kronecker product ``G (x) A`` of the second moments of the
+  layer's output gradients ``G`` and of its inputs ``A``; Martens and Grosse 2015, Grosse and
   Martens 2016);
 * the **temporal strategy**: how the values are obtained over the run: ``fixed`` (the Fisher at
   theta_0 over a data set, once), ``ema`` (I_k = beta I_{k-1} + (1 - beta) s_{k-1} s_{k-1}^T,
@@ -170,7 +170,13 @@ class Structure:
 
     def ema_update_(self, stat: Stat, v: torch.Tensor, beta: float) -> Stat:
         """In place: ``stat <- beta stat + (1 - beta) v v^T`` per row of ``v`` ``(S, d)``, restricted to the
-        structure (one fused kernel per tensor, no temporaries). ``stat`` must have ``C = S``."""
+        structure (one fused kernel per tensor, no temporaries). ``stat`` must have ``C = S``.
+
+        ``kfac`` cannot keep that sum as one Kronecker product per layer. It keeps
+        ``e (G^ (x) A^)``, where ``e`` is the EMA of the layer's ``|M|_F^2``, with ``M`` the layer's
+        piece of ``v`` as a matrix, so that ``tr P`` follows the EMA of ``|s|^2`` as ``block`` does.
+        ``A^`` and ``G^`` are the EMAs of the unit-trace factors ``M^T M / |M|^2`` and
+        ``M M^T / |M|^2``."""
         if self.name == "diag":
             stat[0].mul_(beta).addcmul_(v, v, value=1 - beta)
         elif self.name == "dense":
@@ -180,15 +186,26 @@ class Structure:
                 vb = v[:, b]
                 m.baddbmm_(vb.unsqueeze(-1), vb.unsqueeze(-2), beta=beta, alpha=1 - beta)
         elif self.name == "kfac":
-            # One score gives per layer the matrix M = [grad W, grad b]. For one example of a linear
-            # layer M = g a^T and (M^T M / |M|) (x) (M M^T / |M|) = (a a^T) (x) (g g^T) exactly, the
-            # example's own KFAC term; in general these are the Kronecker factors of the score's
-            # per-layer second moments (as in Shampoo), folded into A and G by the EMA.
+            # Per layer the score is a matrix M = [grad W, grad b], and the EMA of M M^T (x)-wise is kept
+            # as P = e (G^ (x) A^): e = EMA of |M|_F^2 (the trace, as ema-block's), A^ and G^ EMAs of the
+            # unit-trace factors M^T M / |M|^2 and M M^T / |M|^2. For one example of a linear layer,
+            # M = g [a, 1]^T and e G^ (x) A^ = (g g^T) (x) (a a^T), the example's own block. The pair is
+            # stored as (A, G) = (A^, e G^), G (x) A unchanged: tr A = 1 and tr G = e, rebalanced first
+            # (any split of a starting pair, e.g. the Fisher's factors, gives the same P).
+            tiny = torch.finfo(v.dtype).tiny
             for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
                 m = layer.matrix(v)
-                norm = torch.linalg.matrix_norm(m).clamp_min(torch.finfo(m.dtype).tiny)[:, None, None]
-                a.mul_(beta).add_(m.transpose(1, 2) @ m / norm, alpha=1 - beta)
-                g.mul_(beta).add_(m @ m.transpose(1, 2) / norm, alpha=1 - beta)
+                norm = torch.linalg.matrix_norm(m)[:, None, None]
+                unit = m / norm.clamp_min(tiny)  # |unit|_F = 1 (0 for a zero score: no direction)
+                trace_a = a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
+                trace_g = g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
+                scale = trace_g * trace_a  # e = tr(G (x) A)
+                a.div_(trace_a).mul_(beta).add_(unit.transpose(1, 2) @ unit, alpha=1 - beta)
+                g.div_(trace_g).mul_(beta).add_(unit @ unit.transpose(1, 2), alpha=1 - beta)
+                # a zero score adds no direction: renormalise the directions to unit trace again
+                a.div_(a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
+                g.div_(g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
+                g.mul_(scale.mul_(beta).add_(norm.square(), alpha=1 - beta))
         return stat
 
     def identity(self, batch: int = 1, dtype=torch.float32, device=None) -> Stat:
@@ -512,8 +529,9 @@ def build_preconditioner(
         dim: number of parameters ``d``.
         blocks: the parameter blocks for ``block`` (``ParamLayout.block_slices``).
         layers: the layers for ``kfac`` (:func:`smp_core.fisher.kronecker_layers`). Its EMA folds in
-            the Kronecker factors of each step's score (see :meth:`Structure.ema_update_`) and
-            decomposes both factors of every layer and chain at every step.
+            the Kronecker factors of each step's score (see :meth:`Structure.ema_update_`) and solves
+            with every layer and chain at every step: by a Cholesky factorisation of the block
+            ``G (x) A`` itself when it is small, else by eigendecompositions of both factors.
         ridge: ``lambda`` added to the diagonal (the paper: 1e-4).
         beta: EMA weight (the paper: 0.98).
         period: ``T``, steps between recomputations for ``periodic`` (the paper: 500).

@@ -369,9 +369,11 @@ def test_kfac_factors_of_a_convolution_by_brute_force(kind, generator):
                 g_sum += g.T @ g
         assert torch.allclose(stat[0][chain], a_sum / n, rtol=1e-10, atol=1e-12)
         assert torch.allclose(stat[1][chain], g_sum / n, rtol=1e-8, atol=1e-12)
-    # one chain at a time gives the same rows
+    # one chain at a time gives the same rows, and so do batches of 2 examples (sums across batches)
     alone = estimate_fisher(model, lik, theta[1], x, y, kind=kind, structure="kfac")
     assert all(torch.allclose(m[1:], one, rtol=1e-12, atol=0) for m, one in zip(stat, alone, strict=True))
+    batched = fisher_module.kronecker_fisher(model, lik, theta, x, y, kind=kind, batch_size=2)
+    assert all(torch.allclose(m, b, rtol=1e-10, atol=1e-14) for m, b in zip(stat, batched, strict=True))
 
 
 @pytest.mark.parametrize(

@@ -252,16 +252,22 @@ def test_kfac_contract(strategy, generator):
         scores.append(s)
         state = pre.update(state, k, theta0 + k, s, curvature)
     pairs = [(a.expand(chains, -1, -1), g.expand(chains, -1, -1)) for a, g in last["pairs"]]
-    if strategy == "ema":  # the factors of each score's layer matrix M: M^T M / |M| and M M^T / |M|
+    if strategy == "ema":  # P = e (G^ (x) A^): e the EMA of |M|^2, A^ and G^ of M^T M / |M|^2 and M M^T / |M|^2
         beta = pre.hyper["beta"]
+
+        def trace(m):
+            return m.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None]
+
+        state_by_hand = [(trace(a) * trace(g), a / trace(a), g / trace(g)) for a, g in pairs]
         for s in scores:
             new = []
-            for layer, (a, g) in zip(LAYERS, pairs, strict=True):
+            for layer, (e, a_dir, g_dir) in zip(LAYERS, state_by_hand, strict=True):
                 m = _score_matrix(layer, s)
-                norm = m.square().sum((1, 2)).sqrt()[:, None, None]
-                new.append((beta * a + (1 - beta) * m.transpose(1, 2) @ m / norm,
-                            beta * g + (1 - beta) * m @ m.transpose(1, 2) / norm))
-            pairs = new
+                sq = m.square().sum((1, 2))[:, None, None]
+                new.append((beta * e + (1 - beta) * sq, beta * a_dir + (1 - beta) * m.transpose(1, 2) @ m / sq,
+                            beta * g_dir + (1 - beta) * m @ m.transpose(1, 2) / sq))
+            state_by_hand = new
+        pairs = [(a_dir, e * g_dir) for e, a_dir, g_dir in state_by_hand]
     matrix = _kfac_brute_dense(pairs) + RIDGE * torch.eye(DIM, dtype=torch.float64)
     assert torch.allclose(pre.dense_matrix(state).expand(chains, DIM, DIM), matrix, atol=1e-10)
     v = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
@@ -291,7 +297,7 @@ def test_kfac_solves_by_the_block_or_by_eigendecompositions_alike(generator, mon
 
 def test_kfac_ema_of_one_linear_example_is_its_kronecker_block(generator):
     # one example of a linear layer: the score's layer matrix is g [a, 1]^T, and one EMA step from zero
-    # factors gives (1 - beta)^2 (g g^T) (x) (a a^T) exactly, whatever the split of the norms
+    # factors gives (1 - beta) (g g^T) (x) (a a^T) exactly, as the EMA of s s^T would
     layer = LAYERS[0]
     struct = Structure("kfac", DIM, layers=LAYERS)
     a = torch.cat([torch.randn(2, generator=generator, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
@@ -302,8 +308,9 @@ def test_kfac_ema_of_one_linear_example_is_its_kronecker_block(generator):
     stat = tuple(torch.zeros(1, n, n, dtype=torch.float64) for n in (3, 2, 1, 1))
     struct.ema_update_(stat, s, beta=0.9)
     assert torch.allclose(torch.kron(stat[1][0], stat[0][0]),
-                          0.01 * torch.kron(torch.outer(g, g), torch.outer(a, a)), atol=1e-12)
-    assert not torch.allclose(stat[0][0], 0.1 * torch.outer(a, a))  # the factors alone carry the norms' split
+                          0.1 * torch.kron(torch.outer(g, g), torch.outer(a, a)), atol=1e-12)
+    assert torch.trace(stat[0][0]) == pytest.approx(1.0)  # A: the unit-trace direction
+    assert torch.trace(stat[1][0]) == pytest.approx(0.1 * float(s.square().sum()))  # G carries e
     zero = torch.zeros(1, 1, 1, dtype=torch.float64)
     assert torch.equal(stat[2], zero) and torch.equal(stat[3], zero)  # a zero score leaves zero factors
 
@@ -316,3 +323,28 @@ def test_kfac_isolates_a_chain_with_non_finite_factors(generator):
     for out in (struct.apply(struct.factorize(tuple(stat), RIDGE), v), struct.solve(tuple(stat), RIDGE, v)):
         assert torch.isnan(out[1, :6]).all()  # the chain's first layer
         assert torch.isfinite(out[[0, 2, 3]]).all()
+
+
+def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):
+    # y = W [x, 1] + sigma eps with two outputs: the Fisher is exactly (I / sigma^2) (x) mean([x, 1][x, 1]^T),
+    # and fixed-kfac holds it. Started there and fed scores simulated from the model at fixed theta, the EMA
+    # must stay at the Fisher's trace in expectation, as ema-block and ema-dense do (E |s|^2 = tr F). Kept as
+    # separate EMAs of the two factors, its trace would settle near (E |s|)^2 < E |s|^2 (0.6 tr F here).
+    sigma, n, chains, steps, beta = 0.5, 30, 4000, 150, 0.9
+    layer = KroneckerLayer(slice(0, 6), slice(6, 8), 2, 3)
+    struct = Structure("kfac", 8, layers=(layer,))
+    x = torch.cat([torch.randn(n, 3, generator=generator, dtype=torch.float64),
+                   torch.ones(n, 1, dtype=torch.float64)], dim=1)
+    a_fisher, g_fisher = x.T @ x / n, torch.eye(2, dtype=torch.float64) / sigma**2
+    trace_fisher = float(torch.trace(a_fisher) * torch.trace(g_fisher))
+    # a deliberately unbalanced split of the same product: the EMA must not depend on it
+    stat = (10.0 * a_fisher.expand(chains, 4, 4).clone(), 0.1 * g_fisher.expand(chains, 2, 2).clone())
+    for _ in range(steps):
+        rows = torch.randint(0, n, (chains,), generator=generator)
+        residual = torch.randn(chains, 2, generator=generator, dtype=torch.float64) / sigma  # (y - mu) / sigma^2
+        m = residual[:, :, None] * x[rows][:, None, :]  # (S, 2, 4) = [grad W, grad b]
+        score = torch.cat([m[..., :3].reshape(chains, -1), m[..., 3]], dim=1)
+        struct.ema_update_(stat, score, beta)
+    traces = (stat[0].diagonal(dim1=1, dim2=2).sum(-1) * stat[1].diagonal(dim1=1, dim2=2).sum(-1))
+    z = (traces.mean() - trace_fisher) / (traces.std() / chains**0.5)
+    assert abs(float(z)) < 4.5, (float(traces.mean()), trace_fisher)
