@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recursion import bench_lenet, fit_toy_start  # noqa: E402
 
 from smp_core import lenet5, run_smp, toy_mlp  # noqa: E402
-from smp_core.fisher import kronecker_layers  # noqa: E402
+from smp_core.fisher import structure_for  # noqa: E402
 from smp_core.models import SequentialChainModel, as_chain_model  # noqa: E402
-from smp_core.preconditioners import STRATEGIES, Structure  # noqa: E402
+from smp_core.preconditioners import STRATEGIES  # noqa: E402
 from smp_core.results import cpu_model  # noqa: E402
 from smp_core.toy import make_toy_data  # noqa: E402
 
@@ -38,10 +38,7 @@ TAU = {"block": 0.3, "dense": 0.1, "kfac": 0.3}
 
 
 def stored_numbers(model) -> dict[str, int]:
-    layout = model.layout
-    return {name: Structure(name, layout.dim, layout.block_slices if name == "block" else (),
-                            kronecker_layers(model) if name == "kfac" else ()).stat_numel()
-            for name in ("diag", "block", "dense", "kfac")}
+    return {name: structure_for(model, name).stat_numel() for name in ("diag", "block", "dense", "kfac")}
 
 
 def main() -> None:

@@ -110,9 +110,7 @@ def estimate_fisher(
     if theta.ndim == 1:
         theta = theta.unsqueeze(0)
     if isinstance(structure, str):
-        blocks = model.layout.block_slices if structure == "block" else ()
-        layers = kronecker_layers(model) if structure == "kfac" else ()
-        structure = Structure(structure, model.layout.dim, blocks, layers)
+        structure = structure_for(model, structure)
     n = x.shape[0]
     if n == 0:
         raise ValueError("the Fisher needs at least one data point")
@@ -188,15 +186,9 @@ def _linear_and_conv_layers(model: ChainModel) -> tuple[list[tuple[nn.Module, st
     return layers, ""
 
 
-def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
-    """The :class:`~smp_core.preconditioners.KroneckerLayer` of every ``Linear`` / ``Conv2d`` layer of a model,
-    in the order of its parameters, for the ``kfac`` structure.
-
-    Any module qualifies whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
-    zero padding) layers, each called once per forward pass on a batch whose rows are the examples
-    (checked when the factors are computed). Raises ``ValueError`` naming what stands in the way
-    otherwise (normalisation layers, embeddings, shared weights, ...).
-    """
+def _kronecker_modules(model: ChainModel) -> list[tuple[nn.Module, str, str | None, KroneckerLayer]]:
+    """``(layer, weight name, bias name, KroneckerLayer)`` of every ``Linear`` / ``Conv2d`` layer, in the order of the
+    parameters; raises ``ValueError`` naming what stands in the way of the ``kfac`` structure."""
     layers, problem = _linear_and_conv_layers(model)
     if layers is None:
         raise ValueError(f"the kfac preconditioner needs every parameter in an nn.Linear or nn.Conv2d layer: {problem}")
@@ -206,8 +198,54 @@ def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
         w = entries[weight]
         n_in = layer.in_features if isinstance(layer, nn.Linear) else w.size // layer.out_channels
         b = entries[bias] if bias else None
-        result.append(KroneckerLayer(slice(w.start, w.stop), slice(b.start, b.stop) if b else None, w.shape[0], n_in))
-    return tuple(sorted(result, key=lambda k: k.weight.start))
+        kron = KroneckerLayer(slice(w.start, w.stop), slice(b.start, b.stop) if b else None, w.shape[0], n_in)
+        result.append((layer, weight, bias, kron))
+    return sorted(result, key=lambda t: t[3].weight.start)
+
+
+def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
+    """The :class:`~smp_core.preconditioners.KroneckerLayer` of every ``Linear`` / ``Conv2d`` layer of a model,
+    in the order of its parameters, for the ``kfac`` structure.
+
+    Any module qualifies whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
+    zero padding) layers, each called once per forward pass on a batch whose rows are the examples
+    (checked when the factors are computed). Raises ``ValueError`` naming what stands in the way
+    otherwise (normalisation layers, embeddings, shared weights, ...).
+    """
+    return tuple(kron for *_, kron in _kronecker_modules(model))
+
+
+def structure_for(model: ChainModel, name: str) -> Structure:
+    """The :class:`~smp_core.preconditioners.Structure` called ``name`` (``"none"``, ``"diag"``, ``"block"``,
+    ``"dense"``, ``"kfac"``) for a model: its parameter blocks or Kronecker layers filled in."""
+    blocks = model.layout.block_slices if name == "block" else ()
+    layers = kronecker_layers(model) if name == "kfac" else ()
+    return Structure(name, model.layout.dim, blocks, layers)
+
+
+def _recorded_forward(module: nn.Module, layers, params: dict[str, torch.Tensor],
+                      xb: torch.Tensor) -> tuple[torch.Tensor, dict[nn.Module, list]]:
+    """One forward pass of ``module`` with ``params`` (``functional_call``) on the batch ``xb``.
+
+    Returns the output ``(b, m)``, in the autograd graph, and ``{layer: [(input, output), ...]}``
+    for every layer of ``layers`` (``(layer, ...)`` tuples), one pair per call of the layer: the
+    input detached, the output in the graph for the output gradients.
+    """
+    record: dict[nn.Module, list] = {layer: [] for layer, *_ in layers}
+
+    def keep(layer, inputs, output):
+        record[layer].append((inputs[0].detach(), output))
+        return output.clone()  # what follows (an in-place activation, say) must not overwrite it
+
+    hooks = [layer.register_forward_hook(keep) for layer, *_ in layers]
+    try:
+        with torch.enable_grad():
+            # the input requires a gradient so that autograd records the activations
+            out = functional_call(module, params, (xb.detach().requires_grad_(True),)).reshape(xb.shape[0], -1)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return out, record
 
 
 def kronecker_fisher(
@@ -235,10 +273,8 @@ def kronecker_fisher(
     of the posterior, not its validity, depends on how well ``G (x) A`` approximates the Fisher.
     """
     theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
-    layers, problem = _linear_and_conv_layers(model)
-    if layers is None:
-        raise ValueError(f"the kfac preconditioner needs every parameter in an nn.Linear or nn.Conv2d layer: {problem}")
-    found = kronecker_layers(model)
+    layers = _kronecker_modules(model)
+    found = tuple(kron for *_, kron in layers)
     if structure is not None and tuple(structure.layers) != found:
         raise ValueError("the kfac structure was built for another model (its layers differ from this model's)")
     if kind == "empirical" and y is None:
@@ -247,9 +283,6 @@ def kronecker_fisher(
         raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
     if not x.is_floating_point():
         raise ValueError("the kfac Fisher needs floating-point inputs x")
-    order = {k.weight.start: i for i, k in enumerate(found)}
-    entries = {e.name: e for e in model.layout.entries}
-    layers = sorted(layers, key=lambda t: order[entries[t[1]].start])
     n, n_chains = x.shape[0], theta.shape[0]
     batch_size = max(1, min(batch_size, max_elements // _elements_per_example(model, layers, theta[0], x[:2])))
     factors = []
@@ -263,20 +296,9 @@ def kronecker_fisher(
         for start in range(0, n, batch_size):
             xb = x[start : start + batch_size]
             b = xb.shape[0]
-            record: dict[nn.Module, list] = {layer: [] for layer, _, _ in layers}
-
-            def keep(layer, inputs, output, record=record):
-                record[layer].append((inputs[0].detach(), output))
-                return output.clone()  # what follows (an in-place activation, say) must not overwrite it
-
-            hooks = [layer.register_forward_hook(keep) for layer, _, _ in layers]
-            try:
-                with torch.enable_grad():
-                    out = functional_call(model.module, params, (xb.detach().requires_grad_(True),)).reshape(b, -1)
-            finally:
-                for hook in hooks:
-                    hook.remove()
-            for (layer, weight, _), rec in zip(layers, record.values(), strict=True):
+            out, record = _recorded_forward(model.module, layers, params, xb)
+            for layer, weight, *_ in layers:
+                rec = record[layer]
                 if len(rec) != 1 or rec[0][0].shape[0] != b or (isinstance(layer, nn.Linear) and rec[0][0].ndim != 2):
                     raise ValueError(f"the kfac Fisher needs each Linear / Conv2d layer called once per forward pass "
                                      f"on a batch whose rows are the examples; {weight!r} is not")
@@ -285,8 +307,8 @@ def kronecker_fisher(
             else:
                 factor = likelihood.fisher_factor(out.detach())  # (b, m, r)
                 cotangents = [factor[..., c] for c in range(factor.shape[-1])]
-            outputs = [record[layer][0][1] for layer, _, _ in layers]
-            for i, (layer, _, bias) in enumerate(layers):
+            outputs = [record[layer][0][1] for layer, *_ in layers]
+            for i, (layer, _, bias, _) in enumerate(layers):
                 h = record[layer][0][0]
                 if isinstance(layer, nn.Linear):
                     a, positions = h, 1
@@ -311,10 +333,10 @@ def kronecker_fisher(
 def _elements_per_example(model: ChainModel, layers, theta_row: torch.Tensor, x1: torch.Tensor) -> int:
     """Numbers held per example by the convolutions' patches and per-example weight gradients (one
     forward pass of the examples ``x1`` (one or two) to learn the layers' input sizes)."""
-    if not any(isinstance(layer, nn.Conv2d) for layer, _, _ in layers):
+    if not any(isinstance(layer, nn.Conv2d) for layer, *_ in layers):
         return 1
     sizes: dict[nn.Module, torch.Size] = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o: sizes.__setitem__(m, i[0].shape)) for layer, _, _ in layers]
+    hooks = [layer.register_forward_hook(lambda m, i, o: sizes.__setitem__(m, i[0].shape)) for layer, *_ in layers]
     buffers = {name: buffer.clone() for name, buffer in model.module.named_buffers()}  # left alone
     try:
         with torch.no_grad():
@@ -323,7 +345,7 @@ def _elements_per_example(model: ChainModel, layers, theta_row: torch.Tensor, x1
         for hook in hooks:
             hook.remove()
     total = 1
-    for layer, _, _ in layers:
+    for layer, *_ in layers:
         if isinstance(layer, nn.Conv2d) and layer in sizes:
             _, channels, height, width = sizes[layer]
             (kh, kw), (ph, pw) = layer.kernel_size, layer.padding
@@ -364,26 +386,12 @@ def diagonal_empirical_fisher_by_layers(
         params = model.layout.unflatten(row.detach())
         for start in range(0, n, batch_size):
             xb, yb = x[start : start + batch_size], y[start : start + batch_size]
-            record: dict[nn.Module, list] = {layer: [] for layer, _, _ in layers}
-
-            def keep(layer, inputs, output, record=record):
-                record[layer].append((inputs[0].detach(), output))
-                return output.clone()  # what follows (an in-place activation, say) must not overwrite it
-
-            hooks = [layer.register_forward_hook(keep) for layer, _, _ in layers]
-            try:
-                with torch.enable_grad():
-                    # the input requires a gradient so that autograd records the activations
-                    out = functional_call(model.module, params, (xb.detach().requires_grad_(True),))
-                    out = out.reshape(xb.shape[0], -1)
-                    if any(len(r) != 1 for r in record.values()):
-                        return None  # a layer ran twice (or never): per-example products do not apply
-                    outputs = [record[layer][0][1] for layer, _, _ in layers]
-                    residual = likelihood.residual(out.detach(), yb)
-                    deltas = torch.autograd.grad(out, outputs, residual, allow_unused=True)
-            finally:
-                for hook in hooks:
-                    hook.remove()
+            out, record = _recorded_forward(model.module, layers, params, xb)
+            if any(len(r) != 1 for r in record.values()):
+                return None  # a layer ran twice (or never): per-example products do not apply
+            outputs = [record[layer][0][1] for layer, _, _ in layers]
+            residual = likelihood.residual(out.detach(), yb)
+            deltas = torch.autograd.grad(out, outputs, residual, allow_unused=True)
             for (layer, weight, bias), delta in zip(layers, deltas, strict=True):
                 if delta is None:
                     continue  # the layer does not reach the output: zero gradient

@@ -269,17 +269,22 @@ def test_diagonal_empirical_fisher_by_layers_declines_integer_inputs():
 # --- kfac -----------------------------------------------------------------------------------------
 
 
+def _cotangents(lik, out, y, kind):
+    """What is pulled back from the output ``out`` (one example): the residual (empirical Fisher) or
+    the columns of ``L`` with ``L L^T`` the likelihood's output Fisher (model-expected)."""
+    if kind == "empirical":
+        return [lik.residual(out.detach(), y)]
+    factor = lik.fisher_factor(out.detach())
+    return [factor[..., c] for c in range(factor.shape[-1])]
+
+
 def _exact_layer_blocks(model, lik, theta, x, y, kind):
     """The exact Fisher (one chain) by per-example autograd, dense ``(d, d)``."""
     dense = torch.zeros(model.layout.dim, model.layout.dim, dtype=theta.dtype)
     for i in range(x.shape[0]):
         t = theta.clone().requires_grad_(True)
         out = functional_call(model.module, model.layout.unflatten(t), (x[i : i + 1],)).reshape(1, -1)
-        if kind == "empirical":
-            cotangents = [lik.residual(out.detach(), y[i : i + 1])]
-        else:
-            factor = lik.fisher_factor(out.detach())
-            cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+        cotangents = _cotangents(lik, out, y[i : i + 1], kind)
         for c, cot in enumerate(cotangents):
             (grad,) = torch.autograd.grad(out, t, cot, retain_graph=c < len(cotangents) - 1)
             dense += torch.outer(grad, grad) / x.shape[0]
@@ -358,11 +363,7 @@ def test_kfac_factors_of_a_convolution_by_brute_force(kind, generator):
             renamed = {f"{int(k.split('.')[0]) - 1}.{k.split('.')[1]}": v for k, v in params.items()
                        if not k.startswith("0.")}
             out = functional_call(tail, renamed, (pre,))
-            if kind == "empirical":
-                cotangents = [lik.residual(out.detach(), y[i : i + 1])]
-            else:
-                factor = lik.fisher_factor(out.detach())
-                cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+            cotangents = _cotangents(lik, out, y[i : i + 1], kind)
             for c, cot in enumerate(cotangents):
                 (g,) = torch.autograd.grad(out, pre, cot, retain_graph=c < len(cotangents) - 1)
                 g = g[0].reshape(3, -1).T  # (T, 3)

@@ -45,6 +45,17 @@ def _build(structure, strategy, **kw):
     return build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS, ridge=RIDGE, **kw)
 
 
+def _init_and_three_updates(pre, theta0, curvature, generator):
+    """``init`` at ``theta0``, then ``update`` after steps 1-3 with random scores: the state and the scores."""
+    state = pre.init(theta0, curvature)
+    scores = []
+    for k in range(1, 4):
+        s = torch.randn(*theta0.shape, generator=generator, dtype=torch.float64)
+        scores.append(s)
+        state = pre.update(state, k, theta0 + k, s, curvature)
+    return state, scores
+
+
 @pytest.mark.parametrize("structure, strategy", VARIANTS)
 def test_contract(structure, strategy, generator):
     chains = 4
@@ -58,12 +69,7 @@ def test_contract(structure, strategy, generator):
         return tuple(m / v.shape[1] for m in struct.outer_sum(v))
 
     pre = _build(structure, strategy, period=2)
-    state = pre.init(theta0, curvature)
-    scores = []
-    for k in range(1, 4):
-        s = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
-        scores.append(s)
-        state = pre.update(state, k, theta0 + k, s, curvature)
+    state, scores = _init_and_three_updates(pre, theta0, curvature, generator)
     v = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
     out = pre.solve(state, v)
     assert out.shape == v.shape and torch.isfinite(out).all()
@@ -245,12 +251,7 @@ def test_kfac_contract(strategy, generator):
         return tuple(m for pair in pairs for m in pair)
 
     pre = build_preconditioner("kfac", strategy, dim=DIM, layers=LAYERS, ridge=RIDGE, period=2)
-    state = pre.init(theta0, curvature)
-    scores = []
-    for k in range(1, 4):
-        s = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
-        scores.append(s)
-        state = pre.update(state, k, theta0 + k, s, curvature)
+    state, scores = _init_and_three_updates(pre, theta0, curvature, generator)
     pairs = [(a.expand(chains, -1, -1), g.expand(chains, -1, -1)) for a, g in last["pairs"]]
     if strategy == "ema":  # P = e (G^ (x) A^): e the EMA of |M|^2, A^ and G^ of M^T M / |M|^2 and M M^T / |M|^2
         beta = pre.hyper["beta"]
