@@ -1,7 +1,8 @@
 """Every run size of the book in one table: scales ``ci``, ``laptop`` and ``paper``.
 
 * ``ci``: the whole test suite, notebooks included, in minutes on 2 CPU cores.
-* ``laptop``: the default book on a 2-core machine in about an hour (65 min measured, fresh clone).
+* ``laptop``: the default book on a 2-core machine in about an hour and a quarter (65 min measured on a fresh
+  clone before the toy KFAC chapter, whose own run took 11 min).
 * ``paper``: the paper's settings (Sections 3.2 and 3.3).
 
 Settings the paper states are marked with a comment; the rest are our choices, stated in the book.
