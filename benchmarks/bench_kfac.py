@@ -12,8 +12,9 @@ Prints markdown tables:
   (``bench_recursion.fit_toy_start``), at the paper's tau (0.3 for block and kfac, 0.1 for dense);
 * LeNet-5 (d = 47,154, random inputs): milliseconds per SMP step (score of S chains, solve and
   update; the difference of two run lengths, fastest of three) for fixed-diag and the kfac
-  strategies, with the empirical Fisher of 600 examples; dense and block do not fit in memory
-  there (see the stored numbers per chain, printed first).
+  strategies, with the empirical Fisher of 600 examples, and ``ema-kfac`` factorised every
+  ``--ema-refresh`` steps; dense and block do not fit in memory there (see the stored numbers per
+  chain, printed first).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--toy-steps", type=int, default=5000)
     parser.add_argument("--lenet-chains", type=int, nargs="*", default=[10, 100])
     parser.add_argument("--lenet-steps", type=int, default=20)
+    parser.add_argument("--ema-refresh", type=int, default=10)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,12 +76,16 @@ def main() -> None:
     print(f"\nLeNet-5: milliseconds per SMP step ({args.lenet_steps} steps, fastest of three)\n")
     print("| variant | " + " | ".join(f"S = {s}" for s in args.lenet_chains) + " |\n| --- |"
           + " ---: |" * len(args.lenet_chains), flush=True)
-    variants = ("fixed-diag", "fixed-kfac", "periodic-kfac", "ema-kfac")
+    variants = ("fixed-diag", "fixed-kfac", "periodic-kfac", "ema-kfac",
+                (f"ema-kfac, ema_refresh = {args.ema_refresh}",
+                 {"preconditioner": "ema-kfac", "ema_refresh": args.ema_refresh}))
     table = {s: dict(bench_lenet(s, args.lenet_steps, variants=variants)) for s in args.lenet_chains}
-    for name in variants:
+    for name in table[args.lenet_chains[0]]:
         print(f"| {name} | " + " | ".join(f"{table[s][name]:.1f}" for s in args.lenet_chains) + " |")
     print("\n(periodic-kfac recomputes every T = 500 steps, so these steps reuse the factors of theta_0 as "
-          "fixed-kfac does; its recomputation is one pass over the Fisher data per chain)")
+          "fixed-kfac does; its recomputation is one pass over the Fisher data per chain. ema-kfac "
+          "eigendecomposes its factors at every step; with ema_refresh = m every m steps, so the steps "
+          "timed should be a multiple of m: the default 20 steps hold two refreshes of m = 10)")
 
 
 if __name__ == "__main__":

@@ -73,9 +73,11 @@ def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag", "
     x = torch.rand(2000, 1, 28, 28)
     y = torch.randint(0, 10, (2000,))
     rows = []
-    for name in variants:
-        kw = dict(preconditioner=name, tau=0.05, n_chains=n_chains, seed=0, progress=False,
-                  input_shape=(1, 28, 28), fisher="empirical", fisher_data=(x[:600], y[:600]))
+    for variant in variants:
+        # a variant is a preconditioner name, or (label, run_smp keyword arguments with its preconditioner)
+        name, options = (variant, {"preconditioner": variant}) if isinstance(variant, str) else variant
+        kw = dict(tau=0.05, n_chains=n_chains, seed=0, progress=False,
+                  input_shape=(1, 28, 28), fisher="empirical", fisher_data=(x[:600], y[:600]), **options)
         run_smp(net, "categorical", x, n_steps=3, **kw)  # warm-up
         # the fastest of three runs of each length: the least disturbed by other work on the machine
         t_short = min(run_smp(net, "categorical", x, n_steps=5, **kw).elapsed for _ in range(3))

@@ -84,7 +84,13 @@ class Categorical:
     name = "categorical"
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return torch.multinomial(torch.softmax(out, dim=-1), 1, generator=generator).squeeze(-1)
+        """One class per row from ``softmax(out)``. A row with non-finite outputs (a chain whose
+        parameters blew up between two divergence checks of the recursion, which then freezes and
+        reports it) draws from uniform probabilities instead of failing the whole batch; the other
+        rows draw exactly as they would without it."""
+        probs = torch.softmax(out, dim=-1)
+        probs = torch.where(torch.isfinite(probs).all(-1, keepdim=True), probs, 1.0 / out.shape[-1])
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     draw_noise = _uniform_noise
 

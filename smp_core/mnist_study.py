@@ -135,13 +135,24 @@ def smp_path(device: torch.device) -> str:
     return "batched torch model, step by step"
 
 
+def study_variants(cfg: dict[str, Any]) -> list[str]:
+    """The SMP variants of a study: ``cfg["variants"]`` (the KFAC study) or the paper's four."""
+    return list(cfg.get("variants", MNIST_VARIANTS))
+
+
+def variant_tau(cfg: dict[str, Any], variant: str) -> float:
+    """tau of ``variant``: ``cfg["tau"]`` (the KFAC study) or the paper's (``MNIST_TAU``)."""
+    return cfg.get("tau", MNIST_TAU)[variant]
+
+
 def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
-    """The seed of SMP variant number ``index`` (its place in ``MNIST_VARIANTS``) in one replicate.
+    """The seed of SMP variant number ``index`` (its place in :func:`study_variants`) in one replicate.
 
     Replicate 0 keeps the seeds of the study's single run (``seed + 10 + index``); replicate ``r``
-    adds ``1000 r``, as the toy study's replicates do.
+    adds ``1000 r``, as the toy study's replicates do. A study with a ``seed_offset`` (the KFAC one)
+    numbers its variants after the paper's four, so that it draws other random numbers.
     """
-    return cfg["seed"] + 10 + index + 1000 * replicate
+    return cfg["seed"] + 10 + cfg.get("seed_offset", 0) + index + 1000 * replicate
 
 
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
@@ -154,10 +165,12 @@ def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dic
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
                 device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0):
-    """One SMP variant from theta_0 = MAP; the empirical diagonal Fisher from the validation set.
+    """One SMP variant from theta_0 = MAP; the empirical Fisher (of the variant's structure) from the
+    validation set.
 
-    ``index`` is the variant's place in ``MNIST_VARIANTS`` and, with ``replicate``, sets its seed
-    (:func:`smp_seed`).
+    ``index`` is the variant's place in :func:`study_variants` and, with ``replicate``, sets its seed
+    (:func:`smp_seed`); tau is :func:`variant_tau`; an EMA variant refactorises its statistic every
+    ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it).
     """
     device = device or default_device()
     net = lenet5().to(device)
@@ -165,18 +178,22 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     xv, yv = (t.to(device) for t in data["val"])
     n_fisher = cfg.get("n_fisher_periodic") if variant.startswith("periodic") else None
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
+    refresh = cfg.get("ema_refresh", 1) if variant.startswith("ema-") and not variant.endswith("-diag") else 1
     return run_smp(net, "categorical", x, theta0=theta0.to(device), preconditioner=variant,
-                   tau=MNIST_TAU[variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+                   tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
                    seed=smp_seed(cfg, index, replicate), fisher="empirical", fisher_data=fisher_data,
-                   ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", input_shape=INPUT_SHAPE,
+                   ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh,
+                   input_shape=INPUT_SHAPE,
                    checkpoint=checkpoint, checkpoint_every=cfg.get("checkpoint_every"), progress=progress)
 
 
 def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
                    use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
-    """Every SMP variant in each of ``cfg["smp_replicates"]`` replicates from the same MAP, evaluated.
+    """Every SMP variant (:func:`study_variants`) in each of ``cfg["smp_replicates"]`` replicates from
+    the same MAP, evaluated.
 
-    Each run is cached in ``<cache_root>/mnist/`` by :func:`run_key` and, while it runs, saves a
+    Each run is cached in ``<cache_root>/<study>/`` (``mnist`` or ``mnist_kfac``) by :func:`run_key`
+    and, while it runs, saves a
     checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from (deleted once the
     run is in the cache). Returns
     ``tables``: :func:`tables` per replicate (MAP row included); ``diverged``: the diverged chains
@@ -186,18 +203,19 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     """
     device = device or default_device()
     path = smp_path(device)
+    variants, folder = study_variants(cfg), cfg.get("study", "mnist")
     map_eval = evaluate(theta_map[None], data, device=device)
     per_replicate, diverged, figure_evals = [], {}, None
     for r in range(cfg["smp_replicates"]):
         evals, elapsed = {"MAP": map_eval}, {"MAP": 0.0}
-        for i, variant in enumerate(MNIST_VARIANTS):
+        for i, variant in enumerate(variants):
             key = run_key(cfg, variant, r, path)
-            checkpoint = Path(cache_root) / "mnist" / f"{config_key(key)}.checkpoint.pt" if use_cache else None
+            checkpoint = Path(cache_root) / folder / f"{config_key(key)}.checkpoint.pt" if use_cache else None
 
             def compute(variant=variant, i=i, r=r, checkpoint=checkpoint):
                 return run_variant(cfg, variant, theta_map, data, i, device, checkpoint, progress, replicate=r)
 
-            res = cached("mnist", key, compute, root=cache_root, enabled=use_cache)
+            res = cached(folder, key, compute, root=cache_root, enabled=use_cache)
             if checkpoint is not None:
                 # the run is in the cache now, and K is part of its key: nothing will resume from this file
                 checkpoint.unlink(missing_ok=True)
@@ -208,7 +226,7 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
                 evals[name].pop("probs")  # the figures show the first replicate only
         per_replicate.append(tables(evals, elapsed))
         figure_evals = figure_evals or evals
-    diverged = pd.Series(diverged, name="diverged chains").unstack()[[f"SMP-{v}" for v in MNIST_VARIANTS]]
+    diverged = pd.Series(diverged, name="diverged chains").unstack()[[f"SMP-{v}" for v in variants]]
     diverged.index.name = "replicate"
     return {"tables": per_replicate, "diverged": diverged, "figure_evals": figure_evals}
 
@@ -489,3 +507,81 @@ def growth_summary(growth: pd.DataFrame, zero_fraction: float) -> pd.DataFrame:
                                                        / t.loc[last, "params_variance"])
         rows.append(row)
     return pd.DataFrame(rows).set_index("method")
+
+
+# ----------------------------------------------------------------------------------------------
+# Beyond the paper: Kronecker-factored preconditioners on MNIST (notebooks/mnist_kfac.md)
+
+
+def structure_table(scores: pd.DataFrame, variances: pd.DataFrame, elapsed: pd.DataFrame) -> pd.DataFrame:
+    """One row per method (rows of the MNIST and KFAC studies may be concatenated): accuracy, NLL, ECE,
+    mutual information, logit and parameter variance, and seconds; with each variant's strategy and
+    structure (``MAP`` and ``SMP-none`` have none)."""
+    table = scores[["accuracy", "nll", "ece", "mutual_info"]].join(variances[["logits_variance", "params_variance"]])
+    table = table.join(elapsed[["seconds"]])
+    parts = [name.removeprefix("SMP-").split("-") if name.count("-") == 2 else ["", ""] for name in table.index]
+    table.insert(0, "structure", [p[1] for p in parts])
+    table.insert(0, "strategy", [p[0] for p in parts])
+    return table
+
+
+def kfac_against_diag(table: pd.DataFrame) -> pd.DataFrame:
+    """Per temporal strategy with both a ``diag`` and a ``kfac`` row in ``table`` (:func:`structure_table`):
+    the ratios kfac / diag of the mutual information and of the logit variance, both NLLs beside MAP's,
+    and two verdicts judged on these numbers: does KFAC over-disperse less (smaller MI), and does it
+    predict better (smaller NLL)?"""
+    rows = []
+    for strategy in ("fixed", "ema", "periodic"):
+        diag, kfac = f"SMP-{strategy}-diag", f"SMP-{strategy}-kfac"
+        if diag not in table.index or kfac not in table.index:
+            continue
+        d, k = table.loc[diag], table.loc[kfac]
+        rows.append({
+            "strategy": strategy,
+            "mi_kfac_over_diag": k["mutual_info"] / d["mutual_info"],
+            "logits_variance_kfac_over_diag": k["logits_variance"] / d["logits_variance"],
+            "nll_diag": d["nll"], "nll_kfac": k["nll"],
+            "nll_map": table.loc["MAP", "nll"] if "MAP" in table.index else np.nan,
+            "kfac less dispersed (smaller MI)": "yes" if k["mutual_info"] < d["mutual_info"] else "no",
+            "kfac lower NLL": "yes" if k["nll"] < d["nll"] else "no",
+        })
+    return pd.DataFrame(rows).set_index("strategy") if rows else pd.DataFrame()
+
+
+def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
+                            device: torch.device | None = None) -> pd.DataFrame:
+    """How many directions each preconditioner leaves at the ridge, per layer of LeNet-5.
+
+    The empirical Fisher over the validation set at ``theta0``, as the fixed strategies build it: per
+    layer, the share of the eigenvalues of ``P - ridge I`` below ``ridge``, for the diagonal (its
+    entries) and for KFAC (the products ``lambda_G lambda_A`` of the eigenvalues of both factors). In
+    such a direction ``P^{-1}`` is about ``1 / ridge`` (10^4 for the paper's lambda): the step there is
+    the score times 10^4 whatever the curvature, which is where over-dispersion can come from. Also the
+    output units whose ``G`` row is exactly zero on the validation set (units that never activate there).
+    """
+    device = device or default_device()
+    model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
+    xv, yv = (t.to(device) for t in data["val"])
+    theta = theta0.to(device)[None]
+    (diag,) = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="diag")
+    factors = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="kfac")
+    from .fisher import kronecker_layers
+
+    rows = []
+    for i, layer in enumerate(kronecker_layers(model)):
+        a, g = factors[2 * i][0].double().cpu(), factors[2 * i + 1][0].double().cpu()
+        products = torch.linalg.eigvalsh(g).clamp_min(0)[:, None] * torch.linalg.eigvalsh(a).clamp_min(0)[None, :]
+        entries = torch.cat([diag[0, layer.weight].reshape(-1)]
+                            + ([diag[0, layer.bias].reshape(-1)] if layer.bias is not None else [])).double().cpu()
+        rows.append({"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}", "parameters": entries.numel(),
+                     "diag: share below ridge": float((entries < ridge).double().mean()),
+                     "diag: share exactly zero": float((entries == 0).double().mean()),
+                     "kfac: share below ridge": float((products < ridge).double().mean()),
+                     "units with zero G row": int((g.diagonal() == 0).sum())})
+    table = pd.DataFrame(rows).set_index("layer")
+    total = table["parameters"].sum()
+    weights = table["parameters"] / total
+    table.loc["all"] = {"shape [W, b]": "", "parameters": total,
+                        **{c: float((table[c] * weights).sum()) for c in table.columns if "share" in c},
+                        "units with zero G row": int(table["units with zero G row"].sum())}
+    return table

@@ -494,6 +494,7 @@ def run_smp(
     beta: float = 0.98,
     period: int = 500,
     ema_init: str = "fisher",
+    ema_refresh: int = 1,
     input_shape: tuple[int, ...] | None = None,
     trace_every: int | None = None,
     check_every: int = 50,
@@ -519,7 +520,8 @@ def run_smp(
         fisher: ``"model"`` (model-expected) or ``"empirical"`` Fisher for fixed / periodic / EMA start.
         fisher_data: ``(x, y)`` for the Fisher (default: ``(x_train, None)``; ``y`` is needed for the
             empirical Fisher).
-        ridge, beta, period, ema_init: see :func:`~smp_core.preconditioners.build_preconditioner`.
+        ridge, beta, period, ema_init, ema_refresh: see
+            :func:`~smp_core.preconditioners.build_preconditioner`.
         input_shape: one input's shape, for modules other than MLPs.
         trace_every: keep ``theta_k`` every so many steps (on the CPU).
         check_every: steps between divergence checks (and progress updates).
@@ -558,7 +560,7 @@ def run_smp(
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(
             preconditioner, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, ridge=ridge,
-            beta=beta, period=period, ema_init=ema_init)
+            beta=beta, period=period, ema_init=ema_init, ema_refresh=ema_refresh)
     else:
         precond = preconditioner
     n_obs = x_train.shape[0] if n_obs is None else int(n_obs)

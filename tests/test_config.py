@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "toy_kfac", "mnist", "mnist_growth"):
+    for study in ("toy", "toy_kfac", "mnist", "mnist_growth", "mnist_kfac"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -55,3 +55,24 @@ def test_growth_study_shares_the_mnist_settings_but_s_and_k():
         assert grid == sorted(set(grid)) and all(k % 50 == 0 for k in grid)  # whole divergence-check blocks
     assert get_config("mnist_growth", "paper")["growth_steps"][-1] == get_config("mnist", "paper")["n_steps"]
     assert get_config("mnist_growth", "paper")["n_chains"] == 100
+
+
+def test_mnist_kfac_study_changes_only_the_structure():
+    from smp_core import mnist_study as ms
+    from smp_core.config import MNIST_KFAC_VARIANTS, MNIST_VARIANTS
+
+    for scale in SCALES:
+        mnist, kfac = get_config("mnist", scale), get_config("mnist_kfac", scale)
+        assert ms.map_key(kfac) == ms.map_key(mnist)  # the same MAP, from the same cache
+        same = set(mnist) - {"study", "smp_replicates"}
+        assert {k: kfac[k] for k in same} == {k: mnist[k] for k in same}
+        assert ms.study_variants(kfac) == MNIST_KFAC_VARIANTS and ms.study_variants(mnist) == MNIST_VARIANTS
+        # tau of each KFAC variant is the paper's for the diagonal variant with the same strategy
+        assert {v: ms.variant_tau(kfac, v) for v in MNIST_KFAC_VARIANTS} == {
+            v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}
+        # seeds follow the MNIST study's four variants: no run shares a seed with one of its runs
+        mnist_seeds = {ms.smp_seed(mnist, i, r) for r in range(3) for i in range(len(MNIST_VARIANTS))}
+        kfac_seeds = {ms.smp_seed(kfac, i, r) for r in range(3) for i in range(len(MNIST_KFAC_VARIANTS))}
+        assert len(kfac_seeds) == 3 * len(MNIST_KFAC_VARIANTS) and not kfac_seeds & mnist_seeds
+        assert kfac["ema_refresh"] == 50
+    assert get_config("mnist_kfac", "paper")["n_steps"] == 10**6

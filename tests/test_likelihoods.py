@@ -60,6 +60,21 @@ def test_samples_follow_the_model(generator):
     assert abs((yb.mean() - pb) / math.sqrt(pb * (1 - pb) / n)) < 4.5
 
 
+@pytest.mark.parametrize("lik, m", [(Bernoulli(), 1), (Categorical(), 4), (Gaussian(1.0), 2)])
+def test_a_non_finite_row_does_not_stop_the_others(lik, m):
+    # a chain that blew up between two divergence checks has NaN or infinite outputs: its draw may be
+    # anything, but the batch must not fail and the finite rows must draw exactly what they would alone
+    out = torch.randn(6, m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    bad = out.clone()
+    bad[1], bad[4, 0] = float("nan"), float("inf")
+    clean = lik.sample(out, torch.Generator().manual_seed(1))
+    mixed = lik.sample(bad, torch.Generator().manual_seed(1))
+    keep = torch.tensor([True, False, True, True, False, True])
+    assert torch.equal(mixed[keep], clean[keep])
+    if isinstance(lik, Categorical):
+        assert ((mixed >= 0) & (mixed < m)).all()
+
+
 def test_samples_from_noise_follow_the_model(generator):
     # the draw the step blocks use: uniforms or normals first, then a deterministic transform.
     # z-tests as above; the Gaussian's mean and variance against g and sigma^2 (variance of s^2 is

@@ -225,3 +225,45 @@ def test_load_data_takes_whole_sets_at_the_papers_sizes(monkeypatch):
     assert asked == [("somewhere", 0, None), ("somewhere", 0, None),
                      ("somewhere", 0, (ci["n_train"], ci["n_val"], ci["n_test"])),
                      ("data", 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
+
+
+def test_kfac_study_runs_its_variants_with_their_tau_and_refresh(tmp_path):
+    from smp_core.config import MNIST_KFAC_VARIANTS, get_config
+
+    cfg = {**get_config("mnist_kfac", "ci"), "n_train": 40, "n_chains": 3, "n_steps": 50, "smp_replicates": 1,
+           "ema_refresh": 7}
+    data = _tiny_mnist(1)
+    torch.manual_seed(0)  # with N = 40 the steps are large: some chains may diverge, which must not fail the run
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    runs = ms.run_replicates(cfg, theta0, data, device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    assert list(runs["tables"][0]["scores"].index) == ["MAP"] + [f"SMP-{v}" for v in MNIST_KFAC_VARIANTS]
+    assert list(runs["diverged"].columns) == [f"SMP-{v}" for v in MNIST_KFAC_VARIANTS]
+    # cached under the study's own folder, with the settings each run used
+    stored = [torch.load(p, weights_only=False)["value"].config for p in (tmp_path / "mnist_kfac").glob("*.pt")]
+    assert sorted(c["preconditioner"] for c in stored) == sorted(MNIST_KFAC_VARIANTS)
+    by_name = {c["preconditioner"]: c for c in stored}
+    assert by_name["ema-kfac"]["ema_refresh"] == 7 and "ema_refresh" not in by_name["fixed-kfac"]
+    assert {c["tau"] for c in stored} == {0.05, 0.08} and by_name["ema-kfac"]["tau"] == 0.08
+    assert not (tmp_path / "mnist").exists()
+
+
+def test_kfac_against_diag_verdicts():
+    import pandas as pd
+
+    scores = pd.DataFrame({"accuracy": 0.98, "nll": [0.04, 0.04, 0.06, 0.05, 0.3, 0.5],
+                           "ece": 0.01, "mutual_info": [0.0, 1e-4, 0.02, 0.01, 0.5, 0.9]},
+                          index=["MAP", "SMP-none", "SMP-fixed-diag", "SMP-fixed-kfac", "SMP-ema-diag", "SMP-ema-kfac"])
+    variances = pd.DataFrame({"logits_variance": [0.0, 0.004, 0.5, 0.1, 11.0, 22.0], "params_variance": 1e-6},
+                             index=scores.index)
+    elapsed = pd.DataFrame({"seconds": [0.0, 60, 60, 700, 70, 1300]}, index=scores.index)
+    table = ms.structure_table(scores, variances, elapsed)
+    assert table.loc["SMP-ema-kfac", ["strategy", "structure"]].tolist() == ["ema", "kfac"]
+    assert table.loc["SMP-none", "strategy"] == "" and table.loc["MAP", "structure"] == ""
+    findings = ms.kfac_against_diag(table)
+    assert list(findings.index) == ["fixed", "ema"]  # periodic has neither row
+    assert findings.loc["fixed", "mi_kfac_over_diag"] == pytest.approx(0.5)
+    assert findings.loc["ema", "logits_variance_kfac_over_diag"] == pytest.approx(2.0)
+    assert findings["kfac less dispersed (smaller MI)"].tolist() == ["yes", "no"]
+    assert findings["kfac lower NLL"].tolist() == ["yes", "no"]
+    assert (findings["nll_map"] == 0.04).all()
+    assert ms.kfac_against_diag(table.drop(index=["SMP-fixed-kfac", "SMP-ema-kfac"])).empty

@@ -349,3 +349,51 @@ def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):
     traces = (stat[0].diagonal(dim1=1, dim2=2).sum(-1) * stat[1].diagonal(dim1=1, dim2=2).sum(-1))
     z = (traces.mean() - trace_fisher) / (traces.std() / chains**0.5)
     assert abs(float(z)) < 4.5, (float(traces.mean()), trace_fisher)
+
+
+@pytest.mark.parametrize("structure", ["block", "dense", "kfac"])
+def test_ema_refresh_solves_with_the_last_factorisation(structure, generator):
+    # ema_refresh = 2: the statistic folds in every score (the same as the every-step EMA's), and the
+    # solve after steps 1, 2 and 3 uses the factorisation of the statistic at steps 0, 2 and 2
+    chains, refresh = 3, 2
+    theta0 = torch.zeros(chains, DIM, dtype=torch.float64)
+    pairs = []
+    for layer in LAYERS:
+        a = torch.randn(1, 4, layer.n_cols, generator=generator, dtype=torch.float64)
+        g = torch.randn(1, 4, layer.n_out, generator=generator, dtype=torch.float64)
+        pairs += [a.transpose(1, 2) @ a / 4, g.transpose(1, 2) @ g / 4]
+    start = tuple(pairs) if structure == "kfac" else Structure(structure, DIM, BLOCKS).outer_sum(
+        _vectors(generator, 1))
+
+    def curvature(theta):
+        return tuple(m.clone() for m in start)
+
+    kw = dict(dim=DIM, blocks=BLOCKS, layers=LAYERS, ridge=RIDGE)
+    every_step = build_preconditioner(structure, "ema", **kw)
+    refreshed = build_preconditioner(structure, "ema", ema_refresh=refresh, **kw)
+    assert refreshed.hyper["ema_refresh"] == refresh and "ema_refresh" not in every_step.hyper
+    state, state_every = refreshed.init(theta0, curvature), every_step.init(theta0, curvature)
+    v = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+    last_refresh = every_step.dense_matrix(state_every)
+    for k in range(1, 4):
+        expected = torch.linalg.solve(last_refresh, v.unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(refreshed.solve(state, v), expected, atol=1e-8, rtol=1e-6), k
+        s = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
+        state = refreshed.update(state, k, theta0, s, curvature)
+        state_every = every_step.update(state_every, k, theta0, s.clone(), curvature)
+        assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(state.stat, state_every.stat, strict=True))
+        if k % refresh == 0:
+            last_refresh = every_step.dense_matrix(state_every)
+    # at a refresh the factorisation is that of the current statistic: the every-step EMA's solve
+    state = refreshed.update(state, 4, theta0, s, curvature)
+    state_every = every_step.update(state_every, 4, theta0, s.clone(), curvature)
+    assert torch.allclose(refreshed.solve(state, v), every_step.solve(state_every, v), atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("refresh, structure, strategy, match", [
+    (0, "kfac", "ema", "positive integer"), (1.5, "kfac", "ema", "positive integer"),
+    (5, "kfac", "fixed", "EMA of block, dense and kfac only"), (5, "diag", "ema", "element-wise"),
+])
+def test_ema_refresh_rejects_what_it_cannot_mean(refresh, structure, strategy, match):
+    with pytest.raises(ValueError, match=match):
+        build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS, layers=LAYERS, ema_refresh=refresh)

@@ -79,16 +79,19 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
     assert z_cov.abs().max() < Z_MAX, z_cov
 
 
-@pytest.mark.parametrize("name", ["ema-block", "ema-kfac", "periodic-kfac"])
-def test_martingale_mean_of_the_toy_network(name):
+@pytest.mark.parametrize("name, refresh", [("ema-block", 1), ("ema-kfac", 1), ("periodic-kfac", 1),
+                                           ("ema-kfac", 7)])
+def test_martingale_mean_of_the_toy_network(name, refresh):
     # E[theta_K] = theta_0 for a non-linear network and a preconditioner that changes every step (EMA)
-    # or every T steps at the current parameters (periodic), per chain.
+    # or every T steps at the current parameters (periodic), per chain; also for an EMA factorised only
+    # every 7 steps (ema_refresh), whose solve lags its statistic.
     torch.manual_seed(0)
     net = toy_mlp().double()
     gen = torch.Generator().manual_seed(5)
     x = torch.rand(100, 2, generator=gen, dtype=torch.float64) * 2 - 1
     result = run_smp(net, "bernoulli", x, preconditioner=name, tau=0.3, n_steps=60, n_chains=3000,
-                     seed=3, period=20, progress=False)
+                     seed=3, period=20, ema_refresh=refresh, progress=False)
+    assert result.config.get("ema_refresh", 1) == refresh
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     dev = result.theta - theta0
     z = dev.mean(0) / (dev.std(0) / math.sqrt(dev.shape[0]))
