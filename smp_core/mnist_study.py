@@ -20,11 +20,12 @@ from tqdm.auto import tqdm
 
 from . import metrics
 from .config import MNIST_TAU, MNIST_VARIANTS
-from .fisher import estimate_fisher
+from .fisher import estimate_fisher, kronecker_layers
 from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .mnist import mnist_tensors
 from .models import as_chain_model, lenet5, predict
+from .preconditioners import ema_refresh_applies
 from .recursion import residual_variance_ratio, run_smp
 from .results import cached, config_key, summarise_replicates
 
@@ -178,7 +179,7 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     xv, yv = (t.to(device) for t in data["val"])
     n_fisher = cfg.get("n_fisher_periodic") if variant.startswith("periodic") else None
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
-    refresh = cfg.get("ema_refresh", 1) if variant.startswith("ema-") and not variant.endswith("-diag") else 1
+    refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
     return run_smp(net, "categorical", x, theta0=theta0.to(device), preconditioner=variant,
                    tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
                    seed=smp_seed(cfg, index, replicate), fisher="empirical", fisher_data=fisher_data,
@@ -565,8 +566,6 @@ def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
     theta = theta0.to(device)[None]
     (diag,) = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="diag")
     factors = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="kfac")
-    from .fisher import kronecker_layers
-
     rows = []
     for i, layer in enumerate(kronecker_layers(model)):
         a, g = factors[2 * i][0].double().cpu(), factors[2 * i + 1][0].double().cpu()

@@ -567,13 +567,13 @@ def build_preconditioner(
     if int(ema_refresh) != ema_refresh or ema_refresh < 1:
         raise ValueError(f"ema_refresh must be a positive integer (steps between factorisations), got {ema_refresh}")
     ema_refresh = int(ema_refresh)
-    if ema_refresh > 1 and (structure == "diag" or strategy != "ema"):
+    if ema_refresh > 1 and not ema_refresh_applies(name_of(structure, strategy)):
         raise ValueError(f"ema_refresh = {ema_refresh} applies to the EMA of block, dense and kfac only, not to "
                          f"'{strategy}-{structure}'" + (": the diagonal EMA's solve is element-wise and exact at "
                                                        "every step" if structure == "diag" else ""))
     struct = Structure(structure, dim, tuple(blocks) if structure == "block" else (),
                        tuple(layers) if structure == "kfac" else ())
-    name = "none" if structure == "none" else f"{strategy}-{structure}"
+    name = name_of(structure, strategy)
     hyper = {"ridge": ridge}
 
     if structure == "none":
@@ -654,6 +654,17 @@ def build_preconditioner(
         needs_curvature=ema_init == "fisher", hyper=hyper,
         elementwise=ema_diagonal_rule(beta, ridge) if structure == "diag" else None,
     )
+
+
+def name_of(structure: str, strategy: str | None) -> str:
+    """The variant name of a structure and strategy: ``"none"`` or ``"<strategy>-<structure>"``."""
+    return "none" if structure == "none" else f"{strategy}-{structure}"
+
+
+def ema_refresh_applies(name: str) -> bool:
+    """Whether ``ema_refresh`` (see :func:`build_preconditioner`) means anything for the variant ``name``:
+    the EMA of ``block``, ``dense`` and ``kfac``, not the diagonal EMA (element-wise, exact at every step)."""
+    return name.removeprefix("SMP-") in ("ema-block", "ema-dense", "ema-kfac")
 
 
 def preconditioner_from_name(name: str, **kwargs) -> Preconditioner:
