@@ -126,12 +126,26 @@ MNIST_KFAC: dict[str, dict[str, Any]] = {
 TOY_KFAC: dict[str, dict[str, Any]] = {scale: {**settings, "variants": TOY_KFAC_VARIANTS}
                                        for scale, settings in TOY.items()}
 
-_TABLES = {"toy": TOY, "toy_kfac": TOY_KFAC, "mnist": MNIST, "mnist_growth": MNIST_GROWTH, "mnist_kfac": MNIST_KFAC}
+# Beyond the paper (notebooks/toy_tail.md): the Gaussian tail of smp_core.tail (hybrid sampling) against
+# the recursion itself. The toy study's data, NUTS, S, K and SMP settings and the same chain seeds (so
+# the recursion's rows are the toy chapter's runs); each run stops at every K0 of tail_from, where the
+# tail to K is drawn, and goes on to K, where the tail to infinity is drawn. All ours: the K0 grid,
+# M (tail_scores) and the replicates (three at the laptop scale, about 6 minutes on 2 cores).
+_TAIL_CHANGES: dict[str, dict[str, Any]] = {
+    "paper": {"tail_from": [50, 500, 1000], "tail_scores": 1000, "replicates": 3},
+    "laptop": {"tail_from": [50, 500, 1000], "tail_scores": 1000, "replicates": 3},
+    "ci": {"tail_from": [50, 100], "tail_scores": 100, "replicates": 2},
+}
+TOY_TAIL: dict[str, dict[str, Any]] = {scale: {**settings, "variants": TOY_VARIANTS, **_TAIL_CHANGES[scale]}
+                                       for scale, settings in TOY.items()}
+
+_TABLES = {"toy": TOY, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST, "mnist_growth": MNIST_GROWTH,
+           "mnist_kfac": MNIST_KFAC}
 
 
 def get_config(study: str, scale: str) -> dict[str, Any]:
-    """The settings of one study (``"toy"``, ``"toy_kfac"``, ``"mnist"``, ``"mnist_growth"`` or
-    ``"mnist_kfac"``) at one scale, as a fresh dict."""
+    """The settings of one study (``"toy"``, ``"toy_kfac"``, ``"toy_tail"``, ``"mnist"``,
+    ``"mnist_growth"`` or ``"mnist_kfac"``) at one scale, as a fresh dict."""
     if study not in _TABLES:
         raise ValueError(f"unknown study {study!r}; choose one of {sorted(_TABLES)}")
     if scale not in SCALES:

@@ -75,6 +75,9 @@ class SMPResult:
         elapsed: wall-clock seconds of the run (Fisher set-up included), summed over the sessions of a
             run resumed from a checkpoint.
         config: the settings of the run (JSON-serialisable).
+        preconditioner: the run's :class:`~smp_core.preconditioners.Preconditioner`, and
+        precond_state: its state after step ``K`` (``P_{K+1}``), which the Gaussian tail of
+            :mod:`smp_core.tail` continues with (``None`` in results made before it existed).
     """
 
     theta: torch.Tensor
@@ -84,6 +87,13 @@ class SMPResult:
     trace_steps: list[int]
     elapsed: float
     config: dict[str, Any]
+    preconditioner: Preconditioner | None = None
+    precond_state: PreconditionerState | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the preconditioner is a bundle of closures, which pickle (torch.save, the study caches) cannot
+        # store; its state is tensors and stays. smp_core.tail rebuilds the bundle from the config.
+        return {**self.__dict__, "preconditioner": None}
 
     @property
     def n_diverged(self) -> int:
@@ -628,4 +638,4 @@ def run_smp(
     trace = torch.stack(state.trace) if state.trace else None
     return SMPResult(theta=theta, diverged=diverged, diverged_step=state.diverged_step.clone(), trace=trace,
                      trace_steps=list(state.trace_steps), elapsed=state.elapsed_before + time.perf_counter() - started,
-                     config=config)
+                     config=config, preconditioner=precond, precond_state=state.precond)

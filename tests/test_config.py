@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "toy_kfac", "mnist", "mnist_growth", "mnist_kfac"):
+    for study in ("toy", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -76,3 +76,13 @@ def test_mnist_kfac_study_changes_only_the_structure():
         assert len(kfac_seeds) == 3 * len(MNIST_KFAC_VARIANTS) and not kfac_seeds & mnist_seeds
         assert kfac["ema_refresh"] == 50
     assert get_config("mnist_kfac", "paper")["n_steps"] == 10**6
+
+
+def test_tail_study_shares_the_toy_settings():
+    for scale in SCALES:
+        toy, tail = get_config("toy", scale), get_config("toy_tail", scale)
+        changed = ("study", "variants", "tail_from", "tail_scores", "replicates")
+        assert {k: v for k, v in tail.items() if k not in changed} == {
+            k: v for k, v in toy.items() if k not in changed}  # the same data, NUTS and SMP settings
+        assert tail["variants"] == TOY_VARIANTS
+        assert all(0 < k < tail["n_steps"] and k % 50 == 0 for k in tail["tail_from"])  # stops on check blocks

@@ -1,0 +1,179 @@
+"""The Gaussian tail of the recursion: hybrid sampling (beyond the paper; its Section 4.4 leaves it open).
+
+After ``K`` steps of Algorithm 1 the rest of the recursion is a sum of martingale differences,
+
+    theta_inf - theta_K = sum_{k > K} gamma_k P_k^{-1} s_k,   gamma_k = tau / (N + k),
+
+whose conditional covariances are ``gamma_k^2 P_k^{-1} F(theta_{k-1}) P_k^{-1}``, with
+``F(theta) = E_{X ~ f_emp} E_{Y ~ f_theta(.|X)} [s s^T]`` the model-expected Fisher over the
+empirical design: the covariance of the score as the recursion itself draws it (Section 3.1). The
+predictive central limit theorem of Fong and Yiu (arXiv 2410.17692, the paper's
+``fong2026asymptotics``) justifies replacing those steps by one normal draw; with ``theta`` and
+``P`` frozen at their step-``K`` values:
+
+    theta_{K'} ~= theta_K + N(0, v_{K,K'} P_K^{-1} F(theta_K) P_K^{-1}),
+    v_{K,K'} = sum_{k=K+1}^{K'} tau^2 / (N + k)^2                       (K' = inf allowed).
+
+:func:`tail_variance` is ``v``. :func:`gaussian_tail` draws the normal term without forming a
+``d x d`` matrix: with ``M`` scores ``s_1, ..., s_M`` drawn at ``theta_K`` exactly as the recursion
+draws them (a covariate resampled from the training inputs, a response from the model) and
+independent standard normals ``eps_j``,
+
+    z = P_K^{-1} M^{-1/2} sum_j eps_j s_j
+
+has the covariance ``P_K^{-1} F_M P_K^{-1}`` given the scores (``F_M`` their second moment) and
+``P_K^{-1} F(theta_K) P_K^{-1}`` unconditionally, for any ``M`` (``E F_M = F``); it is a normal
+scale mixture that tends to the normal as ``M`` grows. ``sum_j eps_j s_j`` is one backward pass per
+``j`` (the residual weighted by ``eps_j``), the cost of ``M`` steps without their updates.
+
+The approximation is exact in covariance when the score's covariance and ``P`` do not change over
+the tail (a linear-Gaussian model with ``none`` or a fixed preconditioner); it is only as good as
+``theta`` and ``P`` are stable after step ``K`` otherwise (the EMA and periodic strategies keep
+changing ``P``; the notebook ``toy_tail`` measures the difference against the recursion itself).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .likelihoods import get_likelihood
+from .models import ChainModel, as_chain_model
+from .preconditioners import Preconditioner, PreconditionerState
+from .recursion import SMPResult, _as_generator
+
+
+def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
+    """``v_{K,K'} = sum_{k=K+1}^{K'} tau^2 / (N + k)^2``: the scale of the tail's covariance.
+
+    ``sum_{k>K} (N + k)^{-2}`` is the trigamma function at ``N + K + 1``, so the finite sum is a
+    difference of two trigammas; ``k_to=None`` is ``K' = inf``. ``tail_variance(N, 0, None, 1)`` is
+    the paper's ``r_0^2`` and ``tail_variance(N, K)`` its ``r_K^2`` (Section 3.2.3).
+    """
+    from scipy.special import polygamma
+
+    if not (isinstance(n_obs, int) and n_obs >= 0):
+        raise ValueError(f"N must be a non-negative integer, got {n_obs!r}")
+    if not (isinstance(k_from, int) and k_from >= 0):
+        raise ValueError(f"the step the tail starts from must be a non-negative integer, got {k_from!r}")
+    if k_to is not None and not (isinstance(k_to, int) and k_to >= k_from):
+        raise ValueError(f"the step the tail ends at must be an integer >= {k_from} (or None for infinity), "
+                         f"got {k_to!r}")
+    if not (isinstance(tau, int | float) and math.isfinite(tau) and tau > 0):
+        raise ValueError(f"tau must be a positive finite number, got {tau!r}")
+    if n_obs + k_from + 1 <= 0:
+        raise ValueError("N + K must be at least 0")
+    head = float(polygamma(1, n_obs + k_from + 1))
+    rest = 0.0 if k_to is None else float(polygamma(1, n_obs + k_to + 1))
+    return float(tau) ** 2 * (head - rest)
+
+
+@torch.no_grad()
+def gaussian_tail(
+    model: nn.Module | ChainModel,
+    likelihood,
+    x_train: torch.Tensor,
+    theta: torch.Tensor,
+    preconditioner: Preconditioner,
+    precond_state: PreconditionerState,
+    *,
+    tau: float,
+    k_from: int,
+    k_to: int | None = None,
+    n_obs: int | None = None,
+    n_scores: int = 1000,
+    seed: int | torch.Generator = 0,
+    input_shape: tuple[int, ...] | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """``theta_K`` plus one draw of the Gaussian tail from step ``k_from`` to ``k_to`` per chain.
+
+    Args:
+        model, likelihood, x_train: as for :func:`smp_core.run_smp` (covariates are resampled from
+            ``x_train``, responses drawn from the model at ``theta``).
+        theta: ``(S, d)`` parameters at step ``k_from``; rows with NaN (diverged chains) stay NaN.
+        preconditioner, precond_state: ``P_K`` (e.g. ``SMPResult.preconditioner`` and
+            ``SMPResult.precond_state``); its ``solve`` is applied once per chain.
+        tau: the run's step-size scale. k_from: ``K``, the steps already taken. k_to: ``K'``, the
+            step the tail replaces the recursion up to (``None``: infinity).
+        n_obs: ``N`` in the step size (default ``len(x_train)``).
+        n_scores: ``M``, the scores per chain whose normal-weighted sum gives the draw (the
+            covariance is right for any ``M``; the draw is normal as ``M`` grows).
+        seed: an int or a ``torch.Generator`` on the parameters' device.
+
+    Returns:
+        ``(S, d)``: ``theta + sqrt(v) P^{-1} M^{-1/2} sum_j eps_j s_j`` (module docstring).
+    """
+    net = as_chain_model(model, input_shape)
+    lik = get_likelihood(likelihood)
+    dim = net.layout.dim
+    if theta.ndim != 2 or theta.shape[1] != dim:
+        raise ValueError(f"theta must have shape (S, {dim}) (one row per chain), got {tuple(theta.shape)}")
+    if not (isinstance(n_scores, int) and n_scores >= 1):
+        raise ValueError(f"n_scores must be an integer >= 1, got {n_scores!r}")
+    x_train = x_train.to(device=theta.device, dtype=theta.dtype)
+    if x_train.ndim < 1 or x_train.shape[0] < 1:
+        raise ValueError("x_train must hold at least one training input (shape (N, *input_shape))")
+    expected = getattr(net, "input_shape", None)
+    if expected is not None and tuple(x_train.shape[1:]) != tuple(expected):
+        raise ValueError(f"x_train has inputs of shape {tuple(x_train.shape[1:])}, the model expects {tuple(expected)}")
+    if not torch.isfinite(x_train).all():
+        raise ValueError("x_train contains NaN or infinite values")
+    n_obs = x_train.shape[0] if n_obs is None else int(n_obs)
+    variance = tail_variance(n_obs, k_from, k_to, tau)
+    alive = torch.isfinite(theta).all(1)
+    if not bool(alive.any()):
+        raise ValueError("every row of theta is non-finite (all chains diverged): there is no tail to add")
+    # diverged rows compute at a finite stand-in (their result is NaN again below)
+    start = torch.where(alive[:, None], theta, theta[alive][:1]).contiguous()
+    gen = _as_generator(seed, theta.device)
+    n_chains = theta.shape[0]
+    total = torch.zeros_like(start)
+    for _ in tqdm(range(n_scores), disable=not progress, desc="Gaussian tail", mininterval=1.0):
+        rows = x_train.index_select(0, torch.randint(x_train.shape[0], (n_chains,), generator=gen,
+                                                     device=theta.device))
+        out, ctx = net.forward(start, rows)
+        weights = torch.randn(n_chains, generator=gen, device=theta.device, dtype=theta.dtype)
+        residual = lik.residual(out, lik.sample(out, gen)) * weights[:, None]
+        total += net.vjp(ctx, residual)
+    total.masked_fill_(~alive[:, None], 0.0)
+    z = preconditioner.solve(precond_state, total / math.sqrt(n_scores))
+    result = start + math.sqrt(variance) * z
+    result[~alive] = float("nan")
+    return result
+
+
+def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likelihood, x_train: torch.Tensor, *,
+                      k_to: int | None = None, n_scores: int = 1000, seed: int | torch.Generator = 0,
+                      input_shape: tuple[int, ...] | None = None, progress: bool = False) -> torch.Tensor:
+    """The hybrid sample: a finished run's ``theta_K`` plus the Gaussian tail to ``k_to`` (``None``:
+    infinity), with the run's own ``tau``, ``N``, ``K`` and final preconditioner.
+
+    ``model``, ``likelihood`` and ``x_train`` must be those of the run. Diverged chains stay NaN.
+    """
+    if result.precond_state is None:
+        raise ValueError("this SMPResult does not carry its final preconditioner state (a result made before "
+                         "smp_core.tail existed, e.g. from an old cache): rerun it, or call gaussian_tail "
+                         "with the preconditioner and its state")
+    cfg = result.config
+    net = as_chain_model(model, input_shape)
+    precond = result.preconditioner or _rebuild_preconditioner(net, cfg)
+    return gaussian_tail(net, likelihood, x_train, result.theta, precond, result.precond_state,
+                         tau=cfg["tau"], k_from=cfg["n_steps"], k_to=k_to, n_obs=cfg["n_obs"], n_scores=n_scores,
+                         seed=seed, input_shape=input_shape, progress=progress)
+
+
+def _rebuild_preconditioner(net: ChainModel, cfg: dict) -> Preconditioner:
+    """The preconditioner of a run from its config (a result loaded from a cache has its state only)."""
+    from .fisher import kronecker_layers
+    from .preconditioners import preconditioner_from_name
+
+    name = cfg["preconditioner"]
+    if net.layout.dim != cfg["d"]:
+        raise ValueError(f"the run had d = {cfg['d']} parameters, this model has {net.layout.dim}")
+    hyper = {key: cfg[key] for key in ("ridge", "beta", "period", "ema_init", "ema_refresh") if key in cfg}
+    layers = kronecker_layers(net) if name.endswith("-kfac") else ()
+    return preconditioner_from_name(name, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, **hyper)
