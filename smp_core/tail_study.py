@@ -172,3 +172,96 @@ def agreement(ratios_mean: pd.DataFrame, tolerance: float = 1.25) -> pd.DataFram
             row[f"agrees in {space} from K0"] = int(group.index[first]) if first < len(group) else None
         rows.append(row)
     return pd.DataFrame(rows).set_index("method").astype("Int64")
+
+
+# ---------------------------------------------------------------------------------------------
+# MNIST (notebooks/mnist_tail.md): the MNIST chapter's runs carried on by the tail
+# ---------------------------------------------------------------------------------------------
+
+
+def mnist_sampler_names(tail_cfg: dict[str, Any], n_steps: int) -> list[str]:
+    """The rows of one MNIST variant: the check (hybrid from ``check_from`` to the run's ``K``), the
+    recursion at ``K``, and the run carried on by the tail to ``tail_to`` and to infinity."""
+    return [f"hybrid from {tail_cfg['check_from']:,} to {n_steps:,}", RECURSION,
+            f"recursion + tail to {tail_cfg['tail_to']:,}", TO_INFINITY]
+
+
+def _mnist_scores(theta: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 10) -> dict:
+    """The MNIST chapter's scores and variances (as :func:`smp_core.mnist_study.evaluate`) of the
+    finite rows of ``theta`` with their test logits ``(S, n, 10)``."""
+    alive = torch.isfinite(theta).all(1)
+    probs = torch.softmax(logits[alive].double(), dim=-1)
+    return {**metrics.all_scores(probs, labels, n_bins=n_bins),
+            "params_variance": metrics.params_variance(theta[alive].cpu()),
+            "logits_variance": metrics.logits_variance(logits[alive])}
+
+
+def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
+                device: torch.device | None = None, use_cache: bool = True, cache_root: str = ".cache",
+                progress: bool = False) -> dict[str, Any]:
+    """Replicate 0 of each MNIST variant (the MNIST chapter's run, from its cache when there) carried
+    on by the Gaussian tail, and a check of the tail against the recursion on the same chains.
+
+    * ``recursion``: the MNIST chapter's run to ``K = cfg["n_steps"]`` (cache ``<cache_root>/mnist``);
+    * ``recursion + tail to K'`` (``tail_cfg["tail_to"]``, the paper's ``10^6``) and to infinity;
+    * the check: the same chains stopped at ``K0 = tail_cfg["check_from"]`` (a run with the same seed
+      to ``K0``; its steps are the first ``K0`` of the chapter's run), then the tail from ``K0`` to
+      ``K``. Its ratios to the recursion's own steps ``theta_K - theta_K0`` (parameters and test
+      logits, as :func:`run_replicate`) tell how far the tail can be trusted for this variant.
+
+    Returns ``rows`` (one per variant and sampler: scores, variances, seconds), ``ratios`` and
+    ``diverged``.
+    """
+    from . import mnist_study as ms
+    from .models import lenet5
+    from .results import cached
+
+    device = device or ms.default_device()
+    n_steps, check_from = cfg["n_steps"], tail_cfg["check_from"]
+    if not 0 < check_from < n_steps or check_from % 50:
+        raise ValueError(f"check_from must be a multiple of 50 (a divergence check) in (0, K = {n_steps}), "
+                         f"got {check_from}")
+    x_train, labels = data["train"][0].to(device), data["test"][1]
+    path = ms.smp_path(device)
+    names = mnist_sampler_names(tail_cfg, n_steps)
+    check_cfg = {**cfg, "n_steps": check_from, "checkpoint_every": None}
+    rows, ratios, diverged = [], [], {}
+    for index, variant in enumerate(ms.study_variants(cfg)):
+        key = ms.run_key(cfg, variant, 0, path)
+        res = cached("mnist", key, lambda variant=variant, index=index: ms.run_variant(
+            cfg, variant, theta_map, data, index, device, None, progress), root=cache_root, enabled=use_cache)
+        if res.precond_state is None:
+            raise RuntimeError(f"the cached MNIST run of {variant} was made before smp_core.tail existed and has no "
+                               f"preconditioner state: delete {cache_root}/mnist/ files of this scale (or run with "
+                               "use_cache=False) so that it is run again")
+        short = cached("mnist_tail", {**ms.run_key(check_cfg, variant, 0, path), "part": f"{variant} check"},
+                       lambda variant=variant, index=index: ms.run_variant(
+                           check_cfg, variant, theta_map, data, index, device, None, progress),
+                       root=cache_root, enabled=use_cache)
+        samples, seconds = {RECURSION: res.theta}, {RECURSION: res.elapsed}
+        for name, run, k_to in ((names[0], short, n_steps), (names[2], res, tail_cfg["tail_to"]),
+                                (names[3], res, None)):
+            seed = tail_seed(ms.smp_seed(cfg, index), f"{variant} to {k_to}", run.config["n_steps"])
+            started = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # diverged chains are counted below
+                samples[name] = add_gaussian_tail(run, lenet5().to(device), "categorical", x_train, k_to=k_to,
+                                                  n_scores=tail_cfg["tail_scores"], input_shape=ms.INPUT_SHAPE,
+                                                  seed=seed)
+            seconds[name] = run.elapsed + time.perf_counter() - started
+        diverged[f"SMP-{variant}"] = res.n_diverged
+        logits = {name: ms.logits_on_test_set(torch.nan_to_num(samples[name]), data, device) for name in names}
+        for name in names:
+            rows.append({"method": f"SMP-{variant}", "sampler": name,
+                         **_mnist_scores(samples[name].cpu(), logits[name], labels), "seconds": seconds[name]})
+        keep = (torch.isfinite(res.theta).all(1) & torch.isfinite(samples[names[0]]).all(1)).cpu()
+        start = short.theta.cpu()[keep]
+        ratios.append({
+            "method": f"SMP-{variant}", "tail_from": check_from,
+            "params": _tail_ratio(samples[names[0]].cpu()[keep], res.theta.cpu()[keep], start),
+            "logits": _tail_ratio(logits[names[0]][keep], logits[RECURSION][keep],
+                                  ms.logits_on_test_set(torch.nan_to_num(short.theta)[keep.to(short.theta.device)],
+                                                        data, device)),
+        })
+    return {"rows": rows, "ratios": ratios, "diverged": diverged, "seeds": {
+        v: ms.smp_seed(cfg, i) for i, v in enumerate(ms.study_variants(cfg))}}

@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac"):
+    for study in ("toy", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac", "mnist_tail"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -86,3 +86,10 @@ def test_tail_study_shares_the_toy_settings():
             k: v for k, v in toy.items() if k not in changed}  # the same data, NUTS and SMP settings
         assert tail["variants"] == TOY_VARIANTS
         assert all(0 < k < tail["n_steps"] and k % 50 == 0 for k in tail["tail_from"])  # stops on check blocks
+
+
+def test_mnist_tail_checks_inside_the_mnist_run():
+    for scale in SCALES:
+        mnist, tail = get_config("mnist", scale), get_config("mnist_tail", scale)
+        assert 0 < tail["check_from"] < mnist["n_steps"] and tail["check_from"] % 50 == 0
+        assert tail["tail_to"] == 10**6 >= mnist["n_steps"]  # the paper's K

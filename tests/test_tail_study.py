@@ -50,3 +50,44 @@ def test_one_tiny_replicate():
     ratios = summary["ratios_mean"]
     assert list(ratios.index) == [("SMP-none", 50), ("SMP-ema-block", 50)]
     assert (ratios > 0).all().all()
+
+
+def _tiny_mnist(seed=0):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+
+    def part(n):
+        return torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+    return {"train": part(400), "val": part(20), "test": part(30)}
+
+
+@pytest.mark.slow
+def test_mnist_tails_reuse_the_mnist_runs_and_check_on_the_same_chains(tmp_path):
+    import torch
+
+    from smp_core import mnist_study as ms
+
+    cfg = {**get_config("mnist", "ci"), "n_train": 400, "n_chains": 3, "n_steps": 100}
+    tail_cfg = {**get_config("mnist_tail", "ci"), "check_from": 50, "tail_scores": 4}
+    data = _tiny_mnist(1)
+    torch.manual_seed(0)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    # the MNIST chapter's replicate 0 in the cache first: the tail study must read it, not rerun it
+    runs = ms.run_replicates({**cfg, "smp_replicates": 1}, theta0, data, **kw)
+    cached_runs = sorted((tmp_path / "mnist").glob("*.pt"))
+    result = tl.mnist_tails(cfg, tail_cfg, theta0, data, **kw)
+    assert sorted((tmp_path / "mnist").glob("*.pt")) == cached_runs  # nothing new in the MNIST cache
+    scores = pd.DataFrame(result["rows"]).set_index(["method", "sampler"])
+    names = tl.mnist_sampler_names(tail_cfg, 100)
+    assert list(scores.index) == [(m, n) for m in ms.method_names()[1:] for n in names]
+    # the recursion rows are the MNIST chapter's runs
+    chapter = runs["tables"][0]["scores"]
+    for method in ms.method_names()[1:]:
+        assert scores.loc[(method, tl.RECURSION), "nll"] == pytest.approx(chapter.loc[method, "nll"])
+    ratios = pd.DataFrame(result["ratios"])
+    assert (ratios[["params", "logits"]] > 0).all().all() and list(ratios["tail_from"]) == [50] * 4
+    with pytest.raises(ValueError, match="check_from"):
+        tl.mnist_tails(cfg, {**tail_cfg, "check_from": 120}, theta0, data, **kw)
