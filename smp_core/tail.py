@@ -26,7 +26,7 @@ has the covariance ``P_K^{-1} F_M P_K^{-1}`` given the scores (``F_M`` their sec
 scale mixture that tends to the normal as ``M`` grows. ``sum_j eps_j s_j`` is one backward pass per
 ``j`` (the residual weighted by ``eps_j``), the cost of ``M`` steps without their updates.
 
-The approximation is exact in covariance when the score's covariance and ``P`` do not change over
+The approximation has the exact covariance when the score's covariance and ``P`` do not change over
 the tail (a linear-Gaussian model with ``none`` or a fixed preconditioner); it is only as good as
 ``theta`` and ``P`` are stable after step ``K`` otherwise (the EMA and periodic strategies keep
 changing ``P``; the notebook ``toy_tail`` measures the difference against the recursion itself).
@@ -95,8 +95,9 @@ def gaussian_tail(
         model, likelihood, x_train: as for :func:`smp_core.run_smp` (covariates are resampled from
             ``x_train``, responses drawn from the model at ``theta``).
         theta: ``(S, d)`` parameters at step ``k_from``; rows with NaN (diverged chains) stay NaN.
-        preconditioner, precond_state: ``P_K`` (e.g. ``SMPResult.preconditioner`` and
-            ``SMPResult.precond_state``); its ``solve`` is applied once per chain.
+        preconditioner, precond_state: the preconditioner after step ``K``, the one step ``K + 1``
+            would use (e.g. ``SMPResult.preconditioner`` and ``SMPResult.precond_state``; with
+            ``ema_refresh > 1`` its last factorisation); its ``solve`` is applied once per chain.
         tau: the run's step-size scale. k_from: ``K``, the steps already taken. k_to: ``K'``, the
             step the tail replaces the recursion up to (``None``: infinity).
         n_obs: ``N`` in the step size (default ``len(x_train)``).

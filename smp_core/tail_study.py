@@ -38,6 +38,7 @@ from .toy import make_toy_data
 from .toy_study import one_class_brier, replicate_seeds
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
+CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would change the random stream
 RECURSION, TO_INFINITY = "recursion", "recursion + tail to inf"
 SCORE_COLUMNS = ["accuracy", "brier", "nll", "ece", "mutual_info", "logits_variance", "params_variance", "seconds"]
 
@@ -91,8 +92,9 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = False) -
     from .nuts import run_nuts
 
     n_steps, stops = cfg["n_steps"], sorted(cfg["tail_from"])
-    if not stops or stops[-1] >= n_steps or stops[0] < 1:
-        raise ValueError(f"every K0 of tail_from must lie in [1, K = {n_steps}), got {stops}")
+    if not stops or stops[-1] >= n_steps or stops[0] < 1 or any(k % CHECK_EVERY for k in stops):
+        raise ValueError(f"every K0 of tail_from must be a multiple of {CHECK_EVERY} (a divergence check, so that "
+                         f"the random stream is unbroken) in [1, K = {n_steps}), got {stops}")
     seeds = replicate_seeds(cfg["seed"], replicate)
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
     x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])
@@ -179,6 +181,13 @@ def agreement(ratios_mean: pd.DataFrame, tolerance: float = 1.25) -> pd.DataFram
 # ---------------------------------------------------------------------------------------------
 
 
+def ratio_jackknife_se(hybrid: torch.Tensor, recursion: torch.Tensor, start: torch.Tensor) -> float:
+    """Jackknife standard error over the chains (first axis) of :func:`_tail_ratio`: the ratio's
+    Monte Carlo error from the chains of one run (:func:`smp_core.metrics.jackknife_se`)."""
+    joined = torch.stack([hybrid.double(), recursion.double(), start.double()], dim=1)
+    return metrics.jackknife_se(joined, lambda rows: _tail_ratio(rows[:, 0], rows[:, 1], rows[:, 2]))
+
+
 def mnist_sampler_names(tail_cfg: dict[str, Any], n_steps: int) -> list[str]:
     """The rows of one MNIST variant: the check (hybrid from ``check_from`` to the run's ``K``), the
     recursion at ``K``, and the run carried on by the tail to ``tail_to`` and to infinity."""
@@ -209,8 +218,12 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
       ``K``. Its ratios to the recursion's own steps ``theta_K - theta_K0`` (parameters and test
       logits, as :func:`run_replicate`) tell how far the tail can be trusted for this variant.
 
-    Returns ``rows`` (one per variant and sampler: scores, variances, seconds), ``ratios`` and
-    ``diverged``.
+    A cached chapter run made before :class:`~smp_core.recursion.SMPResult` kept its preconditioner
+    state is run again (with a warning) and cached under ``mnist_tail/``; the chapter's cache is
+    left as it is.
+
+    Returns ``rows`` (one per variant and sampler: scores, variances, seconds), ``ratios`` (with the
+    chains they use and jackknife standard errors over those chains) and ``diverged``.
     """
     from . import mnist_study as ms
     from .models import lenet5
@@ -218,22 +231,26 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
 
     device = device or ms.default_device()
     n_steps, check_from = cfg["n_steps"], tail_cfg["check_from"]
-    if not 0 < check_from < n_steps or check_from % 50:
-        raise ValueError(f"check_from must be a multiple of 50 (a divergence check) in (0, K = {n_steps}), "
-                         f"got {check_from}")
+    if not 0 < check_from < n_steps or check_from % CHECK_EVERY:
+        raise ValueError(f"check_from must be a multiple of {CHECK_EVERY} (a divergence check, so that the random "
+                         f"stream is the chapter run's) in (0, K = {n_steps}), got {check_from}")
     x_train, labels = data["train"][0].to(device), data["test"][1]
-    path = ms.smp_path(device)
+    path, folder = ms.smp_path(device), cfg.get("study", "mnist")
     names = mnist_sampler_names(tail_cfg, n_steps)
     check_cfg = {**cfg, "n_steps": check_from, "checkpoint_every": None}
     rows, ratios, diverged = [], [], {}
     for index, variant in enumerate(ms.study_variants(cfg)):
         key = ms.run_key(cfg, variant, 0, path)
-        res = cached("mnist", key, lambda variant=variant, index=index: ms.run_variant(
-            cfg, variant, theta_map, data, index, device, None, progress), root=cache_root, enabled=use_cache)
-        if res.precond_state is None:
-            raise RuntimeError(f"the cached MNIST run of {variant} was made before smp_core.tail existed and has no "
-                               f"preconditioner state: delete {cache_root}/mnist/ files of this scale (or run with "
-                               "use_cache=False) so that it is run again")
+
+        def chapter_run(variant=variant, index=index):
+            return ms.run_variant(cfg, variant, theta_map, data, index, device, None, progress)
+
+        res = cached(folder, key, chapter_run, root=cache_root, enabled=use_cache)
+        if res.precond_state is None:  # cached before SMPResult kept its state: the same run again, kept apart
+            warnings.warn(f"the cached {folder} run of {variant} has no preconditioner state (it predates "
+                          "smp_core.tail): running it again, cached under mnist_tail/", stacklevel=2)
+            res = cached("mnist_tail", {**key, "part": f"{variant} with its state"}, chapter_run, root=cache_root,
+                         enabled=use_cache)
         short = cached("mnist_tail", {**ms.run_key(check_cfg, variant, 0, path), "part": f"{variant} check"},
                        lambda variant=variant, index=index: ms.run_variant(
                            check_cfg, variant, theta_map, data, index, device, None, progress),
@@ -254,14 +271,17 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
         for name in names:
             rows.append({"method": f"SMP-{variant}", "sampler": name,
                          **_mnist_scores(samples[name].cpu(), logits[name], labels), "seconds": seconds[name]})
-        keep = (torch.isfinite(res.theta).all(1) & torch.isfinite(samples[names[0]]).all(1)).cpu()
+        # chains finite at K0 and at K in both samplers (a chain that diverges after K0 is left out of both)
+        keep = (torch.isfinite(res.theta).all(1) & torch.isfinite(samples[names[0]]).all(1)
+                & torch.isfinite(short.theta).all(1)).cpu()
         start = short.theta.cpu()[keep]
-        ratios.append({
-            "method": f"SMP-{variant}", "tail_from": check_from,
-            "params": _tail_ratio(samples[names[0]].cpu()[keep], res.theta.cpu()[keep], start),
-            "logits": _tail_ratio(logits[names[0]][keep], logits[RECURSION][keep],
-                                  ms.logits_on_test_set(torch.nan_to_num(short.theta)[keep.to(short.theta.device)],
-                                                        data, device)),
-        })
+        start_logits = ms.logits_on_test_set(start, data, device)
+        pairs = {"params": (samples[names[0]].cpu()[keep], res.theta.cpu()[keep], start),
+                 "logits": (logits[names[0]][keep], logits[RECURSION][keep], start_logits)}
+        row = {"method": f"SMP-{variant}", "tail_from": check_from, "chains": int(keep.sum())}
+        for space, (hybrid, recursion, begin) in pairs.items():
+            row[space] = _tail_ratio(hybrid, recursion, begin)
+            row[f"{space}_se"] = ratio_jackknife_se(hybrid, recursion, begin)
+        ratios.append(row)
     return {"rows": rows, "ratios": ratios, "diverged": diverged, "seeds": {
         v: ms.smp_seed(cfg, i) for i, v in enumerate(ms.study_variants(cfg))}}
