@@ -150,6 +150,12 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
         raise ValueError(f"theta0 must have shape ({dim},) or ({n_chains}, {dim}), got {tuple(theta0.shape)}")
     if not torch.isfinite(theta0).all():
         raise ValueError("theta0 contains NaN or infinite values")
+    check_training_inputs(model, x_train)
+    return theta0.contiguous().clone()
+
+
+def check_training_inputs(model: ChainModel, x_train: torch.Tensor) -> None:
+    """Raise a ``ValueError`` naming the problem unless ``x_train`` is ``(N >= 1, *input_shape)`` and finite."""
     if x_train.ndim < 1 or x_train.shape[0] < 1:
         raise ValueError("x_train must hold at least one training input (shape (N, *input_shape))")
     expected = getattr(model, "input_shape", None)
@@ -158,7 +164,6 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
                          f"{tuple(expected)}")
     if not torch.isfinite(x_train).all():
         raise ValueError("x_train contains NaN or infinite values")
-    return theta0.contiguous().clone()
 
 
 def init_smp(

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 from .likelihoods import get_likelihood
 from .models import ChainModel, as_chain_model
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _as_generator
+from .recursion import SMPResult, _accepts_out, _as_generator, check_training_inputs
 
 
 def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
@@ -116,13 +116,7 @@ def gaussian_tail(
     if not (isinstance(n_scores, int) and n_scores >= 1):
         raise ValueError(f"n_scores must be an integer >= 1, got {n_scores!r}")
     x_train = x_train.to(device=theta.device, dtype=theta.dtype)
-    if x_train.ndim < 1 or x_train.shape[0] < 1:
-        raise ValueError("x_train must hold at least one training input (shape (N, *input_shape))")
-    expected = getattr(net, "input_shape", None)
-    if expected is not None and tuple(x_train.shape[1:]) != tuple(expected):
-        raise ValueError(f"x_train has inputs of shape {tuple(x_train.shape[1:])}, the model expects {tuple(expected)}")
-    if not torch.isfinite(x_train).all():
-        raise ValueError("x_train contains NaN or infinite values")
+    check_training_inputs(net, x_train)
     n_obs = x_train.shape[0] if n_obs is None else int(n_obs)
     variance = tail_variance(n_obs, k_from, k_to, tau)
     alive = torch.isfinite(theta).all(1)
@@ -133,13 +127,15 @@ def gaussian_tail(
     gen = _as_generator(seed, theta.device)
     n_chains = theta.shape[0]
     total = torch.zeros_like(start)
+    # one (S, d) score buffer for every pass, as the recursion does (no fresh tensor per score)
+    vjp_out = {"out": torch.empty_like(start)} if _accepts_out(net.vjp) else {}
     for _ in tqdm(range(n_scores), disable=not progress, desc="Gaussian tail", mininterval=1.0):
         rows = x_train.index_select(0, torch.randint(x_train.shape[0], (n_chains,), generator=gen,
                                                      device=theta.device))
         out, ctx = net.forward(start, rows)
         weights = torch.randn(n_chains, generator=gen, device=theta.device, dtype=theta.dtype)
         residual = lik.residual(out, lik.sample(out, gen)) * weights[:, None]
-        total += net.vjp(ctx, residual)
+        total += net.vjp(ctx, residual, **vjp_out)
     total.masked_fill_(~alive[:, None], 0.0)
     z = preconditioner.solve(precond_state, total / math.sqrt(n_scores))
     result = start + math.sqrt(variance) * z
