@@ -208,19 +208,27 @@ class MapResult:
 
 
 def find_map(x, y, seed: int, num_restarts: int = 4, init_scale: float = 0.5, prior_scale: float = 1.0,
-             maxiter: int = 5000, gtol: float = 1e-6) -> MapResult:
+             maxiter: int = 5000, gtol: float = 1e-6, starts=None) -> MapResult:
     """MAP of the posterior (prior ``N(0, prior_scale^2 I_20)``, Bernoulli likelihood) by L-BFGS.
 
     Each of ``num_restarts`` runs of ``scipy.optimize.minimize(method="L-BFGS-B")`` (float64,
     exact JAX gradients) starts from ``N(0, init_scale^2 I_20)``; the starts are
     ``init_scale * np.random.default_rng(seed).standard_normal((num_restarts, 20))``. Returns
     the restart with the highest log posterior. Used to start NUTS inside one basin.
+
+    ``starts`` ``(R, 20)``, when given, replaces the random starts (``seed``, ``num_restarts`` and
+    ``init_scale`` are then unused): the MAP of the basin a given point lies in, e.g. NUTS-mean's.
     """
-    if num_restarts < 1:
-        raise ValueError("num_restarts must be at least 1")
+    if starts is None:
+        if num_restarts < 1:
+            raise ValueError("num_restarts must be at least 1")
+        starts = init_scale * np.random.default_rng(seed).standard_normal((num_restarts, D_TOY))
+    else:
+        starts = np.atleast_2d(np.asarray(starts, dtype=np.float64))
+        if starts.shape[1:] != (D_TOY,) or starts.shape[0] < 1 or not np.isfinite(starts).all():
+            raise ValueError(f"starts must be finite with shape (R, {D_TOY}), R >= 1; got {starts.shape}")
     x = np.asarray(x, dtype=np.float64)
     y = np.asarray(y, dtype=np.float64).reshape(-1)
-    starts = init_scale * np.random.default_rng(seed).standard_normal((num_restarts, D_TOY))
     with _cpu64():
         xj, yj = jnp.asarray(x), jnp.asarray(y)
         value_and_grad = jax.jit(jax.value_and_grad(lambda t: -log_posterior(t, xj, yj, prior_scale)))

@@ -48,17 +48,26 @@ class Evaluation:
     surfaces: dict[str, np.ndarray]
 
 
-def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bins: int = 10) -> Evaluation:
-    """Metrics of Appendix A for parameter samples ``theta`` ``(S, 20)`` (S = 1 for a point estimate)."""
+def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bins: int = 10,
+             logits_of=None) -> Evaluation:
+    """Metrics of Appendix A for parameter samples ``theta`` ``(S, 20)`` (S = 1 for a point estimate).
+
+    ``logits_of(points)`` ``-> (S, n)``, when given, replaces the network's logits at the samples
+    (e.g. the linearised network of :func:`smp_core.baselines.linearised_logits`); the parameter
+    variance is still that of ``theta``.
+    """
     model = as_chain_model(toy_mlp())
     theta = theta.to(torch.float32)
-    logits = predict(model, theta, x_test)[..., 0]  # (S, n)
+    if logits_of is None:
+        def logits_of(points):
+            return predict(model, theta, points)[..., 0]
+    logits = logits_of(x_test)  # (S, n)
     probs = metrics.binary_probs(torch.sigmoid(logits.double()))
     labels = y_test.long()
     scores = metrics.all_scores(probs, labels, n_bins=n_bins)
     variances = {"params_variance": metrics.params_variance(theta), "logits_variance": metrics.logits_variance(logits)}
     curve = metrics.calibration_curve(probs, labels, n_bins=n_bins)
-    grid_probs = metrics.binary_probs(torch.sigmoid(predict(model, theta, grid_points)[..., 0].double()))
+    grid_probs = metrics.binary_probs(torch.sigmoid(logits_of(grid_points).double()))
     surfaces = {
         "prob": metrics.predictive(grid_probs)[:, 1].numpy().reshape(grid_shape).astype(np.float32),
         "mi": metrics.mutual_information(grid_probs, per_point=True).numpy().reshape(grid_shape).astype(np.float32),
@@ -72,9 +81,11 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
                   seed_offset: int = 0) -> dict[str, Any]:
     """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
 
-    Variant ``i`` of ``variants`` runs with the seed ``seeds["smp"] + seed_offset + i``: a study of
-    other variants on the same replicates (the same data and NUTS) passes ``seed_offset =
-    len(TOY_VARIANTS)`` so that its chains draw other random numbers than the paper's variants.
+    Variant ``i`` of ``variants`` runs with the seed ``seeds["smp"] + seed_offset + i``, where ``i`` is the
+    variant's place in the paper's ``TOY_VARIANTS`` when it is one of them (so a paper variant draws the
+    toy chapter's chains whatever list it is run in): a study of other variants on the same replicates
+    (the same data and NUTS) passes ``seed_offset = len(TOY_VARIANTS)`` so that its chains draw other
+    random numbers than the paper's variants.
 
     SMP starts from NUTS-mean, as in the paper, even where :func:`smp_core.nuts.check_nuts_mean`
     finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
@@ -108,9 +119,10 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     evals["NUTS"] = evaluate(nuts_samples, x_test, y_test, grid, shape, cfg["n_bins"])
     evals["NUTS-mean"] = evaluate(theta_hat[None], x_test, y_test, grid, shape, cfg["n_bins"])
     for i, variant in enumerate(variants):
+        index = TOY_VARIANTS.index(variant) if variant in TOY_VARIANTS else i
         net = toy_mlp()
         res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=variant, tau=toy_tau(variant),
-                      n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seeds["smp"] + seed_offset + i,
+                      n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seeds["smp"] + seed_offset + index,
                       ridge=cfg["ridge"], beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"],
                       progress=progress)
         name = f"SMP-{variant}"
@@ -120,7 +132,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     return {
         "replicate": replicate, "seeds": seeds, "evals": evals, "elapsed": elapsed, "diverged": diverged,
         "nuts_diagnostics": nuts.diagnostics.summary(), "nuts_mean_check": sanity,
-        "train": (x.numpy(), y.numpy()), "grid": (gx.numpy(), gy.numpy()),
+        "train": (x.numpy(), y.numpy()), "grid": (gx.numpy(), gy.numpy()), "theta_hat": theta_hat.numpy(),
         "r_ratio": residual_variance_ratio(cfg["n_train"], cfg["n_steps"]),
         "threads": torch.get_num_threads(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

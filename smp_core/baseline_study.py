@@ -1,0 +1,171 @@
+"""Beyond the paper: SMP beside the Laplace approximation and a deep ensemble on the toy example.
+
+The paper (Section 4.5) names as its first limitation that SMP was not compared with the approximate
+methods used in practice. On the toy example NUTS gives the local Bayesian posterior under the prior
+``N(0, I)``, so every approximation can be judged against it, in the same units:
+
+* ``MAP``: the maximum of the same posterior, found by L-BFGS from NUTS-mean (NUTS's basin);
+* ``Laplace-<structure>``: ``N(MAP, (N GGN + I)^-1)`` with the prior's precision 1 and the GGN restricted
+  to ``diag``, ``block``, ``kfac`` or ``dense`` (the SMP preconditioner structures), predicting with the
+  network linearised at the MAP (:func:`smp_core.baselines.linearised_logits`);
+  ``Laplace-dense-nn`` predicts with the network itself at the same draws;
+* ``Ensemble``: MAPs of the same posterior from random starts (a deep ensemble with the prior as weight
+  decay), one sample per member;
+* the toy chapter's ``NUTS``, ``NUTS-mean``, ``SMP-none`` and ``SMP-ema-block`` on the same replicates
+  (the same seeds, so the same chains).
+
+Agreement with NUTS is measured on the figure grid, which covers the input square uniformly as the test
+inputs do: the mean absolute difference of the predictive probability (the total variation between two
+Bernoulli predictives), and the correlation of the mutual-information surfaces (whether a method puts its
+epistemic uncertainty where NUTS does).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import toy_study as ts
+from .baselines import fit_laplace, linearised_logits
+from .models import toy_mlp
+
+STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
+AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
+
+
+def baseline_seeds(base_seed: int, replicate: int) -> dict[str, int]:
+    """Seeds of the baselines of one replicate, apart from :func:`smp_core.toy_study.replicate_seeds`
+    (which uses offsets 0 to 2 and 10 onwards): Laplace draws, and member ``j`` of the ensemble adds ``j``."""
+    s = base_seed + 1000 * replicate
+    return {"laplace": s + 100, "ensemble": s + 200}
+
+
+def laplace_rows(structures) -> dict[str, tuple[str, str]]:
+    """Row name -> (structure, predictive): the linearised predictive for every structure, then the
+    network's own predictive for ``dense``."""
+    rows = {f"Laplace-{s}": (s, "glm") for s in structures}
+    if "dense" in structures:
+        rows["Laplace-dense-nn"] = ("dense", "nn")
+    return rows
+
+
+def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) -> dict[str, Any]:
+    """The toy chapter's replicate (data, NUTS, NUTS-mean, the SMP variants of ``cfg["smp_variants"]``)
+    with the baselines added to its ``evals``, ``elapsed`` and ``seeds``.
+
+    Seconds: a Laplace row counts the MAP fit, its own GGN and draws (not the evaluation); the
+    ensemble counts its members' fits.
+    """
+    from .nuts import find_map
+
+    run = ts.run_replicate(cfg, replicate, variants=cfg["smp_variants"], progress=progress)
+    seeds = {**run["seeds"], **baseline_seeds(cfg["seed"], replicate)}
+    x_np, y_np = run["train"]
+    x = torch.as_tensor(x_np, dtype=torch.float64)
+    x_test, y_test = _test_data(cfg, run["seeds"])
+    grid, shape = _grid(cfg)
+    prior_scale = cfg["prior_precision"] ** -0.5
+
+    def evaluate(samples, logits_of=None):
+        return ts.evaluate(samples, x_test, y_test, grid, shape, cfg["n_bins"], logits_of=logits_of)
+
+    started = time.perf_counter()
+    fit = find_map(x_np, y_np, seed=0, starts=run["theta_hat"][None], prior_scale=prior_scale)
+    map_seconds = time.perf_counter() - started
+    theta_map = torch.as_tensor(fit.theta, dtype=torch.float64)
+    run["evals"]["MAP"] = evaluate(theta_map[None])
+    run["elapsed"]["MAP"] = map_seconds
+    net = toy_mlp().double()
+    for i, (name, (structure, predictive)) in enumerate(laplace_rows(cfg["laplace_structures"]).items()):
+        started = time.perf_counter()
+        posterior = fit_laplace(net, "bernoulli", theta_map, x, prior_precision=cfg["prior_precision"],
+                                structure=structure)
+        samples = posterior.sample(cfg["n_chains"], torch.Generator().manual_seed(seeds["laplace"] + i))
+        run["elapsed"][name] = map_seconds + time.perf_counter() - started
+        logits_of = None
+        if predictive == "glm":
+            def logits_of(points, samples=samples):
+                return linearised_logits(net, theta_map, samples, points.double())[..., 0]
+        run["evals"][name] = evaluate(samples, logits_of)
+
+    started = time.perf_counter()
+    members = [find_map(x_np, y_np, seed=seeds["ensemble"] + j, num_restarts=1, prior_scale=prior_scale)
+               for j in range(cfg["ensemble_members"])]
+    run["elapsed"]["Ensemble"] = time.perf_counter() - started
+    run["evals"]["Ensemble"] = evaluate(torch.as_tensor(np.stack([m.theta for m in members])))
+    run["seeds"] = seeds
+    run["map"] = {"log_posterior": fit.log_posterior, "converged": fit.converged,
+                  "distance_from_nuts_mean": float(np.linalg.norm(fit.theta - run["theta_hat"]))}
+    run["ensemble_log_posteriors"] = [m.log_posterior for m in members]
+    return run
+
+
+def _test_data(cfg, seeds):
+    from .toy import make_toy_data
+
+    return make_toy_data(cfg["n_test"], seeds["test"])
+
+
+def _grid(cfg):
+    from .toy import make_grid
+
+    gx, _, grid = make_grid(cfg["grid_per_axis"])
+    return grid, tuple(gx.shape)
+
+
+def agreement(run: dict[str, Any]) -> pd.DataFrame:
+    """Per method, its agreement with NUTS on the figure grid: ``tv_to_nuts`` (mean ``|p - p_NUTS|`` of the
+    predictive probability), ``mi_surface_corr`` (Pearson correlation of the mutual-information surfaces;
+    NaN for a point estimate, whose MI is zero everywhere) and ``mi_over_nuts`` (mean MI over NUTS's)."""
+    ref = run["evals"]["NUTS"].surfaces
+    rows = {}
+    for name, ev in run["evals"].items():
+        mi = ev.surfaces["mi"].ravel().astype(np.float64)
+        ref_mi = ref["mi"].ravel().astype(np.float64)
+        corr = np.nan if mi.std() < 1e-12 else float(np.corrcoef(mi, ref_mi)[0, 1])
+        rows[name] = {"tv_to_nuts": float(np.abs(ev.surfaces["prob"] - ref["prob"]).astype(np.float64).mean()),
+                      "mi_surface_corr": corr, "mi_over_nuts": float(mi.mean() / ref_mi.mean())}
+    out = pd.DataFrame.from_dict(rows, orient="index")[AGREEMENT_COLUMNS]
+    out.index.name = "method"
+    return out
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
+    """Mean, standard deviation and stacked replicates of the toy tables and the agreement table."""
+    from .results import summarise_replicates
+
+    return summarise_replicates([{**ts.tables(r), "agreement": agreement(r)} for r in runs])
+
+
+def findings(agree: pd.DataFrame, scores: pd.DataFrame, smp: str = "SMP-ema-block") -> pd.DataFrame:
+    """Judged on the replicate means: per criterion, the best method other than NUTS and where ``smp``
+    ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, are left out).
+
+    The criteria are ours, fixed before the runs: closest predictive to NUTS (``tv_to_nuts``), epistemic
+    uncertainty where NUTS has it (``mi_surface_corr``), as much of it as NUTS (``|log mi_over_nuts|``),
+    lowest test NLL.
+    """
+    methods = [m for m in agree.index if m not in ("NUTS", "NUTS-mean", "MAP")]
+    measures = {
+        "closest predictive to NUTS (mean |p - p_NUTS|)": agree.loc[methods, "tv_to_nuts"],
+        "MI surface most like NUTS's (highest correlation)": -agree.loc[methods, "mi_surface_corr"],
+        "amount of MI closest to NUTS's (|log MI ratio|)": np.log(agree.loc[methods, "mi_over_nuts"]).abs(),
+        "lowest test NLL": scores.loc[methods, "nll"],
+    }
+    rows = []
+    for criterion, values in measures.items():
+        ranks = values.rank(method="min")
+        rows.append({"criterion": criterion, "best": values.idxmin(),
+                     f"{smp} rank": int(ranks[smp]) if smp in ranks and not np.isnan(ranks[smp]) else None,
+                     "methods ranked": int(values.notna().sum())})
+    glm, nn = "Laplace-dense", "Laplace-dense-nn"
+    if glm in scores.index and nn in scores.index:
+        better = scores.loc[glm, "nll"] < scores.loc[nn, "nll"]
+        rows.append({"criterion": "dense Laplace: the linearised predictive has a lower NLL than the network's own "
+                                  "(Immer et al. 2021)",
+                     "best": glm if better else nn, f"{smp} rank": None, "methods ranked": 2})
+    return pd.DataFrame(rows).set_index("criterion")
