@@ -161,10 +161,11 @@ _BASELINE_CHANGES: dict[str, Any] = {"smp_variants": ["none", "ema-block"], "pri
                                      "laplace_structures": ["diag", "block", "kfac", "dense"],
                                      "ensemble_members": 10}
 TOY_BASELINES: dict[str, dict[str, Any]] = {
-    scale: {**settings, **_BASELINE_CHANGES, **({"ensemble_members": 4, "replicates": 2} if scale == "ci" else {})}
+    scale: {**settings, **_BASELINE_CHANGES, **({"ensemble_members": 4} if scale == "ci" else {})}
     for scale, settings in TOY.items()}
 
-_TABLES = {"toy": TOY, "toy_baselines": TOY_BASELINES, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST, "mnist_growth": MNIST_GROWTH,
+_TABLES = {"toy": TOY, "toy_baselines": TOY_BASELINES, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST,
+           "mnist_growth": MNIST_GROWTH,
            "mnist_kfac": MNIST_KFAC, "mnist_tail": MNIST_TAIL}
 
 

@@ -70,3 +70,26 @@ def calibration_all(curves: dict, title: str, xlim=(0.0, 1.0)):
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     return fig
+
+
+def surfaces_side_by_side(grid_x, grid_y, surfaces: dict[str, np.ndarray], title: str, cmap: str = "viridis",
+                          ncols: int = 4):
+    """One surface per method (e.g. the mutual information), each with its own colour scale, so that
+    the panels compare where a quantity is large rather than how large it is."""
+    n = len(surfaces)
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.3 * ncols, 3.0 * nrows), squeeze=False)
+    for ax, (name, surface) in zip(axes.flat, surfaces.items(), strict=False):
+        top = max(float(np.nanmax(surface)), 1e-6)
+        im = ax.contourf(grid_x, grid_y, surface, levels=21, cmap=cmap, vmin=0, vmax=top)
+        ax.add_patch(plt.Circle((0, 0), np.sqrt(0.5), fill=False, ls="--", color="w", lw=0.8))
+        ax.set_title(f"{name}\nmean {float(np.nanmean(surface)):.3g}", fontsize=9)
+        ax.set_aspect("equal")
+        ax.set_xticks([])
+        ax.set_yticks([])
+        fig.colorbar(im, ax=ax, shrink=0.8)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -16,7 +16,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac", "mnist_tail"):
+    for study in ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac", "mnist_tail"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -40,6 +40,16 @@ def test_kfac_study_shares_the_toy_settings_and_seeds():
             k: v for k, v in toy.items() if k != "study"}  # the same data, NUTS and SMP settings
         assert kfac["variants"] == TOY_KFAC_VARIANTS
     assert {toy_tau(v) for v in TOY_KFAC_VARIANTS} == {0.3}
+
+
+def test_baselines_study_shares_the_toy_settings_and_seeds():
+    added = {"study", "smp_variants", "prior_precision", "laplace_structures", "ensemble_members"}
+    for scale in SCALES:
+        toy, baselines = get_config("toy", scale), get_config("toy_baselines", scale)
+        assert {k: v for k, v in baselines.items() if k not in added} == {
+            k: v for k, v in toy.items() if k != "study"}  # the same data, NUTS and SMP settings
+        assert set(baselines["smp_variants"]) <= set(TOY_VARIANTS)  # rerun with the toy chapter's seeds
+        assert baselines["prior_precision"] == 1.0  # NUTS's prior N(0, I)
 
 
 def test_growth_study_shares_the_mnist_settings_but_s_and_k():

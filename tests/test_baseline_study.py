@@ -1,0 +1,96 @@
+"""The toy baselines study: its agreement measures and findings on hand-made tables, and one tiny run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from smp_core import baseline_study as bs
+from smp_core import toy_study as ts
+from smp_core.config import get_config
+
+
+def _evaluation(prob, mi):
+    return ts.Evaluation(scores={}, variances={}, curve=None,  # agreement reads the surfaces only
+                         surfaces={"prob": np.asarray(prob, np.float32), "mi": np.asarray(mi, np.float32),
+                                   "exp_entropy": np.zeros(len(prob), np.float32)})
+
+
+def test_agreement_against_hand_computed_values():
+    nuts_prob, nuts_mi = np.array([0.1, 0.5, 0.9, 0.2]), np.array([0.01, 0.04, 0.01, 0.02])
+    run = {"evals": {
+        "NUTS": _evaluation(nuts_prob, nuts_mi),
+        "MAP": _evaluation(nuts_prob + 0.1, np.zeros(4)),  # a point estimate: no MI anywhere
+        "wide": _evaluation(nuts_prob, 3 * nuts_mi),  # the same shape of MI, three times as much
+        "elsewhere": _evaluation(nuts_prob[::-1], nuts_mi[::-1]),
+    }}
+    table = bs.agreement(run)
+    assert list(table.columns) == bs.AGREEMENT_COLUMNS
+    assert table.loc["NUTS"].tolist() == pytest.approx([0.0, 1.0, 1.0])
+    assert table.loc["MAP", "tv_to_nuts"] == pytest.approx(0.1)
+    assert np.isnan(table.loc["MAP", "mi_surface_corr"]) and table.loc["MAP", "mi_over_nuts"] == 0
+    assert table.loc["wide", "mi_surface_corr"] == pytest.approx(1.0)
+    assert table.loc["wide", "mi_over_nuts"] == pytest.approx(3.0)
+    assert table.loc["elsewhere", "tv_to_nuts"] == pytest.approx(np.abs(nuts_prob - nuts_prob[::-1]).mean())
+    assert table.loc["elsewhere", "mi_surface_corr"] == pytest.approx(np.corrcoef(nuts_mi, nuts_mi[::-1])[0, 1])
+
+
+def test_findings_pick_the_best_and_rank_smp():
+    names = ["NUTS", "NUTS-mean", "MAP", "SMP-ema-block", "Laplace-dense", "Laplace-dense-nn", "Ensemble"]
+    agree = pd.DataFrame({"tv_to_nuts": [0, 0.02, 0.01, 0.03, 0.005, 0.1, 0.04],
+                          "mi_surface_corr": [1, np.nan, np.nan, 0.9, 0.5, 0.2, 0.95],
+                          "mi_over_nuts": [1, 0, 0, 4.0, 1.5, 20.0, 0.5]}, index=names)
+    scores = pd.DataFrame({"nll": [0.1, 0.2, 0.15, 0.13, 0.12, 0.3, 0.11]}, index=names)
+    found = bs.findings(agree, scores)
+    assert found.loc["closest predictive to NUTS (mean |p - p_NUTS|)", "best"] == "Laplace-dense"
+    assert found.loc["closest predictive to NUTS (mean |p - p_NUTS|)", "SMP-ema-block rank"] == 2
+    assert found.loc["MI surface most like NUTS's (highest correlation)", "best"] == "Ensemble"
+    assert found.loc["amount of MI closest to NUTS's (|log MI ratio|)", "best"] == "Laplace-dense"  # log 1.5 < log 2
+    assert found.loc["amount of MI closest to NUTS's (|log MI ratio|)", "SMP-ema-block rank"] == 3
+    assert found.loc["lowest test NLL", "best"] == "Ensemble"
+    assert found["methods ranked"].iloc[0] == 4  # NUTS and the point estimates are not ranked
+    assert found.filter(like="linearised", axis=0)["best"].item() == "Laplace-dense"
+
+
+def test_laplace_rows_and_seeds():
+    assert bs.laplace_rows(["diag", "dense"]) == {"Laplace-diag": ("diag", "glm"), "Laplace-dense": ("dense", "glm"),
+                                                  "Laplace-dense-nn": ("dense", "nn")}
+    assert "Laplace-dense-nn" not in bs.laplace_rows(["kfac"])
+    toy, ours = ts.replicate_seeds(2026, 1), bs.baseline_seeds(2026, 1)
+    assert set(toy.values()).isdisjoint(ours.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    cfg = {**get_config("toy_baselines", "ci"), "n_test": 200, "grid_per_axis": 11, "nuts_warmup": 60,
+           "nuts_samples": 60, "n_chains": 30, "n_steps": 60, "ensemble_members": 3}
+    return cfg, bs.run_replicate(cfg, 0, progress=False)
+
+
+def test_a_tiny_run_has_every_row(tiny_run):
+    cfg, run = tiny_run
+    expected = ["NUTS", "NUTS-mean", "SMP-none", "SMP-ema-block", "MAP", "Laplace-diag", "Laplace-block",
+                "Laplace-kfac", "Laplace-dense", "Laplace-dense-nn", "Ensemble"]
+    assert list(run["evals"]) == expected
+    assert set(run["elapsed"]) == set(expected)
+    tables = bs.summarise([run])
+    assert list(tables["agreement_mean"].index) == expected
+    assert np.isfinite(tables["scores_mean"].to_numpy()).all()
+    # the MAP is the one of NUTS-mean's basin: a maximum, close to where it started
+    assert run["map"]["converged"] and run["map"]["distance_from_nuts_mean"] < 3
+    assert len(run["ensemble_log_posteriors"]) == 3
+    # linearised predictive at the MAP's draws: the same parameter samples as the network's own predictive
+    assert (run["evals"]["Laplace-dense"].variances["params_variance"]
+            == run["evals"]["Laplace-dense-nn"].variances["params_variance"])
+
+
+def test_smp_rows_are_the_toy_chapters_chains(tiny_run):
+    """SMP-ema-block drawn in this study (second in its list) equals the toy chapter's (sixth in the paper's)."""
+    cfg, run = tiny_run
+    torch.manual_seed(0)
+    toy = ts.run_replicate(cfg, 0, variants=["none", "fixed-diag", "fixed-block", "fixed-dense", "ema-diag",
+                                             "ema-block"], progress=False)
+    for name in ("SMP-none", "SMP-ema-block"):
+        assert toy["evals"][name].scores == run["evals"][name].scores

@@ -1,0 +1,187 @@
+"""The Laplace approximation against models where it is known exactly, and its linearised predictive.
+
+* Bayesian linear regression (Gaussian likelihood, prior ``N(0, I / alpha)``): the posterior is exactly
+  ``N(m, (Z^T Z / sigma^2 + alpha I)^-1)``, so the Laplace precision must equal that matrix and the
+  draws must have its moments (z-scores against Monte Carlo standard errors).
+* Logistic regression: the GGN is the Hessian of the negative log likelihood, so the precision must
+  equal the Hessian of the negative log posterior (autograd).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from smp_core import as_chain_model, baselines, get_likelihood, predict, toy_mlp
+from smp_core.fisher import structure_for
+
+
+def _design(n=200, p=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, p, generator=g, dtype=torch.float64)
+    return x, torch.cat([x, torch.ones(n, 1, dtype=torch.float64)], dim=1), g  # layout order: weight, bias
+
+
+def _linear_posterior(sigma=0.7, alpha=2.0, n=200, p=3, seed=0):
+    """x, the model, the exact posterior mean and covariance of Bayesian linear regression."""
+    x, z, g = _design(n, p, seed)
+    w_true = torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64)
+    y = z @ w_true + sigma * torch.randn(n, generator=g, dtype=torch.float64)
+    precision = z.T @ z / sigma**2 + alpha * torch.eye(p + 1, dtype=torch.float64)
+    cov = torch.linalg.inv(precision)
+    mean = cov @ (z.T @ y) / sigma**2
+    return x, nn.Sequential(nn.Linear(p, 1)).double(), mean, cov, precision
+
+
+def test_linear_gaussian_precision_is_exact_for_every_structure():
+    sigma, alpha = 0.7, 2.0
+    x, net, mean, _, precision = _linear_posterior(sigma, alpha)
+    lik = get_likelihood("gaussian", sigma=sigma)
+    dense = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="dense")
+    torch.testing.assert_close(dense.precision, precision, rtol=1e-10, atol=1e-10)
+    # one output: KFAC's G (x) A is the layer's Fisher block exactly, and the layer is one block
+    kfac = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="kfac")
+    torch.testing.assert_close(kfac.precision, precision, rtol=1e-10, atol=1e-10)
+    diag = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="diag")
+    torch.testing.assert_close(diag.precision, precision.diagonal(), rtol=1e-10, atol=1e-10)
+    block = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="block")
+    expected = precision.clone()
+    expected[:3, 3] = expected[3, :3] = 0  # weight and bias are separate blocks
+    torch.testing.assert_close(block.precision, expected, rtol=1e-10, atol=1e-10)
+    assert (dense.n_data, dense.prior_precision, dense.structure) == (200, alpha, "dense")
+
+
+def test_draws_have_the_exact_posterior_moments():
+    """z-scores of the sample mean and covariance against the exact posterior, with a check that the
+    same statistics reject a wrong covariance (the precision itself)."""
+    x, net, mean, cov, precision = _linear_posterior()
+    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, prior_precision=2.0)
+    n = 40_000
+    draws = lp.sample(n, torch.Generator().manual_seed(1)).double()
+    centred = draws - mean
+    z_mean = centred.mean(0) / (cov.diagonal() / n).sqrt()
+    assert z_mean.abs().max() < 4.5, z_mean
+
+    def cov_z(truth):
+        prods = centred[:, :, None] * centred[:, None, :]  # mean known: unbiased without ddof
+        se = ((truth.diagonal()[:, None] * truth.diagonal()[None, :] + truth**2) / n).sqrt()
+        return (prods.mean(0) - truth) / se
+
+    assert cov_z(cov).abs().max() < 4.5  # 10 distinct entries
+    assert cov_z(torch.linalg.inv(precision) * 1.1).abs().max() > 10  # a 10 % wrong covariance is caught
+    torch.testing.assert_close(lp.covariance(), cov, rtol=1e-9, atol=1e-12)
+
+
+def test_diag_draws_have_the_diagonal_variances():
+    x, net, mean, _, precision = _linear_posterior()
+    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, prior_precision=2.0,
+                               structure="diag")
+    n = 40_000
+    draws = lp.sample(n, torch.Generator().manual_seed(2)).double()
+    var_true = 1 / precision.diagonal()
+    z = ((draws - mean) ** 2).mean(0) - var_true
+    z = z / (var_true * math.sqrt(2 / n))
+    assert z.abs().max() < 4.5, z
+    off = torch.corrcoef(draws.T) - torch.eye(4, dtype=torch.float64)
+    assert off.abs().max() < 4.5 / math.sqrt(n)  # independent coordinates: correlations ~ N(0, 1/n)
+
+
+def test_ggn_is_the_hessian_for_logistic_regression():
+    x, z, g = _design(300, 2, seed=3)
+    y = (torch.rand(300, generator=g, dtype=torch.float64) < torch.sigmoid(z @ torch.tensor(
+        [1.5, -1.0, 0.2], dtype=torch.float64))).double()
+    alpha = 0.5
+    theta = torch.tensor([1.2, -0.8, 0.1], dtype=torch.float64)  # any point: the GGN is exact for a linear model
+
+    def neg_log_posterior(t):
+        logits = z @ t
+        return -(y * logits - torch.nn.functional.softplus(logits)).sum() + alpha * t @ t / 2
+
+    hessian = torch.autograd.functional.hessian(neg_log_posterior, theta)
+    net = nn.Sequential(nn.Linear(2, 1)).double()
+    lp = baselines.fit_laplace(net, "bernoulli", theta, x, prior_precision=alpha)
+    torch.testing.assert_close(lp.precision, hessian, rtol=1e-9, atol=1e-9)
+
+
+def test_structures_of_a_network_nest():
+    """For the toy MLP: the diag and block precisions are the diagonal and the blocks of the dense one."""
+    x, _, _ = _design(100, 2, seed=4)
+    net = toy_mlp()
+    theta = 0.7 * torch.randn(20, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    fits = {s: baselines.fit_laplace(net, "bernoulli", theta, x, prior_precision=1.0, structure=s)
+            for s in baselines.LAPLACE_STRUCTURES}
+    dense = fits["dense"].precision
+    torch.testing.assert_close(fits["diag"].precision, dense.diagonal(), rtol=1e-10, atol=1e-12)
+    mask = torch.zeros(20, 20, dtype=torch.bool)
+    for block in structure_for(as_chain_model(net), "block").blocks:
+        mask[block, block] = True
+    torch.testing.assert_close(fits["block"].precision, torch.where(mask, dense, 0), rtol=1e-10, atol=1e-12)
+    # kfac: positive definite, the prior's ridge on its diagonal at least, unlike the dense GGN in general
+    assert torch.linalg.eigvalsh(fits["kfac"].precision).min() >= 1.0 - 1e-9
+    assert not torch.allclose(fits["kfac"].precision, dense)
+
+
+def test_same_generator_same_draws():
+    x, net, mean, _, _ = _linear_posterior()
+    lp = baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, prior_precision=1.0)
+    a = lp.sample(5, torch.Generator().manual_seed(9))
+    b = lp.sample(5, torch.Generator().manual_seed(9))
+    assert torch.equal(a, b) and a.dtype == mean.dtype
+
+
+def test_linearised_logits():
+    x, _, _ = _design(50, 2, seed=6)
+    net = toy_mlp()
+    model = as_chain_model(net)
+    theta = 0.7 * torch.randn(20, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    out = predict(model, theta[None], x)
+    # at the point of linearisation: the network itself
+    torch.testing.assert_close(baselines.linearised_logits(net, theta, theta[None], x), out, rtol=0, atol=1e-12)
+    # a first-order expansion: the error shrinks like eps^2 (by 100 when eps shrinks by 10)
+    v = torch.randn(1, 20, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    errors = []
+    for eps in (1e-2, 1e-3):
+        lin = baselines.linearised_logits(net, theta, theta + eps * v, x, batch_size=7)
+        errors.append((predict(model, theta + eps * v, x) - lin).abs().max().item())
+    assert errors[0] > 0 and 50 < errors[0] / errors[1] < 200, errors
+    # a linear network with several outputs: linearisation is exact, shape (S, n, m)
+    lin_net = nn.Sequential(nn.Linear(2, 3)).double()
+    samples = torch.randn(4, 9, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    lin = baselines.linearised_logits(lin_net, samples[0], samples, x)
+    torch.testing.assert_close(lin, predict(as_chain_model(lin_net), samples, x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("prior", [0, -1.0, float("nan"), float("inf"), "1"])
+def test_bad_prior_precision(prior):
+    x, net, mean, _, _ = _linear_posterior()
+    with pytest.raises(ValueError, match="prior_precision"):
+        baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, prior_precision=prior)
+
+
+def test_bad_inputs_name_the_problem(monkeypatch):
+    x, net, mean, _, _ = _linear_posterior()
+    lik = get_likelihood("gaussian")
+    with pytest.raises(ValueError, match="unknown Laplace structure"):
+        baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="full")
+    with pytest.raises(ValueError, match=r"theta_map must have shape \(4,\)"):
+        baselines.fit_laplace(net, lik, mean[:3], x, prior_precision=1.0)
+    with pytest.raises(ValueError, match="theta_map contains NaN"):
+        baselines.fit_laplace(net, lik, mean * float("nan"), x, prior_precision=1.0)
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        baselines.fit_laplace(net, lik, mean, x * float("nan"), prior_precision=1.0)
+    monkeypatch.setattr(baselines, "MAX_DENSE_DIM", 3)
+    with pytest.raises(ValueError, match="use structure='diag'"):
+        baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="block")
+    assert baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="diag").precision.shape == (4,)
+    lp = baselines.LaplacePosterior(mean, -torch.eye(4, dtype=torch.float64), "dense", 1.0, 200)
+    with pytest.raises(ValueError, match="not positive definite"):
+        lp.sample(3)
+    with pytest.raises(ValueError, match="n_samples"):
+        lp.sample(0)
+    with pytest.raises(ValueError, match=r"samples must have shape \(S, 4\)"):
+        baselines.linearised_logits(net, mean, mean, x)
+    with pytest.raises(ValueError, match="batch_size"):
+        baselines.linearised_logits(net, mean, mean[None], x, batch_size=0)
