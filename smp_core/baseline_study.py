@@ -12,7 +12,9 @@ methods used in practice. On the toy example NUTS gives the local Bayesian poste
 * ``Ensemble``: MAPs of the same posterior from random starts (a deep ensemble with the prior as weight
   decay), one sample per member;
 * the toy chapter's ``NUTS``, ``NUTS-mean``, ``SMP-none`` and ``SMP-ema-block`` on the same replicates
-  (the same seeds, so the same chains).
+  (the same seeds, so the same chains), and the same two SMP variants with the same chain seeds started
+  from the MAP instead of NUTS-mean (``SMP-<variant> from MAP``), which separates the start point from
+  the recursion's own spread.
 
 Agreement with NUTS is measured on the figure grid, which covers the input square uniformly as the test
 inputs do: the mean absolute difference of the predictive probability (the total variation between two
@@ -33,7 +35,7 @@ from . import toy_study as ts
 from .baselines import fit_laplace, linearised_logits
 from .models import toy_mlp
 
-STUDY_VERSION = 2  # bump when a change to this module changes its results (invalidates the cache)
+STUDY_VERSION = 3  # bump when a change to this module changes its results (invalidates the cache)
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
 
 
@@ -55,7 +57,8 @@ def laplace_rows(structures) -> dict[str, tuple[str, str]]:
 
 def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) -> dict[str, Any]:
     """The toy chapter's replicate (data, NUTS, NUTS-mean, the SMP variants of ``cfg["smp_variants"]``)
-    with the baselines added to its ``evals``, ``elapsed`` and ``seeds``.
+    with the baselines and the same SMP variants from the MAP added to its ``evals``, ``elapsed`` and
+    ``seeds``.
 
     Seconds: a Laplace row counts the MAP fit, its own GGN and draws (not the evaluation); the rows of
     one structure share its draws (``Laplace-dense`` and ``Laplace-dense-nn`` differ only in the
@@ -80,6 +83,13 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     theta_map = torch.as_tensor(fit.theta, dtype=torch.float64)
     run["evals"]["MAP"] = evaluate(theta_map[None])
     run["elapsed"]["MAP"] = map_seconds
+    for i, variant in enumerate(cfg["smp_variants"]):  # the same chains as from NUTS-mean; only theta_0 moves
+        res = ts.run_variant(cfg, x.float(), theta_map.float(), variant, ts.variant_seed(run["seeds"], variant, i),
+                             progress)
+        name = f"SMP-{variant} from MAP"
+        run["elapsed"][name] = res.elapsed
+        run["diverged"][name] = res.n_diverged
+        run["evals"][name] = evaluate(res.theta[~res.diverged])
     net = toy_mlp().double()
     draws: dict[str, tuple[torch.Tensor, float]] = {}  # structure -> (samples, seconds): shared by its rows
     for i, structure in enumerate(cfg["laplace_structures"]):

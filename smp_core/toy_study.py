@@ -77,15 +77,31 @@ def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bin
     return Evaluation(scores, variances, curve, surfaces)
 
 
+def variant_seed(seeds: dict[str, int], variant: str, position: int, seed_offset: int = 0) -> int:
+    """The chain seed of an SMP variant run at ``position`` of a list: ``seeds["smp"] + seed_offset + i``,
+    with ``i`` the variant's place in the paper's ``TOY_VARIANTS`` when it is one of them, so that a
+    paper variant draws the toy chapter's chains whatever list it is run in."""
+    index = TOY_VARIANTS.index(variant) if variant in TOY_VARIANTS else position
+    return seeds["smp"] + seed_offset + index
+
+
+def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, variant: str, seed: int,
+                progress: bool = True):
+    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and the paper's ``tau``
+    for its structure (:func:`smp_core.run_smp`)."""
+    return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=variant, tau=toy_tau(variant),
+                   n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed, ridge=cfg["ridge"],
+                   beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"], progress=progress)
+
+
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
                   seed_offset: int = 0) -> dict[str, Any]:
     """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
 
-    Variant ``i`` of ``variants`` runs with the seed ``seeds["smp"] + seed_offset + i``, where ``i`` is the
-    variant's place in the paper's ``TOY_VARIANTS`` when it is one of them (so a paper variant draws the
-    toy chapter's chains whatever list it is run in): a study of other variants on the same replicates
-    (the same data and NUTS) passes ``seed_offset = len(TOY_VARIANTS)`` so that its chains draw other
-    random numbers than the paper's variants.
+    Each variant runs with the seed of :func:`variant_seed` (a paper variant draws the toy chapter's
+    chains whatever list it is run in): a study of other variants on the same replicates (the same
+    data and NUTS) passes ``seed_offset = len(TOY_VARIANTS)`` so that its chains draw other random
+    numbers than the paper's variants.
 
     SMP starts from NUTS-mean, as in the paper, even where :func:`smp_core.nuts.check_nuts_mean`
     finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
@@ -119,12 +135,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     evals["NUTS"] = evaluate(nuts_samples, x_test, y_test, grid, shape, cfg["n_bins"])
     evals["NUTS-mean"] = evaluate(theta_hat[None], x_test, y_test, grid, shape, cfg["n_bins"])
     for i, variant in enumerate(variants):
-        index = TOY_VARIANTS.index(variant) if variant in TOY_VARIANTS else i
-        net = toy_mlp()
-        res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=variant, tau=toy_tau(variant),
-                      n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seeds["smp"] + seed_offset + index,
-                      ridge=cfg["ridge"], beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"],
-                      progress=progress)
+        res = run_variant(cfg, x, theta_hat, variant, variant_seed(seeds, variant, i, seed_offset), progress)
         name = f"SMP-{variant}"
         elapsed[name] = res.elapsed
         diverged[name] = res.n_diverged

@@ -71,8 +71,9 @@ def tiny_run():
 
 def test_a_tiny_run_has_every_row(tiny_run):
     cfg, run = tiny_run
-    expected = ["NUTS", "NUTS-mean", "SMP-none", "SMP-ema-block", "MAP", "Laplace-diag", "Laplace-block",
-                "Laplace-kfac", "Laplace-dense", "Laplace-dense-nn", "Ensemble"]
+    expected = ["NUTS", "NUTS-mean", "SMP-none", "SMP-ema-block", "MAP", "SMP-none from MAP",
+                "SMP-ema-block from MAP", "Laplace-diag", "Laplace-block", "Laplace-kfac", "Laplace-dense",
+                "Laplace-dense-nn", "Ensemble"]
     assert list(run["evals"]) == expected
     assert set(run["elapsed"]) == set(expected)
     tables = bs.summarise([run])
@@ -81,9 +82,12 @@ def test_a_tiny_run_has_every_row(tiny_run):
     # the MAP is the one of NUTS-mean's basin: a maximum, close to where it started
     assert run["map"]["converged"] and run["map"]["distance_from_nuts_mean"] < 3
     assert len(run["ensemble_log_posteriors"]) == 3
-    # linearised predictive at the MAP's draws: the same parameter samples as the network's own predictive
+    # the linearised and the network's own predictive of one structure share its draws
     assert (run["evals"]["Laplace-dense"].variances["params_variance"]
             == run["evals"]["Laplace-dense-nn"].variances["params_variance"])
+    assert run["elapsed"]["Laplace-dense"] == run["elapsed"]["Laplace-dense-nn"]
+    assert run["evals"]["SMP-none from MAP"].scores != run["evals"]["SMP-none"].scores  # another start
+    assert set(run["diverged"]) == {"SMP-none", "SMP-ema-block", "SMP-none from MAP", "SMP-ema-block from MAP"}
 
 
 def test_smp_rows_are_the_toy_chapters_chains(tiny_run):
