@@ -157,7 +157,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
 
 def findings(agree: pd.DataFrame, scores: pd.DataFrame, smp: str = "SMP-ema-block") -> pd.DataFrame:
     """Judged on the replicate means: per criterion, the best method other than NUTS and where ``smp``
-    ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, are left out).
+    ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, are left out), as text
+    ("–" where it has none), so that the table prints as it is stored.
 
     The criteria are ours, fixed before the runs: closest predictive to NUTS (``tv_to_nuts``), epistemic
     uncertainty where NUTS has it (``mi_surface_corr``), as much of it as NUTS (``|log mi_over_nuts|``),
@@ -165,21 +166,22 @@ def findings(agree: pd.DataFrame, scores: pd.DataFrame, smp: str = "SMP-ema-bloc
     """
     methods = [m for m in agree.index if m not in ("NUTS", "NUTS-mean", "MAP")]
     measures = {
-        "closest predictive to NUTS (mean |p - p_NUTS|)": agree.loc[methods, "tv_to_nuts"],
+        "closest predictive to NUTS (mean absolute difference of p)": agree.loc[methods, "tv_to_nuts"],
         "MI surface most like NUTS's (highest correlation)": -agree.loc[methods, "mi_surface_corr"],
-        "amount of MI closest to NUTS's (|log MI ratio|)": np.log(agree.loc[methods, "mi_over_nuts"]).abs(),
+        "amount of MI closest to NUTS's (absolute log of the MI ratio)":
+            np.log(agree.loc[methods, "mi_over_nuts"]).abs(),
         "lowest test NLL": scores.loc[methods, "nll"],
     }
     rows = []
     for criterion, values in measures.items():
         ranks = values.rank(method="min")
         rows.append({"criterion": criterion, "best": values.idxmin(),
-                     f"{smp} rank": int(ranks[smp]) if smp in ranks and not np.isnan(ranks[smp]) else None,
+                     f"{smp} rank": str(int(ranks[smp])) if smp in ranks and not np.isnan(ranks[smp]) else "–",
                      "methods ranked": int(values.notna().sum())})
     glm, nn = "Laplace-dense", "Laplace-dense-nn"
     if glm in scores.index and nn in scores.index:
         better = scores.loc[glm, "nll"] < scores.loc[nn, "nll"]
         rows.append({"criterion": "dense Laplace: the linearised predictive has a lower NLL than the network's own "
                                   "(Immer et al. 2021)",
-                     "best": glm if better else nn, f"{smp} rank": None, "methods ranked": 2})
+                     "best": glm if better else nn, f"{smp} rank": "–", "methods ranked": 2})
     return pd.DataFrame(rows).set_index("criterion")
