@@ -3,7 +3,8 @@
 * ``ci``: the whole test suite, notebooks included, in minutes on 2 CPU cores.
 * ``laptop``: the default book on a 2-core machine in about three hours (65 min measured on a fresh clone
   before the KFAC chapters, whose own runs took 11 min (toy) and about 60 min (MNIST), and the Gaussian-tail
-  chapters, 19 min (toy) and about 21 min (MNIST, its runs cached by the MNIST chapter)).
+  chapters, 19 min (toy) and about 21 min (MNIST, its runs cached by the MNIST chapter), and the toy baselines
+  chapter, 7 min).
 * ``paper``: the paper's settings (Sections 3.2 and 3.3).
 
 Settings the paper states are marked with a comment; the rest are our choices, stated in the book.

@@ -265,8 +265,9 @@ class Structure:
                 if bool(bad.any()):
                     a = torch.where(bad[:, None, None], torch.eye(a.shape[-1], dtype=a.dtype, device=a.device), a)
                     g = torch.where(bad[:, None, None], torch.eye(g.shape[-1], dtype=g.dtype, device=g.device), g)
-                eig_a, u_a = torch.linalg.eigh(a)
-                eig_g, u_g = torch.linalg.eigh(g)
+                eig_a, u_a, failed_a = _eigh_per_chain(a)
+                eig_g, u_g, failed_g = _eigh_per_chain(g)
+                bad = bad | failed_a | failed_g
                 # both factors are positive semi-definite; rounding may leave tiny negative eigenvalues
                 scale = 1.0 / (eig_g.clamp_min(0)[:, :, None] * eig_a.clamp_min(0)[:, None, :] + ridge)
                 factor += [u_a, u_g, scale.masked_fill(bad[:, None, None], float("nan"))]
@@ -339,6 +340,30 @@ def _kronecker_apply(layer: KroneckerLayer, u_a: torch.Tensor, u_g: torch.Tensor
 
 def _ridged(m: torch.Tensor, ridge: float) -> torch.Tensor:
     return m + ridge * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+
+
+def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.linalg.eigh`` of a batch ``(C, n, n)`` and a ``(C,)`` mask of the elements it failed on.
+
+    LAPACK can fail to converge on a finite but extreme matrix, such as the factor of a chain that is
+    blowing up between two divergence checks; one such chain must not stop the others. The batch is
+    then decomposed element by element, and a failed element gets the identity's decomposition and
+    its flag (the caller gives that chain NaN, which the recursion reports as a divergence).
+    """
+    try:
+        values, vectors = torch.linalg.eigh(m)
+        return values, vectors, torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    except torch.linalg.LinAlgError:
+        pass
+    values, vectors = m.new_ones(m.shape[:-1]), torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).repeat(
+        m.shape[0], 1, 1)
+    failed = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+    for i in range(m.shape[0]):
+        try:
+            values[i], vectors[i] = torch.linalg.eigh(m[i])
+        except torch.linalg.LinAlgError:
+            failed[i] = True
+    return values, vectors, failed
 
 
 def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:

@@ -326,6 +326,29 @@ def test_kfac_isolates_a_chain_with_non_finite_factors(generator):
         assert torch.isfinite(out[[0, 2, 3]]).all()
 
 
+def test_kfac_isolates_a_chain_whose_factor_lapack_cannot_decompose(generator, monkeypatch):
+    """A finite factor on which eigh fails to converge (seen on one CPU for a chain blowing up between
+    divergence checks) gives that chain NaN and leaves the other chains' solves exactly as they were."""
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
+    stat = tuple(m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64) for m in factors)
+    v = torch.randn(4, DIM, generator=generator, dtype=torch.float64)
+    expected = struct.apply(struct.factorize(stat, RIDGE), v)
+    real_eigh = torch.linalg.eigh
+    marked = stat[1][2].clone()  # chain 2's G of the first layer: LAPACK "fails" on it
+
+    def eigh(m):
+        if any(torch.equal(x, marked) for x in (m if m.ndim == 3 else m[None])):
+            raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge")
+        return real_eigh(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    out = struct.apply(struct.factorize(stat, RIDGE), v)
+    assert torch.isnan(out[2, :6]).all()  # the chain's first layer
+    torch.testing.assert_close(out[2, 6:], expected[2, 6:], rtol=0, atol=0)
+    torch.testing.assert_close(out[[0, 1, 3]], expected[[0, 1, 3]], rtol=1e-12, atol=1e-12)
+
+
 def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):
     # y = W [x, 1] + sigma eps with two outputs: the Fisher is exactly (I / sigma^2) (x) mean([x, 1][x, 1]^T),
     # and fixed-kfac holds it. Started there and fed scores simulated from the model at fixed theta, the EMA
