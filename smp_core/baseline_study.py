@@ -155,33 +155,65 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
     return summarise_replicates([{**ts.tables(r), "agreement": agreement(r)} for r in runs])
 
 
-def findings(agree: pd.DataFrame, scores: pd.DataFrame, smp: str = "SMP-ema-block") -> pd.DataFrame:
+def paired_lead(differences) -> float:
+    """Mean of paired per-replicate differences over its standard error (NaN for fewer than two
+    replicates or no spread): how many standard errors one method leads another by."""
+    diffs = np.asarray(differences, dtype=np.float64)
+    if len(diffs) < 2:
+        return float("nan")
+    se = diffs.std(ddof=1) / np.sqrt(len(diffs))
+    return float(diffs.mean() / se) if se > 0 else float("nan")
+
+
+def findings(agree: pd.DataFrame, scores: pd.DataFrame, agree_replicates: pd.DataFrame | None = None,
+             scores_replicates: pd.DataFrame | None = None, smp: str = "SMP-ema-block") -> pd.DataFrame:
     """Judged on the replicate means: per criterion, the best method other than NUTS and where ``smp``
     ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, are left out), as text
     ("–" where it has none), so that the table prints as it is stored.
 
     The criteria are ours, fixed before the runs: closest predictive to NUTS (``tv_to_nuts``), epistemic
     uncertainty where NUTS has it (``mi_surface_corr``), as much of it as NUTS (``|log mi_over_nuts|``),
-    lowest test NLL.
+    lowest test NLL. Given the per-replicate tables (``*_replicates`` of :func:`summarise`), the best is
+    compared with the runner-up replicate by replicate: ``lead (se)`` is the mean paired difference over
+    its standard error, and the lead counts as resolved from 2 standard errors on (one replicate: not
+    resolved).
     """
     methods = [m for m in agree.index if m not in ("NUTS", "NUTS-mean", "MAP")]
-    measures = {
-        "closest predictive to NUTS (mean absolute difference of p)": agree.loc[methods, "tv_to_nuts"],
-        "MI surface most like NUTS's (highest correlation)": -agree.loc[methods, "mi_surface_corr"],
-        "amount of MI closest to NUTS's (absolute log of the MI ratio)":
-            np.log(agree.loc[methods, "mi_over_nuts"]).abs(),
-        "lowest test NLL": scores.loc[methods, "nll"],
-    }
+
+    def criteria(a, s):
+        return {
+            "closest predictive to NUTS (mean absolute difference of p)": a.loc[methods, "tv_to_nuts"],
+            "MI surface most like NUTS's (highest correlation)": -a.loc[methods, "mi_surface_corr"],
+            "amount of MI closest to NUTS's (absolute log of the MI ratio)":
+                np.log(a.loc[methods, "mi_over_nuts"]).abs(),
+            "lowest test NLL": s.loc[methods, "nll"],
+        }
+
+    per_replicate = None
+    if agree_replicates is not None and scores_replicates is not None:
+        per_replicate = [criteria(agree_replicates.xs(r, level="replicate"),
+                                  scores_replicates.xs(r, level="replicate"))
+                         for r in agree_replicates.index.unique(level="replicate")]
     rows = []
-    for criterion, values in measures.items():
+    for criterion, values in criteria(agree, scores).items():
         ranks = values.rank(method="min")
-        rows.append({"criterion": criterion, "best": values.idxmin(),
-                     f"{smp} rank": str(int(ranks[smp])) if smp in ranks and not np.isnan(ranks[smp]) else "–",
-                     "methods ranked": int(values.notna().sum())})
+        order = values.sort_values().index
+        row = {"criterion": criterion, "best": order[0],
+               f"{smp} rank": str(int(ranks[smp])) if smp in ranks and not np.isnan(ranks[smp]) else "–",
+               "methods ranked": int(values.notna().sum())}
+        if per_replicate is not None:
+            lead = paired_lead(np.array([v[criterion][order[1]] - v[criterion][order[0]] for v in per_replicate]))
+            row.update({"runner-up": order[1], "lead (se)": round(lead, 1),
+                        "resolved": "yes" if lead >= 2 else "no"})
+        rows.append(row)
     glm, nn = "Laplace-dense", "Laplace-dense-nn"
     if glm in scores.index and nn in scores.index:
-        better = scores.loc[glm, "nll"] < scores.loc[nn, "nll"]
-        rows.append({"criterion": "dense Laplace: the linearised predictive has a lower NLL than the network's own "
-                                  "(Immer et al. 2021)",
-                     "best": glm if better else nn, f"{smp} rank": "–", "methods ranked": 2})
+        best, other = (glm, nn) if scores.loc[glm, "nll"] < scores.loc[nn, "nll"] else (nn, glm)
+        row = {"criterion": "dense Laplace: the linearised predictive has a lower NLL than the network's own "
+                            "(Immer et al. 2021)", "best": best, f"{smp} rank": "–", "methods ranked": 2}
+        if scores_replicates is not None:
+            nll = scores_replicates["nll"].unstack("method")
+            lead = paired_lead((nll[other] - nll[best]).to_numpy())
+            row.update({"runner-up": other, "lead (se)": round(lead, 1), "resolved": "yes" if lead >= 2 else "no"})
+        rows.append(row)
     return pd.DataFrame(rows).set_index("criterion")

@@ -15,7 +15,8 @@ categorical or Gaussian likelihood, built on the same Fisher statistics as the S
   log likelihood (MacKay 1992; Ritter, Botev and Barber 2018 for KFAC; Daxberger et al. 2021).
 * :func:`linearised_logits`: the "GLM" predictive of Immer, Korzepa and Bauer (2021): a sample's
   logits are ``g(x, theta_MAP) + J(x) (theta - theta_MAP)``, the network linearised at the MAP, the
-  model in which the GGN Laplace approximation is the exact Laplace approximation. Sampling the
+  model whose exact Laplace approximation is the dense GGN one (the other structures approximate
+  it). Sampling the
   network itself at Laplace draws (``predict``) is the other, known to underfit.
 
 Deep ensembles need no code of their own here: they are independent MAP fits from random starts.

@@ -112,6 +112,10 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     """
     from .nuts import check_nuts_mean, nuts_mean_passes, run_nuts
 
+    ours = [v for v in variants if v not in TOY_VARIANTS]
+    if seed_offset == 0 and ours and len(ours) < len(variants):
+        raise ValueError(f"variants {ours} would share seeds with the paper's variants in {list(variants)}: run them "
+                         "apart with a seed_offset (see toy_kfac)")
     seeds = replicate_seeds(cfg["seed"], replicate)
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
     x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])

@@ -52,9 +52,38 @@ def test_findings_pick_the_best_and_rank_smp():
     assert found.loc[amount, "SMP-ema-block rank"] == "3"
     assert found.loc["lowest test NLL", "best"] == "Ensemble"
     assert found["methods ranked"].iloc[0] == 4  # NUTS and the point estimates are not ranked
+    assert "lead (se)" not in found.columns  # no per-replicate tables, no leads
     assert found.filter(like="linearised", axis=0)["best"].item() == "Laplace-dense"
     assert found.filter(like="linearised", axis=0)["SMP-ema-block rank"].item() == "–"
     assert "|" not in "".join(found.index)  # the criteria print inside a markdown table
+
+
+def test_paired_leads_over_replicates():
+    assert bs.paired_lead([1.0, 2.0, 3.0]) == pytest.approx(2 / (1 / np.sqrt(3)))
+    assert np.isnan(bs.paired_lead([0.5])) and np.isnan(bs.paired_lead([1.0, 1.0]))
+    names = ["NUTS", "NUTS-mean", "MAP", "SMP-ema-block", "Laplace-dense", "Laplace-dense-nn"]
+    # three replicates: Laplace-dense beats SMP-ema-block by 0.01 +- 0.001 in tv (resolved), and the NLLs of
+    # the two dense predictives differ by +0.1, -0.1, +0.3 (mean 0.1, se 0.115: not resolved)
+    tv = {"Laplace-dense": [0.010, 0.011, 0.012], "SMP-ema-block": [0.019, 0.021, 0.023],
+          "Laplace-dense-nn": [0.1, 0.1, 0.1]}
+    nll = {"Laplace-dense": [0.2, 0.3, 0.1], "Laplace-dense-nn": [0.3, 0.2, 0.4], "SMP-ema-block": [0.5, 0.5, 0.5]}
+    agree_rows, score_rows = [], []
+    for r in range(3):
+        for m in names:
+            agree_rows.append({"replicate": r, "method": m, "tv_to_nuts": tv.get(m, [0.0] * 3)[r],
+                               "mi_surface_corr": 0.5, "mi_over_nuts": 1.5})
+            score_rows.append({"replicate": r, "method": m, "nll": nll.get(m, [0.1] * 3)[r]})
+    agree_reps = pd.DataFrame(agree_rows).set_index(["replicate", "method"])
+    score_reps = pd.DataFrame(score_rows).set_index(["replicate", "method"])
+    found = bs.findings(agree_reps.groupby(level="method", sort=False).mean(),
+                        score_reps.groupby(level="method", sort=False).mean(), agree_reps, score_reps)
+    tv_row = found.loc["closest predictive to NUTS (mean absolute difference of p)"]
+    assert (tv_row["best"], tv_row["runner-up"]) == ("Laplace-dense", "SMP-ema-block")
+    assert tv_row["lead (se)"] == pytest.approx(round(0.01 / (0.001 / np.sqrt(3)), 1))
+    assert tv_row["resolved"] == "yes"
+    dense = found.filter(like="linearised", axis=0).iloc[0]
+    assert (dense["best"], dense["runner-up"], dense["resolved"]) == ("Laplace-dense", "Laplace-dense-nn", "no")
+    assert dense["lead (se)"] == pytest.approx(round(0.1 / (np.std([0.1, -0.1, 0.3], ddof=1) / np.sqrt(3)), 1))
 
 
 def test_laplace_rows_and_seeds():
@@ -82,14 +111,19 @@ def test_a_tiny_run_has_every_row(tiny_run):
     tables = bs.summarise([run])
     assert list(tables["agreement_mean"].index) == expected
     assert np.isfinite(tables["scores_mean"].to_numpy()).all()
-    # the MAP is the one of NUTS-mean's basin: a maximum, close to where it started
-    assert run["map"]["converged"] and run["map"]["distance_from_nuts_mean"] < 3
-    assert len(run["ensemble_log_posteriors"]) == 3
+    # the MAP climbs from NUTS-mean: L-BFGS never ends below its start
+    from smp_core.nuts import log_posterior
+
+    x, y = run["train"]
+    at_start = float(log_posterior(run["theta_hat"].astype(np.float64), x.astype(np.float64), y.astype(np.float64)))
+    assert run["map"]["converged"] and run["map"]["log_posterior"] >= at_start
+    assert len(run["ensemble_log_posteriors"]) == cfg["ensemble_members"]
     # the linearised and the network's own predictive of one structure share its draws
     assert (run["evals"]["Laplace-dense"].variances["params_variance"]
             == run["evals"]["Laplace-dense-nn"].variances["params_variance"])
     assert run["elapsed"]["Laplace-dense"] == run["elapsed"]["Laplace-dense-nn"]
-    assert run["evals"]["SMP-none from MAP"].scores != run["evals"]["SMP-none"].scores  # another start
+    # another start (equal scores would mean the MAP was ignored and NUTS-mean used again)
+    assert run["evals"]["SMP-none from MAP"].scores != run["evals"]["SMP-none"].scores
     assert set(run["diverged"]) == {"SMP-none", "SMP-ema-block", "SMP-none from MAP", "SMP-ema-block from MAP"}
 
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from smp_core import as_chain_model, baselines, get_likelihood, predict, toy_mlp
-from smp_core.fisher import structure_for
+from smp_core.fisher import kronecker_fisher, structure_for
 
 
 def _design(n=200, p=3, seed=0):
@@ -119,9 +119,12 @@ def test_structures_of_a_network_nest():
     for block in structure_for(as_chain_model(net), "block").blocks:
         mask[block, block] = True
     torch.testing.assert_close(fits["block"].precision, torch.where(mask, dense, 0), rtol=1e-10, atol=1e-12)
-    # kfac: positive definite, the prior's ridge on its diagonal at least, unlike the dense GGN in general
-    assert torch.linalg.eigvalsh(fits["kfac"].precision).min() >= 1.0 - 1e-9
-    assert not torch.allclose(fits["kfac"].precision, dense)
+    # kfac: N times the Kronecker-factored Fisher of every layer, plus the prior's precision exactly once
+    model = as_chain_model(net)
+    shape = structure_for(model, "kfac")
+    stat = kronecker_fisher(model, get_likelihood("bernoulli"), theta[None], x, structure=shape)
+    expected = 100 * shape.to_dense(stat)[0] + torch.eye(20, dtype=torch.float64)
+    torch.testing.assert_close(fits["kfac"].precision, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_same_generator_same_draws():

@@ -48,3 +48,13 @@ def test_toy_brier_is_the_one_class_score():
     two_class = metrics.brier(metrics.binary_probs(p), y)
     one_class = float(((p[0] - y) ** 2).mean())
     assert ts.one_class_brier(pd.Series([two_class]))[0] == pytest.approx(one_class)
+
+
+def test_paper_variants_keep_their_seeds_and_others_may_not_share_them():
+    seeds = ts.replicate_seeds(2026, 0)
+    from smp_core.config import TOY_VARIANTS, get_config
+
+    assert ts.variant_seed(seeds, "ema-block", 1) == seeds["smp"] + TOY_VARIANTS.index("ema-block")
+    assert ts.variant_seed(seeds, "fixed-kfac", 1, seed_offset=10) == seeds["smp"] + 11
+    with pytest.raises(ValueError, match="would share seeds"):  # before any NUTS run
+        ts.run_replicate(get_config("toy", "ci"), 0, variants=["fixed-kfac", "none"])
