@@ -34,6 +34,7 @@ import torch
 from . import toy_study as ts
 from .baselines import fit_laplace, linearised_logits
 from .models import toy_mlp
+from .toy import make_grid, make_toy_data
 
 STUDY_VERSION = 3  # bump when a change to this module changes its results (invalidates the cache)
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
@@ -70,8 +71,9 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     seeds = {**run["seeds"], **baseline_seeds(cfg["seed"], replicate)}
     x_np, y_np = run["train"]
     x = torch.as_tensor(x_np, dtype=torch.float64)
-    x_test, y_test = _test_data(cfg, run["seeds"])
-    grid, shape = _grid(cfg)
+    x_test, y_test = make_toy_data(cfg["n_test"], run["seeds"]["test"])  # as ts.run_replicate made them
+    gx, _, grid = make_grid(cfg["grid_per_axis"])
+    shape = tuple(gx.shape)
     prior_scale = cfg["prior_precision"] ** -0.5
 
     def evaluate(samples, logits_of=None):
@@ -116,19 +118,6 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
                   "distance_from_nuts_mean": float(np.linalg.norm(fit.theta - run["theta_hat"]))}
     run["ensemble_log_posteriors"] = [m.log_posterior for m in members]
     return run
-
-
-def _test_data(cfg, seeds):
-    from .toy import make_toy_data
-
-    return make_toy_data(cfg["n_test"], seeds["test"])
-
-
-def _grid(cfg):
-    from .toy import make_grid
-
-    gx, _, grid = make_grid(cfg["grid_per_axis"])
-    return grid, tuple(gx.shape)
 
 
 def agreement(run: dict[str, Any]) -> pd.DataFrame:
