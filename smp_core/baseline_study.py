@@ -36,7 +36,7 @@ from .baselines import fit_laplace, linearised_logits
 from .models import toy_mlp
 from .toy import make_grid, make_toy_data
 
-STUDY_VERSION = 3  # bump when a change to this module changes its results (invalidates the cache)
+STUDY_VERSION = 4  # bump when a change to this module changes its results (invalidates the cache)
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
 
 

@@ -13,11 +13,15 @@ categorical or Gaussian likelihood, built on the same Fisher statistics as the S
   (one block per parameter tensor), ``kfac`` (``G (x) A`` per layer) or ``dense``. ``alpha`` is the
   precision of the Gaussian prior ``N(0, alpha^-1 I)`` whose log density the MAP maximised with the
   log likelihood (MacKay 1992; Ritter, Botev and Barber 2018 for KFAC; Daxberger et al. 2021).
+  ``diag`` and ``kfac`` never form a ``d x d`` matrix (a ``kfac`` posterior is sampled through the
+  eigenvectors of its factors), so they serve networks of any size, LeNet-5 included.
+* :meth:`LaplacePosterior.log_marginal_likelihood` and :func:`optimise_prior_precision`: the
+  Laplace approximation of the evidence ``log p(D | alpha)`` and the prior precision that maximises
+  it with ``theta_MAP`` held fixed (MacKay 1992; the post-hoc tuning of Daxberger et al. 2021).
 * :func:`linearised_logits`: the "GLM" predictive of Immer, Korzepa and Bauer (2021): a sample's
   logits are ``g(x, theta_MAP) + J(x) (theta - theta_MAP)``, the network linearised at the MAP, the
   model whose exact Laplace approximation is the dense GGN one (the other structures approximate
-  it). Sampling the
-  network itself at Laplace draws (``predict``) is the other, known to underfit.
+  it). Sampling the network itself at Laplace draws (``predict``) is the other, known to underfit.
 
 Deep ensembles need no code of their own here: they are independent MAP fits from random starts.
 """
@@ -25,62 +29,189 @@ Deep ensembles need no code of their own here: they are independent MAP fits fro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from .fisher import estimate_fisher, structure_for
+from .fisher import diagonal_fisher_by_layers, estimate_fisher, structure_for
 from .likelihoods import get_likelihood
-from .models import ChainModel, as_chain_model
+from .models import ChainModel, as_chain_model, predict
+from .preconditioners import Stat, Structure
 
 LAPLACE_STRUCTURES = ("diag", "block", "kfac", "dense")
 # Beyond this many parameters a dense d x d precision (and its Cholesky factor) is not built.
 MAX_DENSE_DIM = 10_000
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class LaplacePosterior:
-    """``N(mean, precision^-1)``; ``precision`` is ``(d,)`` for ``diag`` and ``(d, d)`` otherwise.
+    """``N(mean, Lambda^-1)`` with ``Lambda = n_data * GGN + prior_precision * I``, the GGN kept in a structure.
 
-    ``structure`` names the Fisher structure the precision kept; ``n_data`` and ``prior_precision``
-    are the ``N`` and ``alpha`` of ``Lambda = N * GGN + alpha I``.
+    ``ggn`` is the GGN statistic of ``shape`` (a :class:`~smp_core.preconditioners.Structure`, batch
+    dimension 1): the diagonal, the blocks, the Kronecker factors ``(A_1, G_1, ...)`` or the matrix.
+    Nothing of size ``d x d`` is formed for ``diag`` and ``kfac``, so these work for networks of any
+    size; ``block`` forms one matrix per block, ``dense`` one ``d x d`` matrix.
+
+    The prior precision can be changed afterwards (:meth:`with_prior_precision`), for example to the
+    value that maximises the Laplace approximation of the marginal likelihood
+    (:func:`optimise_prior_precision`), without computing the GGN again.
     """
 
     mean: torch.Tensor
-    precision: torch.Tensor
-    structure: str
+    shape: Structure
+    ggn: Stat
     prior_precision: float
     n_data: int
+
+    @property
+    def structure(self) -> str:
+        return self.shape.name
 
     @property
     def dim(self) -> int:
         return self.mean.shape[0]
 
+    def with_prior_precision(self, prior_precision: float) -> LaplacePosterior:
+        """The same GGN and mean with another prior precision ``alpha``."""
+        _check_prior_precision(prior_precision)
+        other = replace(self, prior_precision=float(prior_precision))
+        other.__dict__["_cache"] = self.__dict__.setdefault("_cache", {})  # the GGN's spectrum does not depend on alpha
+        return other
+
+    @property
+    def precision(self) -> torch.Tensor:
+        """``Lambda``: the ``(d,)`` diagonal for ``diag``, otherwise the ``(d, d)`` matrix (refused above
+        ``MAX_DENSE_DIM`` parameters)."""
+        if self.structure == "diag":
+            return self.n_data * self.ggn[0][0] + self.prior_precision
+        _check_dense_size(self.dim, f"the {self.structure!r} precision as a d x d matrix")
+        ggn = self.shape.to_dense(self.ggn)[0]
+        precision = self.n_data * ggn + self.prior_precision * torch.eye(self.dim, dtype=ggn.dtype, device=ggn.device)
+        return (precision + precision.T) / 2
+
+    def ggn_eigenvalues(self) -> torch.Tensor:
+        """The ``d`` eigenvalues of ``n_data * GGN`` in its structure (float64; ``Lambda``'s are these
+        plus ``alpha``). ``kfac``: ``N lambda_G,i lambda_A,j`` per layer; ``block``: those of every block."""
+        return self._spectrum()[0]
+
+    def log_det_precision(self) -> float:
+        """``log det Lambda`` from :meth:`ggn_eigenvalues` (no ``d x d`` matrix for ``diag`` and ``kfac``)."""
+        return float(torch.log1p(self.ggn_eigenvalues() / self.prior_precision).sum()
+                     + self.dim * math.log(self.prior_precision))
+
+    def log_marginal_likelihood(self, log_likelihood: float) -> float:
+        """The Laplace approximation of ``log p(D | alpha)`` (MacKay 1992; Immer et al. 2021,
+        *Scalable marginal likelihood estimation*):
+
+        ``log p(D | theta*) + log N(theta* | 0, I / alpha) + (d / 2) log 2 pi - (1 / 2) log det Lambda``
+        ``= log p(D | theta*) - alpha |theta*|^2 / 2 + (d / 2) log alpha - (1 / 2) log det Lambda``,
+
+        with ``theta*`` = :attr:`mean` and ``log_likelihood`` = ``log p(D | theta*)``, the sum over the
+        ``N`` training points (:func:`log_likelihood`). Exact for a linear-Gaussian model at its MAP.
+        """
+        if not math.isfinite(log_likelihood):
+            raise ValueError(f"log_likelihood must be finite, got {log_likelihood!r}")
+        sq_norm = float(self.mean.double().square().sum())
+        return (log_likelihood - self.prior_precision * sq_norm / 2
+                - 0.5 * float(torch.log1p(self.ggn_eigenvalues() / self.prior_precision).sum()))
+
+    def _spectrum(self) -> tuple[torch.Tensor, list]:
+        """``(eigenvalues of N * GGN, pieces)``, computed once: ``pieces`` holds what sampling needs
+        (``kfac``: per layer the eigenvectors and eigenvalues of both factors)."""
+        cache = self.__dict__.setdefault("_cache", {})
+        if "spectrum" not in cache:
+            n = self.n_data
+            if self.structure == "diag":
+                eigenvalues, pieces = n * _psd_eigenvalues(self.ggn[0][0].double(), "diagonal", self.ggn[0].dtype), []
+            elif self.structure == "kfac":
+                parts, pieces = [], []
+                for layer, a, g in zip(self.shape.layers, self.ggn[0::2], self.ggn[1::2], strict=True):
+                    eig_a, u_a = torch.linalg.eigh(a[0].double())
+                    eig_g, u_g = torch.linalg.eigh(g[0].double())
+                    scale = (n * _psd_eigenvalues(eig_g, "G", g.dtype)[:, None]
+                             * _psd_eigenvalues(eig_a, "A", a.dtype)[None, :])
+                    parts.append(scale.reshape(-1))
+                    pieces.append((layer, u_a, u_g, scale))
+                eigenvalues = torch.cat(parts)
+            else:
+                blocks = self.ggn if self.structure == "block" else (self.ggn[0],)
+                eigenvalues = torch.cat([n * _psd_eigenvalues(torch.linalg.eigvalsh(b[0].double()), "GGN", b.dtype)
+                                         for b in blocks])
+                pieces = []
+            cache["spectrum"] = (eigenvalues, pieces)
+        return cache["spectrum"]
+
     def covariance(self) -> torch.Tensor:
-        """The ``(d, d)`` covariance ``Lambda^-1`` (float64)."""
+        """The ``(d, d)`` covariance ``Lambda^-1`` (float64; refused above ``MAX_DENSE_DIM`` parameters)."""
         if self.structure == "diag":
             return torch.diag(1 / self.precision.double())
-        return torch.cholesky_inverse(self._cholesky())
-
-    def _cholesky(self) -> torch.Tensor:
-        factor, info = torch.linalg.cholesky_ex(self.precision.double())
-        if info.item() != 0:
-            raise ValueError("the Laplace precision N * GGN + alpha I is not positive definite (a non-finite "
-                             "or negative GGN entry?)")
-        return factor
+        _check_dense_size(self.dim, "the covariance as a d x d matrix")
+        return torch.cholesky_inverse(_cholesky(self.precision.double()))
 
     def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``(n_samples, d)`` draws ``mean + L^-T z`` with ``L L^T = Lambda`` (``z`` standard normal, float64),
-        returned in the mean's dtype."""
+        """``(n_samples, d)`` draws ``mean + Lambda^{-1/2} z`` (``z`` standard normal, float64),
+        returned in the mean's dtype.
+
+        ``diag``: ``z / sqrt(Lambda)``; ``dense`` and ``block``: ``L^-T z`` with ``L L^T = Lambda`` (per
+        block); ``kfac``: per layer ``U_G [Z / sqrt(N lambda_G lambda_A^T + alpha)] U_A^T`` with ``Z``
+        the layer's part of ``z`` as an ``n_out x p`` matrix and ``U`` the factors' eigenvectors,
+        which has the covariance ``(N G (x) A + alpha I)^-1`` exactly.
+        """
         if n_samples < 1:
             raise ValueError(f"n_samples must be at least 1, got {n_samples}")
         z = torch.randn(n_samples, self.dim, generator=generator, dtype=torch.float64)
+        alpha = self.prior_precision
         if self.structure == "diag":
             offsets = z / self.precision.double().sqrt()
+        elif self.structure == "kfac":
+            offsets = torch.empty_like(z)
+            for layer, u_a, u_g, scale in self._spectrum()[1]:
+                m = layer.matrix(z) / (scale + alpha).sqrt()
+                layer.scatter_(offsets, u_g @ m @ u_a.T)
         else:
-            offsets = torch.linalg.solve_triangular(self._cholesky().mT, z.T, upper=True).T
+            blocks = self.shape.blocks if self.structure == "block" else (slice(0, self.dim),)
+            stats = self.ggn if self.structure == "block" else (self.ggn[0],)
+            offsets = torch.empty_like(z)
+            for b, stat in zip(blocks, stats, strict=True):
+                m = stat[0].double()
+                precision = self.n_data * m + alpha * torch.eye(m.shape[0], dtype=m.dtype)
+                factor = _cholesky((precision + precision.T) / 2)
+                offsets[:, b] = torch.linalg.solve_triangular(factor.mT, z[:, b].T, upper=True).T
         return (self.mean.double() + offsets).to(self.mean.dtype)
+
+
+def _psd_eigenvalues(eigenvalues: torch.Tensor, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """Eigenvalues of a positive semi-definite matrix stored in ``dtype``, the small negatives that
+    rounding leaves (down to ``-n eps`` times the largest) set to 0."""
+    if not torch.isfinite(eigenvalues).all():
+        raise ValueError(f"the {what} matrix of the GGN is not finite")
+    floor = -eigenvalues.numel() * torch.finfo(dtype).eps * float(eigenvalues.abs().max().clamp_min(1e-300))
+    if float(eigenvalues.min()) < floor:
+        raise ValueError(f"the {what} matrix of the GGN has a negative eigenvalue {float(eigenvalues.min()):.3g} "
+                         "(it should be positive semi-definite)")
+    return eigenvalues.clamp_min(0)
+
+
+def _cholesky(precision: torch.Tensor) -> torch.Tensor:
+    factor, info = torch.linalg.cholesky_ex(precision)
+    if info.item() != 0:
+        raise ValueError("the Laplace precision N * GGN + alpha I is not positive definite (a non-finite "
+                         "or negative GGN entry?)")
+    return factor
+
+
+def _check_dense_size(rows: int, what: str) -> None:
+    if rows > MAX_DENSE_DIM:
+        raise ValueError(f"{what} would have {rows} rows; matrices of more than {MAX_DENSE_DIM} rows are not formed "
+                         "here: use structure='diag' or 'kfac', which never form them")
+
+
+def _check_prior_precision(prior_precision) -> None:
+    if not (isinstance(prior_precision, int | float) and not isinstance(prior_precision, bool)
+            and math.isfinite(prior_precision) and prior_precision > 0):
+        raise ValueError(f"prior_precision must be a finite number > 0 (the prior N(0, I / alpha)), "
+                         f"got {prior_precision!r}")
 
 
 def fit_laplace(
@@ -106,35 +237,84 @@ def fit_laplace(
 
     Returns:
         A :class:`LaplacePosterior` with precision ``N * GGN + alpha I`` (a ``kfac`` precision is
-        ``N (G (x) A) + alpha I`` per layer, its ridge exact, stored as the dense matrix).
+        ``N (G (x) A) + alpha I`` per layer, its ridge exact, never formed as a matrix).
     """
     if structure not in LAPLACE_STRUCTURES:
         raise ValueError(f"unknown Laplace structure {structure!r}; choose one of {LAPLACE_STRUCTURES}")
-    if not (isinstance(prior_precision, int | float) and math.isfinite(prior_precision) and prior_precision > 0):
-        raise ValueError(f"prior_precision must be a finite number > 0 (the prior N(0, I / alpha)), "
-                         f"got {prior_precision!r}")
+    _check_prior_precision(prior_precision)
     chain = as_chain_model(model, input_shape)
     dim = chain.layout.dim
     if theta_map.ndim != 1 or theta_map.shape[0] != dim:
         raise ValueError(f"theta_map must have shape ({dim},) for this model, got {tuple(theta_map.shape)}")
     if not torch.isfinite(theta_map).all():
         raise ValueError("theta_map contains NaN or infinite values")
-    if structure != "diag" and dim > MAX_DENSE_DIM:
-        raise ValueError(f"a {structure!r} Laplace precision is stored as a dense {dim} x {dim} matrix here; "
-                         f"use structure='diag' for more than {MAX_DENSE_DIM} parameters")
-    lik = get_likelihood(likelihood)
     shape = structure_for(chain, structure)
-    stat = estimate_fisher(chain, lik, theta_map.unsqueeze(0), x, kind="model", structure=shape)
-    n = x.shape[0]
-    if structure == "diag":
-        precision = n * stat[0][0] + prior_precision
-    else:
-        ggn = shape.to_dense(stat)[0]
-        precision = n * ggn + prior_precision * torch.eye(dim, dtype=ggn.dtype)
-        precision = (precision + precision.T) / 2  # exactly symmetric for the Cholesky factor
-    if not torch.isfinite(precision).all():
+    if structure == "dense":
+        _check_dense_size(dim, "a 'dense' Laplace precision")
+    elif structure == "block":
+        largest = max(b.stop - b.start for b in shape.blocks)
+        _check_dense_size(largest, "the largest block of a 'block' Laplace precision")
+    lik = get_likelihood(likelihood)
+    stat = None
+    if structure == "diag":  # layer by layer where the network allows it: no per-example gradient of it all
+        stat = diagonal_fisher_by_layers(chain, lik, theta_map.unsqueeze(0), x, kind="model")
+    if stat is None:
+        stat = estimate_fisher(chain, lik, theta_map.unsqueeze(0), x, kind="model", structure=shape)
+    if not all(bool(torch.isfinite(t).all()) for t in stat):
         raise ValueError("the GGN at theta_map is not finite (does the network overflow at theta_map?)")
-    return LaplacePosterior(theta_map.detach().clone(), precision.detach(), structure, float(prior_precision), n)
+    stat = tuple(t.detach() for t in stat)
+    if structure in ("block", "dense"):
+        stat = tuple((t + t.mT) / 2 for t in stat)  # exactly symmetric for the Cholesky factor
+    return LaplacePosterior(theta_map.detach().clone(), shape, stat, float(prior_precision), x.shape[0])
+
+
+def log_likelihood(
+    model: nn.Module | ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *,
+    input_shape: tuple[int, ...] | None = None, batch_size: int = 8192,
+) -> float:
+    """``log p(D | theta) = sum_i log f(y_i | x_i, theta)`` over a data set (float64 sum)."""
+    chain = as_chain_model(model, input_shape)
+    if theta.shape != (chain.layout.dim,):
+        raise ValueError(f"theta must have shape ({chain.layout.dim},), got {tuple(theta.shape)}")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
+    lik = get_likelihood(likelihood)
+    out = predict(chain, theta[None], x, batch_size=batch_size)[0]
+    return float(lik.log_prob(out, y).double().sum())
+
+
+def optimise_prior_precision(
+    posterior: LaplacePosterior, log_likelihood: float, bounds: tuple[float, float] = (1e-6, 1e8),
+) -> float:
+    """The prior precision ``alpha`` that maximises :meth:`LaplacePosterior.log_marginal_likelihood`
+    with the GGN and ``theta*`` held fixed (the post-hoc choice of Daxberger et al. 2021).
+
+    In ``u = log alpha`` the objective ``-(1/2) sum_i log(1 + N lambda_i e^-u) - e^u |theta*|^2 / 2``
+    (plus constants) is concave, so a bounded scalar search finds its one maximum. At it MacKay's
+    fixed point holds: ``alpha |theta*|^2 = gamma = sum_i N lambda_i / (N lambda_i + alpha)``, the
+    effective number of parameters. Returns ``alpha``; a maximum at a bound raises (widen ``bounds``).
+    """
+    from scipy.optimize import minimize_scalar
+
+    low, high = bounds
+    if not 0 < low < high < math.inf:
+        raise ValueError(f"bounds must satisfy 0 < low < high < inf, got {bounds}")
+    eigenvalues = posterior.ggn_eigenvalues()
+    sq_norm = float(posterior.mean.double().square().sum())
+    if sq_norm == 0:
+        raise ValueError("theta* is zero: the marginal likelihood grows without bound in alpha")
+
+    def negative(u: float) -> float:
+        alpha = math.exp(u)
+        return 0.5 * float(torch.log1p(eigenvalues / alpha).sum()) + alpha * sq_norm / 2
+
+    res = minimize_scalar(negative, bounds=(math.log(low), math.log(high)), method="bounded",
+                          options={"xatol": 1e-10})
+    u = float(res.x)
+    if min(u - math.log(low), math.log(high) - u) < 1e-4:
+        raise ValueError(f"the marginal likelihood is largest at the bound alpha = {math.exp(u):.3g} of {bounds}; "
+                         "widen the bounds")
+    return math.exp(u)
 
 
 def linearised_logits(

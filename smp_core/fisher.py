@@ -358,7 +358,19 @@ def diagonal_empirical_fisher_by_layers(
     model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 512,
     max_elements: int = 2**26,
 ) -> Stat | None:
-    """``diag((1/n) sum_i s_i s_i^T)`` with ``s_i = grad log f_theta(y_i | x_i)``, for every row of ``theta``.
+    """:func:`diagonal_fisher_by_layers` of the empirical Fisher (the MNIST preconditioner)."""
+    return diagonal_fisher_by_layers(model, likelihood, theta, x, y, kind="empirical", batch_size=batch_size,
+                                     max_elements=max_elements)
+
+
+def diagonal_fisher_by_layers(
+    model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None, *,
+    kind: str = "empirical", batch_size: int = 512, max_elements: int = 2**26,
+) -> Stat | None:
+    """``diag((1/n) sum_i sum_c v_ic v_ic^T)`` for every row of ``theta``: the empirical Fisher
+    (``v_i = s_i = grad log f_theta(y_i | x_i)``, needs ``y``) or the model-expected one (``kind="model"``,
+    ``v_ic = J_i^T L_i[:, c]``, one backward pass per column ``c`` of the output Fisher's factor; the
+    diagonal of the GGN of :func:`smp_core.baselines.fit_laplace`).
 
     Exact, for networks whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``)
     layers that each run once per input (the eq. of Section 3.3.3). Per chain and per batch of
@@ -374,6 +386,10 @@ def diagonal_empirical_fisher_by_layers(
     ``batch_size`` examples go through at a time, fewer when a convolution's patches and per-example
     weight gradients for that many would exceed ``max_elements`` numbers.
     """
+    if kind not in ("model", "empirical"):
+        raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
+    if kind == "empirical" and y is None:
+        raise ValueError("the empirical Fisher needs labels y")
     layers = _layers_covering(model)
     if layers is None or not x.is_floating_point():
         return None
@@ -385,30 +401,44 @@ def diagonal_empirical_fisher_by_layers(
     for chain, row in enumerate(theta):
         params = model.layout.unflatten(row.detach())
         for start in range(0, n, batch_size):
-            xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+            xb = x[start : start + batch_size]
             out, record = _recorded_forward(model.module, layers, params, xb)
             if any(len(r) != 1 for r in record.values()):
                 return None  # a layer ran twice (or never): per-example products do not apply
             outputs = [record[layer][0][1] for layer, _, _ in layers]
-            residual = likelihood.residual(out.detach(), yb)
-            deltas = torch.autograd.grad(out, outputs, residual, allow_unused=True)
-            for (layer, weight, bias), delta in zip(layers, deltas, strict=True):
-                if delta is None:
-                    continue  # the layer does not reach the output: zero gradient
-                h = record[layer][0][0]
-                if h.shape[0] != xb.shape[0]:
-                    return None  # the rows of this layer are not the examples
-                if isinstance(layer, nn.Linear):
-                    if h.ndim != 2:
-                        return None
-                    sq = delta * delta
-                    totals[index[weight]][chain] += (sq.T @ (h * h)).reshape(-1)
-                    if bias:
-                        totals[index[bias]][chain] += sq.sum(0)
-                else:
-                    cols, _ = _im2col(h, layer)  # (b, C * kh * kw, L)
-                    per_example = torch.bmm(delta.flatten(2), cols.transpose(1, 2))  # (b, O, C * kh * kw)
-                    totals[index[weight]][chain] += (per_example * per_example).sum(0).reshape(-1)
-                    if bias:
-                        totals[index[bias]][chain] += delta.sum((2, 3)).square().sum(0)
+            if kind == "empirical":
+                cotangents = [likelihood.residual(out.detach(), y[start : start + batch_size])]
+            else:
+                factor = likelihood.fisher_factor(out.detach())  # (b, m, r)
+                cotangents = [factor[..., c] for c in range(factor.shape[-1])]
+            for c, cotangent in enumerate(cotangents):
+                deltas = torch.autograd.grad(out, outputs, cotangent, retain_graph=c < len(cotangents) - 1,
+                                             allow_unused=True)
+                if not _add_squared_gradients_(totals, index, layers, record, deltas, chain, xb.shape[0]):
+                    return None
     return (torch.cat(totals, dim=1) / n,)
+
+
+def _add_squared_gradients_(totals, index, layers, record, deltas, chain: int, batch: int) -> bool:
+    """Add the squares of the per-example gradients that the output gradients ``deltas`` pull back
+    (one per layer) to ``totals``; ``False`` where a layer's rows are not the examples."""
+    for (layer, weight, bias), delta in zip(layers, deltas, strict=True):
+        if delta is None:
+            continue  # the layer does not reach the output: zero gradient
+        h = record[layer][0][0]
+        if h.shape[0] != batch:
+            return False  # the rows of this layer are not the examples
+        if isinstance(layer, nn.Linear):
+            if h.ndim != 2:
+                return False
+            sq = delta * delta
+            totals[index[weight]][chain] += (sq.T @ (h * h)).reshape(-1)
+            if bias:
+                totals[index[bias]][chain] += sq.sum(0)
+        else:
+            cols, _ = _im2col(h, layer)  # (b, C * kh * kw, L)
+            per_example = torch.bmm(delta.flatten(2), cols.transpose(1, 2))  # (b, O, C * kh * kw)
+            totals[index[weight]][chain] += (per_example * per_example).sum(0).reshape(-1)
+            if bias:
+                totals[index[bias]][chain] += delta.sum((2, 3)).square().sum(0)
+    return True

@@ -21,6 +21,8 @@ Binary classification uses one logit (eq. 2.7: ``p = sigmoid(g)``), multiclass t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -152,8 +154,8 @@ class Gaussian:
     def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         y = y.reshape(out.shape).to(out.dtype)
         z = (y - out) / self.sigma
-        return (-0.5 * z * z - 0.5 * torch.log(torch.tensor(2 * torch.pi)) - torch.log(
-            torch.tensor(self.sigma))).sum(-1)
+        # the constant in Python floats: float32 tensors of it would round a float64 log density
+        return (-0.5 * z * z - (0.5 * math.log(2 * math.pi) + math.log(self.sigma))).sum(-1)
 
     def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return (y.reshape(out.shape).to(out.dtype) - out) / self.sigma**2

@@ -57,6 +57,7 @@ PAGES = (
     "book/generated/mnist_growth.html",
     "book/generated/summary.html",
     "book/generated/toy_baselines.html",
+    "book/generated/mnist_baselines.html",
     "book/generated/toy_kfac.html",
     "book/generated/toy_tail.html",
     "book/generated/mnist_tail.html",
@@ -67,7 +68,8 @@ REQUIRED = {"book/intro.html", "book/method.html", "book/generated/toy.html", "b
 # Pages that must contain typeset math (the others are checked only if they have math).
 MATH_PAGES = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html",
               "book/generated/mnist_growth.html", "book/generated/toy_kfac.html", "book/generated/mnist_kfac.html",
-              "book/generated/toy_baselines.html", "book/generated/toy_tail.html", "book/generated/mnist_tail.html"}
+              "book/generated/toy_baselines.html", "book/generated/toy_tail.html", "book/generated/mnist_tail.html",
+              "book/generated/mnist_baselines.html"}
 
 CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = (

@@ -16,7 +16,8 @@ def test_paper_scale_uses_the_papers_settings():
 
 
 def test_every_scale_exists_and_configs_are_copies():
-    for study in ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_growth", "mnist_kfac", "mnist_tail"):
+    for study in ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_baselines", "mnist_growth",
+                  "mnist_kfac", "mnist_tail"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -103,3 +104,13 @@ def test_mnist_tail_checks_inside_the_mnist_run():
         mnist, tail = get_config("mnist", scale), get_config("mnist_tail", scale)
         assert 0 < tail["check_from"] < mnist["n_steps"] and tail["check_from"] % 50 == 0
         assert tail["tail_to"] == 10**6 >= mnist["n_steps"]  # the paper's K
+
+
+def test_mnist_baselines_study_shares_the_mnist_settings():
+    from smp_core.config import MNIST_BASELINE_KEYS
+
+    for scale in SCALES:
+        mnist, baselines = get_config("mnist", scale), get_config("mnist_baselines", scale)
+        assert {k: v for k, v in baselines.items() if k not in (*MNIST_BASELINE_KEYS, "study")} == {
+            k: v for k, v in mnist.items() if k != "study"}  # the same data, MAP and SMP settings
+        assert set(baselines["laplace_structures"]) <= {"diag", "kfac"}  # no d x d matrix for LeNet-5

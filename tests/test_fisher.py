@@ -413,3 +413,24 @@ def test_kfac_leaves_the_modules_buffers_alone(generator):
                            structure="kfac")
     assert len(stat) == 4 and all(torch.isfinite(m).all() for m in stat)
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize("lik, outputs", [(Categorical(), 3), (Gaussian(0.7), 2), (Bernoulli(), 1)])
+@pytest.mark.parametrize("chains", [1, 2])
+def test_model_expected_diagonal_by_layers_equals_the_general_path(lik, outputs, chains, generator):
+    """The model-expected (GGN) diagonal layer by layer against the per-example vectors of fisher_vectors."""
+    from smp_core.fisher import diagonal_fisher_by_layers
+
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 4 * 4, outputs)).double()
+    model = as_chain_model(net, (1, 6, 6))
+    theta = model.layout.flatten(net) + 0.3 * torch.randn(chains, model.layout.dim, generator=generator,
+                                                          dtype=torch.float64)
+    x = torch.rand(23, 1, 6, 6, generator=generator, dtype=torch.float64)
+    (general,) = estimate_fisher(model, lik, theta, x, kind="model", structure="diag")
+    (by_layers,) = diagonal_fisher_by_layers(model, lik, theta, x, kind="model", batch_size=5)
+    torch.testing.assert_close(by_layers, general, rtol=1e-10, atol=1e-13)
+    assert (general > 0).sum() >= 10  # not trivially zero (the ReLU silences some units)
+    with pytest.raises(ValueError, match="needs labels"):
+        diagonal_fisher_by_layers(model, lik, theta, x, kind="empirical")
+    with pytest.raises(ValueError, match="unknown Fisher kind"):
+        diagonal_fisher_by_layers(model, lik, theta, x, kind="observed")

@@ -116,3 +116,12 @@ def test_likelihood_errors():
         Categorical().log_prob(torch.zeros(2, 3), torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="0 or 1"):
         Bernoulli().log_prob(torch.zeros(2, 1), torch.tensor([0.0, 2.0]))
+
+
+def test_gaussian_log_prob_keeps_float64():
+    """The density's constant must not be rounded to float32 (it once was, by 4e-8 per point)."""
+    out = torch.linspace(-2, 2, 50, dtype=torch.float64)[:, None]
+    y = torch.linspace(1, -1, 50, dtype=torch.float64)
+    got = get_likelihood("gaussian", sigma=0.7).log_prob(out, y)
+    expected = torch.distributions.Normal(out[:, 0], 0.7).log_prob(y)
+    torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
