@@ -260,8 +260,9 @@ def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
 
 def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
     """Per test set (angle) and per metric (NLL, Brier score): the best method, the runner-up and the
-    best SMP variant, each lead in standard errors of the mean per-image difference (paired over the
-    test images, so it measures the test set's sampling error only), resolved from ``resolved_at``."""
+    best SMP variant (when it is neither), each lead in standard errors of the mean per-image
+    difference (paired over the test images, so it measures the test set's sampling error only),
+    resolved from ``resolved_at``."""
     from .baseline_study import paired_lead
 
     rows = []
@@ -272,7 +273,9 @@ def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
             ranked = sorted(per_image, key=lambda n: float(per_image[n].mean()))
             best = ranked[0]
             smp = [n for n in ranked if n.startswith("SMP-")]
-            comparisons = [("runner-up", ranked[1])] + ([("best SMP", smp[0])] if smp and smp[0] != best else [])
+            comparisons = [("runner-up", ranked[1])]
+            if smp and smp[0] not in ranked[:2]:  # the best SMP variant, unless it is one of the two
+                comparisons.append(("best SMP", smp[0]))
             for what, other in comparisons:
                 lead = paired_lead((per_image[other] - per_image[best]).numpy())
                 rows.append({"angle": angle, "metric": metric, "best": best,

@@ -86,9 +86,11 @@ def test_findings_lead_is_paired_over_images():
     assert smp["other"] == "SMP-none" and smp["lead_se"] == pytest.approx(diffs.mean() / (diffs.std(ddof=1) / 2))
     assert bool(smp["resolved"]) and not bool(row["resolved"])
     assert f.loc[("brier", "best SMP"), "lead_se"] == pytest.approx(smp["lead_se"])  # the same pairs scaled
-    # when an SMP variant is best there is no separate best-SMP row
-    best_smp = mbs.findings(_evals({"SMP-none": [0.1, 0.2], "MAP": [1.0, 1.1]}))
+    # when an SMP variant is best or runner-up there is no separate best-SMP row
+    best_smp = mbs.findings(_evals({"SMP-none": [0.1, 0.2], "MAP": [1.0, 1.1], "SMP-ema-diag": [2.0, 2.1]}))
     assert list(best_smp["compared"]) == ["runner-up", "runner-up"]
+    second = mbs.findings(_evals({"MAP": [0.1, 0.2], "SMP-none": [1.0, 1.1], "SMP-ema-diag": [2.0, 2.1]}))
+    assert list(second["other"]) == ["SMP-none", "SMP-none"]
 
 
 def test_method_names():
