@@ -283,3 +283,18 @@ def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
                              "other_value": float(per_image[other].mean()), "lead_se": lead,
                              "resolved": bool(lead >= resolved_at)})
     return pd.DataFrame(rows)
+
+
+def leads_over(evals: dict[str, dict], reference: str = "MAP", metric: str = "nll") -> pd.DataFrame:
+    """``method x angle``: by how many standard errors each method's mean per-image ``metric`` is
+    below the ``reference``'s (paired over the test images; positive: better than the reference,
+    NaN for the reference itself)."""
+    from .baseline_study import paired_lead
+
+    angles = list(evals[reference]["per_image"])
+    table = pd.DataFrame(
+        {angle: {name: (float("nan") if name == reference else paired_lead(
+            (evals[reference]["per_image"][angle][metric] - e["per_image"][angle][metric]).double().numpy()))
+            for name, e in evals.items()} for angle in angles})
+    table.index.name, table.columns.name = "method", "angle"
+    return table

@@ -136,3 +136,12 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     again = mbs.tables(mbs.run_study(cfg, data, **kw))
     assert again["scores"].drop(columns="predict_seconds").equals(tables["scores"].drop(columns="predict_seconds"))
     assert again["laplace"].equals(lap)
+
+
+def test_leads_over_the_map():
+    evals = _evals({"MAP": [1.0, 2.0, 3.0], "SMP-none": [0.9, 1.8, 2.9], "Ensemble (5)": [1.0, 2.0, 3.0]})
+    table = mbs.leads_over(evals)
+    diffs = np.array([0.1, 0.2, 0.1])
+    assert table.loc["SMP-none", 0] == pytest.approx(diffs.mean() / (diffs.std(ddof=1) / math.sqrt(3)))
+    assert math.isnan(table.loc["MAP", 0]) and math.isnan(table.loc["Ensemble (5)", 0])  # no spread: no lead
+    assert (mbs.leads_over(evals, reference="SMP-none").loc["MAP"] < 0).all()  # worse than the reference
