@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from .fisher import diagonal_fisher_by_layers, estimate_fisher, structure_for
 from .likelihoods import get_likelihood
@@ -157,10 +158,13 @@ class LaplacePosterior:
         block); ``kfac``: per layer ``U_G [Z / sqrt(N lambda_G lambda_A^T + alpha)] U_A^T`` with ``Z``
         the layer's part of ``z`` as an ``n_out x p`` matrix and ``U`` the factors' eigenvectors,
         which has the covariance ``(N G (x) A + alpha I)^-1`` exactly.
+
+        ``z`` is drawn on the CPU (with a CPU ``generator``), so the same seed gives the same draws on
+        any device; the draws are returned on the mean's device.
         """
         if n_samples < 1:
             raise ValueError(f"n_samples must be at least 1, got {n_samples}")
-        z = torch.randn(n_samples, self.dim, generator=generator, dtype=torch.float64)
+        z = torch.randn(n_samples, self.dim, generator=generator, dtype=torch.float64).to(self.mean.device)
         alpha = self.prior_precision
         if self.structure == "diag":
             offsets = z / self.precision.double().sqrt()
@@ -175,7 +179,7 @@ class LaplacePosterior:
             offsets = torch.empty_like(z)
             for b, stat in zip(blocks, stats, strict=True):
                 m = stat[0].double()
-                precision = self.n_data * m + alpha * torch.eye(m.shape[0], dtype=m.dtype)
+                precision = self.n_data * m + alpha * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
                 factor = _cholesky((precision + precision.T) / 2)
                 offsets[:, b] = torch.linalg.solve_triangular(factor.mT, z[:, b].T, upper=True).T
         return (self.mean.double() + offsets).to(self.mean.dtype)
@@ -248,6 +252,10 @@ def fit_laplace(
         raise ValueError(f"theta_map must have shape ({dim},) for this model, got {tuple(theta_map.shape)}")
     if not torch.isfinite(theta_map).all():
         raise ValueError("theta_map contains NaN or infinite values")
+    if x.shape[0] == 0:
+        raise ValueError("the Laplace approximation needs at least one training input x")
+    if x.is_floating_point() and not torch.isfinite(x).all():
+        raise ValueError("the training inputs x contain NaN or infinite values")
     shape = structure_for(chain, structure)
     if structure == "dense":
         _check_dense_size(dim, "a 'dense' Laplace precision")
@@ -283,11 +291,36 @@ def log_likelihood(
     return float(lik.log_prob(out, y).double().sum())
 
 
-def optimise_prior_precision(
-    posterior: LaplacePosterior, log_likelihood: float, bounds: tuple[float, float] = (1e-6, 1e8),
-) -> float:
+def log_likelihood_gradient(
+    model: nn.Module | ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, *,
+    input_shape: tuple[int, ...] | None = None, batch_size: int = 4096,
+) -> torch.Tensor:
+    """``grad_theta log p(D | theta)``, summed over the data set (``(d,)``, in ``theta``'s dtype).
+
+    At a MAP of the prior ``N(0, I / alpha)`` it equals ``alpha theta``: the norm of
+    ``grad log p(D | theta) - alpha theta`` says how far ``theta`` is from the stationary point that
+    the Laplace approximation (and its evidence, which drops the gradient term) assumes.
+    """
+    chain = as_chain_model(model, input_shape)
+    if theta.shape != (chain.layout.dim,):
+        raise ValueError(f"theta must have shape ({chain.layout.dim},), got {tuple(theta.shape)}")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
+    lik = get_likelihood(likelihood)
+    t = theta.detach().clone().requires_grad_(True)
+    total = torch.zeros_like(t)
+    for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
+        out = functional_call(chain.module, chain.layout.unflatten(t), (xb,)).reshape(xb.shape[0], -1)
+        (grad,) = torch.autograd.grad(lik.log_prob(out, yb).sum(), t)
+        total += grad
+    return total
+
+
+def optimise_prior_precision(posterior: LaplacePosterior, bounds: tuple[float, float] = (1e-6, 1e8)) -> float:
     """The prior precision ``alpha`` that maximises :meth:`LaplacePosterior.log_marginal_likelihood`
-    with the GGN and ``theta*`` held fixed (the post-hoc choice of Daxberger et al. 2021).
+    with the GGN and ``theta*`` held fixed (the post-hoc choice of Daxberger et al. 2021; the log
+    likelihood at ``theta*`` does not depend on ``alpha``, so it is not needed). MacKay (1992)
+    alternates this step with refitting ``theta*`` under the new prior; post hoc, ``theta*`` stays.
 
     In ``u = log alpha`` the objective ``-(1/2) sum_i log(1 + N lambda_i e^-u) - e^u |theta*|^2 / 2``
     (plus constants) is concave, so a bounded scalar search finds its one maximum. At it MacKay's

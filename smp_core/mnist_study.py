@@ -99,9 +99,10 @@ def map_key(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-            progress: bool = True) -> dict[str, Any]:
-    """:func:`train_map`, reused from ``.cache/mnist/`` by :func:`map_key` (shared by the MNIST chapters)."""
-    return cached("mnist", map_key(cfg), lambda: train_map(cfg, data, device, progress), enabled=use_cache)
+            progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+    """:func:`train_map`, reused from ``<cache_root>/mnist/`` by :func:`map_key` (shared by the MNIST chapters)."""
+    return cached("mnist", map_key(cfg), lambda: train_map(cfg, data, device, progress), root=cache_root,
+                  enabled=use_cache)
 
 
 def fisher_zero_mask(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
