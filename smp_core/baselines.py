@@ -1,4 +1,4 @@
-"""Baselines beyond the paper: the Laplace approximation and its linearised predictive.
+"""Baselines beyond the paper: the Laplace approximation with its linearised predictive, and MC dropout.
 
 The paper's first limitation (Section 4.5) is that SMP was compared only with NUTS and a point
 estimate, not with the approximate methods practitioners use: Laplace approximations, deep ensembles,
@@ -23,6 +23,10 @@ categorical or Gaussian likelihood, built on the same Fisher statistics as the S
   model whose exact Laplace approximation is the dense GGN one (the other structures approximate
   it). Sampling the network itself at Laplace draws (``predict``) is the other, known to underfit.
 
+* :func:`mc_dropout_logits`: MC dropout (Gal and Ghahramani 2016): a network trained with dropout
+  predicts with dropout left on, each of ``S`` passes under fresh masks drawn from an explicit
+  generator (so the draws are reproducible and the same on any device).
+
 Deep ensembles need no code of their own here: they are independent MAP fits from random starts.
 """
 
@@ -36,6 +40,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .fisher import diagonal_fisher_by_layers, estimate_fisher, structure_for
+from .layout import ParamLayout
 from .likelihoods import get_likelihood
 from .models import ChainModel, as_chain_model, predict
 from .preconditioners import Stat, Structure
@@ -393,3 +398,76 @@ def linearised_logits(
             columns.append(out[:, c].detach() + offsets @ jac.detach().T)  # (S, b)
         parts.append(torch.stack(columns, dim=-1))
     return torch.cat(parts, dim=1).to(samples.dtype)
+
+
+def mc_dropout_logits(
+    module: nn.Module,
+    theta: torch.Tensor,
+    x: torch.Tensor,
+    n_samples: int,
+    generator: torch.Generator,
+    *,
+    batch_size: int = 4096,
+) -> torch.Tensor:
+    """MC dropout's predictive samples (Gal and Ghahramani 2016): the logits of ``module`` at the flat
+    parameters ``theta`` with every ``nn.Dropout`` left on, one pass per sample.
+
+    Each pass draws a fresh mask for every input and every dropout layer: an element is kept with
+    probability ``1 - p`` and scaled by ``1 / (1 - p)`` (inverted dropout, as in training, so the mean
+    over masks of a layer's output is its deterministic output). The masks come from ``generator``
+    (a CPU generator) in a fixed order (sample, then batch, then layer) and are moved to ``x``'s
+    device, so the same generator gives the same samples on any device. The module's parameters and
+    its train/eval flags are left as they were.
+
+    Args:
+        module: a network containing at least one ``nn.Dropout`` (element-wise dropout; the channel
+            dropouts ``Dropout1d/2d/3d`` and ``AlphaDropout`` are refused).
+        theta: ``(d,)`` flat parameters, in the order of ``module.parameters()``.
+        x: ``(n, *input_shape)`` inputs.
+        n_samples: ``S``, the number of passes.
+        generator: a ``torch.Generator`` on the CPU.
+        batch_size: inputs per pass.
+
+    Returns:
+        ``(S, n, m)`` logits.
+    """
+    from torch.nn.modules.dropout import _DropoutNd
+
+    layout = ParamLayout.from_module(module)
+    dim = layout.dim
+    if theta.shape != (dim,):
+        raise ValueError(f"theta must have shape ({dim},), got {tuple(theta.shape)}")
+    if isinstance(n_samples, bool) or not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be a positive integer, got {n_samples!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if not isinstance(generator, torch.Generator) or generator.device.type != "cpu":
+        raise ValueError("generator must be a torch.Generator on the CPU")
+    if not torch.isfinite(x).all():
+        raise ValueError("x contains NaN or infinite values")
+    dropouts = [m for m in module.modules() if isinstance(m, _DropoutNd)]
+    others = [type(m).__name__ for m in dropouts if type(m) is not nn.Dropout]
+    if others:
+        raise ValueError(f"only element-wise nn.Dropout layers are supported, the module has {sorted(set(others))}")
+    if not dropouts:
+        raise ValueError("the module has no nn.Dropout layer: MC dropout needs a network trained with dropout")
+
+    def mask(layer: nn.Dropout, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
+        keep = 1.0 - layer.p
+        kept = torch.rand(output.shape, generator=generator) < keep
+        return output * kept.to(device=output.device, dtype=output.dtype) / keep
+
+    flags = {m: m.training for m in module.modules()}
+    module.eval()  # each nn.Dropout is then the identity, and its hook applies our mask
+    hooks = [m.register_forward_hook(mask) for m in dropouts]
+    params = layout.unflatten(theta.to(x.device))
+    try:
+        with torch.no_grad():
+            samples = [torch.cat([functional_call(module, params, (xb,)).reshape(xb.shape[0], -1)
+                                  for xb in x.split(batch_size)]) for _ in range(n_samples)]
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for m, flag in flags.items():
+            m.training = flag
+    return torch.stack(samples)

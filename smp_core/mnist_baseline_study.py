@@ -11,7 +11,11 @@ practitioner would reach for, at the same MAP LeNet-5 and on the same test set:
   minimised the mean NLL plus ``wd/2 |theta|^2``, i.e. the sum of the NLL plus ``N wd/2 |theta|^2``),
   and the one that maximises the Laplace evidence (:func:`smp_core.baselines.optimise_prior_precision`);
   each with the linearised ("GLM") predictive and, at the MAP's prior, the network's own;
-* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP).
+* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP);
+* MC dropout (Gal and Ghahramani 2016): LeNet-5 with dropout before each fully connected layer,
+  trained with the MAP's settings, seed and minibatch order for every rate of ``dropout_rates``; the
+  rate whose MC predictive (``S = n_chains`` passes) has the lowest NLL on the validation set
+  predicts (:func:`select_dropout`).
 
 Every method is scored on the whole test set with the paper's metrics and on the first
 ``shift_images`` test images rotated by each of ``shift_angles`` degrees (a distribution shift, as
@@ -38,6 +42,7 @@ from .results import cached
 
 STUDY_VERSION = 2  # bump when a change to this module changes its results (invalidates the cache)
 PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
+DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
 
 
 def mnist_settings(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -56,6 +61,17 @@ def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
     return cfg["seed"] + 100 * member
 
 
+def dropout_seed(cfg: dict[str, Any], part: str) -> int:
+    """The seed of MC dropout's masks: ``seed + 600`` on the validation set (the choice of the rate),
+    ``seed + 601`` on the test sets."""
+    return cfg["seed"] + {"validation": 600, "test": 601}[part]
+
+
+def dropout_settings(cfg: dict[str, Any], rate: float) -> dict[str, Any]:
+    """The MNIST settings of the LeNet-5 trained with dropout ``rate`` (its own MAP cache key)."""
+    return {**mnist_settings(cfg), "map_dropout": float(rate)}
+
+
 def laplace_seed(cfg: dict[str, Any], structure: str, prior: str) -> int:
     """The seed of the draws of one Laplace posterior (shared by its linearised and ``-nn`` rows, which
     so predict from the same draws): ``seed + 500 + 10 * (structure's place) + (prior's place)``."""
@@ -67,6 +83,8 @@ def method_names(cfg: dict[str, Any]) -> list[str]:
     names = ms.method_names()
     for structure in cfg["laplace_structures"]:
         names += [f"Laplace-{structure} (wd)", f"Laplace-{structure} (evidence)", f"Laplace-{structure}-nn (wd)"]
+    if cfg.get("dropout_rates"):
+        names.append(DROPOUT)
     return names + [f"Ensemble ({cfg['ensemble_members']})"]
 
 
@@ -153,6 +171,34 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
     return posteriors, pd.DataFrame(rows).set_index(["structure", "prior"])
 
 
+def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
+                   progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+    """Train LeNet-5 with every dropout rate of ``cfg["dropout_rates"]`` (:func:`dropout_settings`; the
+    MAP's settings and seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
+    (``S = n_chains`` passes, masks from :func:`dropout_seed` ``"validation"``) on the validation set.
+
+    Returns one row per rate: the validation NLL and accuracy of the MC predictive, the seconds of the
+    training and of the validation passes, and ``selected`` (the lowest NLL; the first on a tie).
+    """
+    device = device or ms.default_device()
+    xv, yv = data["val"]
+    rows = []
+    for rate in cfg["dropout_rates"]:
+        fit = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
+                         cache_root=cache_root)
+        started = time.perf_counter()
+        masks = torch.Generator().manual_seed(dropout_seed(cfg, "validation"))
+        logits = baselines.mc_dropout_logits(lenet5(rate).to(device), fit["theta"].to(device), xv.to(device),
+                                             cfg["n_chains"], masks)
+        probs = torch.softmax(logits.cpu().double(), dim=-1)
+        scores = metrics.all_scores(probs, yv)
+        rows.append({"dropout": float(rate), "val_nll": scores["nll"], "val_accuracy": scores["accuracy"],
+                     "train_seconds": fit["seconds"], "val_seconds": time.perf_counter() - started})
+    table = pd.DataFrame(rows).set_index("dropout")
+    table["selected"] = table.index == table["val_nll"].idxmin()
+    return table
+
+
 def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
               progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
     """Fit and score every method of :func:`method_names`.
@@ -164,8 +210,9 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
 
     Returns ``evals`` (:func:`evaluate` per method), ``fit_seconds`` per method (MAP training, the SMP
     run, the Laplace fit with the log likelihood and, for ``evidence``, the search for alpha; the
-    ensemble's trainings), ``laplace`` (the table of :func:`fit_laplaces`), the MAP fit and the index
-    of the ambiguous 3.
+    ensemble's trainings; MC dropout's trainings at every rate of its grid and its validation passes),
+    ``laplace`` (the table of :func:`fit_laplaces`), ``dropout`` (the table of :func:`select_dropout`),
+    the MAP fit and the index of the ambiguous 3.
     """
     device = device or ms.default_device()
     mnist_cfg = mnist_settings(cfg)
@@ -180,7 +227,9 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     names = method_names(cfg)
 
     def key(name: str) -> dict[str, Any]:
-        return {**cfg, "method": name, "study_version": STUDY_VERSION, "mnist_study_version": ms.STUDY_VERSION,
+        # each method's key holds the settings it depends on: MC dropout's grid only in MC dropout's
+        settings = cfg if name.startswith(DROPOUT) else {k: v for k, v in cfg.items() if k != "dropout_rates"}
+        return {**settings, "method": name, "study_version": STUDY_VERSION, "mnist_study_version": ms.STUDY_VERSION,
                 "smp_path": path}
 
     def score(theta_or_logits) -> dict:
@@ -200,6 +249,11 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     if cfg["laplace_structures"]:
         laplace_table = cached("mnist_baselines", key("Laplace fits"), lambda: laplace_fits()[1], root=cache_root,
                                enabled=use_cache)
+    dropout_table = None
+    if cfg.get("dropout_rates"):
+        dropout_table = cached("mnist_baselines", key(f"{DROPOUT} selection"),
+                               lambda: select_dropout(cfg, data, device, use_cache, progress, cache_root),
+                               root=cache_root, enabled=use_cache)
     evals, fit_seconds = {}, {}
     for name in tqdm(names, desc="methods", disable=not progress):
         if name == "MAP":
@@ -228,6 +282,17 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
                                                                     input_shape=ms.INPUT_SHAPE))
 
             fit_seconds[name] = float(laplace_table.loc[(structure, prior), "seconds"])
+        elif name == DROPOUT:
+            rate = float(dropout_table.index[dropout_table["selected"]][0])
+
+            def compute(rate=rate):
+                theta = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=False,
+                                   cache_root=cache_root)["theta"].to(device)
+                dropped = lenet5(rate).to(device)
+                return score(lambda x: baselines.mc_dropout_logits(
+                    dropped, theta, x, cfg["n_chains"], torch.Generator().manual_seed(dropout_seed(cfg, "test"))))
+
+            fit_seconds[name] = float(dropout_table["train_seconds"].sum() + dropout_table["val_seconds"].sum())
         else:  # the ensemble: member 0 is the MAP
             members, seconds = [theta_map], [fit["seconds"]]
             for m in range(1, cfg["ensemble_members"]):
@@ -238,7 +303,8 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
             compute = lambda members=members: score(torch.stack(members))  # noqa: E731
             fit_seconds[name] = float(sum(seconds))
         evals[name] = cached("mnist_baselines", key(name), compute, root=cache_root, enabled=use_cache)
-    return {"evals": evals, "fit_seconds": fit_seconds, "laplace": laplace_table, "map": fit, "three": three}
+    return {"evals": evals, "fit_seconds": fit_seconds, "laplace": laplace_table, "dropout": dropout_table,
+            "map": fit, "three": three}
 
 
 def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
@@ -247,7 +313,7 @@ def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
     ``scores``: the paper's metrics on the whole test set, the logit variance and the seconds to fit
     and to predict (the test set and the rotated sets); ``shift``: accuracy, NLL, Brier score and ECE
     per method and angle (0 is the whole test set); ``three``: the mean class probabilities of the
-    ambiguous 3; ``laplace``: the Laplace fits.
+    ambiguous 3; ``laplace``: the Laplace fits; ``dropout``: MC dropout's choice of rate.
     """
     evals = study["evals"]
     names = list(evals)
@@ -263,6 +329,8 @@ def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
     out = {"scores": scores, "shift": shift, "three": three}
     if study["laplace"] is not None:
         out["laplace"] = study["laplace"]
+    if study.get("dropout") is not None:
+        out["dropout"] = study["dropout"]
     return out
 
 

@@ -55,13 +55,24 @@ def toy_mlp() -> nn.Sequential:
     )
 
 
-def lenet5() -> nn.Sequential:
+def lenet5(dropout: float = 0.0) -> nn.Sequential:
     """The LeNet-5-like CNN of Section 3.3.1 (d = 47,154) for 1x28x28 inputs and 10 classes.
 
     Two 5x5 convolutions (6 and 16 channels) with ReLU and 2x2 max-pooling give a flattened
     vector of 256, then fully connected layers of 128 and 84 units with ReLU and a linear
     layer to 10 logits.
+
+    ``dropout > 0`` (beyond the paper: the MC dropout baseline) puts an ``nn.Dropout(dropout)`` before
+    each of the three fully connected layers. Dropout has no parameters, so the flat parameter vector
+    (its length and order) is the same as without it; ``dropout = 0`` gives the paper's network, with
+    no dropout layers at all.
     """
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout}")
+
+    def drop() -> list[nn.Module]:
+        return [nn.Dropout(dropout)] if dropout > 0 else []
+
     return nn.Sequential(
         nn.Conv2d(1, 6, 5),
         nn.ReLU(),
@@ -70,10 +81,13 @@ def lenet5() -> nn.Sequential:
         nn.ReLU(),
         nn.MaxPool2d(2),
         nn.Flatten(),
+        *drop(),
         nn.Linear(256, 128),
         nn.ReLU(),
+        *drop(),
         nn.Linear(128, 84),
         nn.ReLU(),
+        *drop(),
         nn.Linear(84, 10),
     )
 

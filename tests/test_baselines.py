@@ -5,6 +5,8 @@
   draws must have its moments (z-scores against Monte Carlo standard errors).
 * Logistic regression: the GGN is the Hessian of the negative log likelihood, so the precision must
   equal the Hessian of the negative log posterior (autograd).
+* MC dropout through a linear read-out of a dropped-out layer: the mean and variance of the logits
+  over masks are known in closed form (z-scores against Monte Carlo standard errors).
 """
 
 from __future__ import annotations
@@ -336,3 +338,66 @@ def test_optimised_prior_precision_is_mackays_fixed_point(structure):
     best = fit.with_prior_precision(alpha).log_marginal_likelihood(log_lik)
     for factor in (0.9, 1.1):
         assert fit.with_prior_precision(alpha * factor).log_marginal_likelihood(log_lik) < best
+
+
+def _dropout_net(p=0.3, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Dropout(p), nn.Linear(6, 2)).double()
+
+
+def test_mc_dropout_has_the_closed_form_mean_and_variance():
+    """Through ``W2 (m * h) / (1 - p) + b2`` with ``m_j ~ Bernoulli(1 - p)`` the logits have mean
+    ``W2 h + b2`` (the network in eval mode) and variance ``sum_j W2_cj^2 h_j^2 p / (1 - p)``; both
+    checked with z-scores (4,000 passes, 5 inputs x 2 logits) against Monte Carlo standard errors."""
+    p, n_samples = 0.3, 4000
+    net = _dropout_net(p)
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    logits = baselines.mc_dropout_logits(net, theta, x, n_samples, torch.Generator().manual_seed(2))
+    assert logits.shape == (n_samples, 5, 2)
+    with torch.no_grad():
+        h = torch.tanh(net[0](x))  # (5, 6)
+        exact_mean = net.eval()(x)
+        exact_var = (net[3].weight[None] ** 2 * h[:, None, :] ** 2).sum(-1) * p / (1 - p)  # (5, 2)
+    mean, var = logits.mean(0), logits.var(0)
+    z_mean = (mean - exact_mean) / (exact_var / n_samples).sqrt()
+    fourth = ((logits - mean) ** 4).mean(0)
+    z_var = (var - exact_var) / ((fourth - var**2) / n_samples).sqrt()
+    assert z_mean.abs().max() < 4.0 and z_var.abs().max() < 4.0, (z_mean, z_var)
+    # a wrong keep-probability (scaling by 1/p instead of 1/(1-p)) would be far outside
+    assert ((var - exact_var * (1 - p) ** 2 / p**2) / ((fourth - var**2) / n_samples).sqrt()).abs().max() > 10
+
+
+def test_mc_dropout_is_reproducible_and_leaves_the_module_as_it_was():
+    net = _dropout_net().train()
+    before = [q.detach().clone() for q in net.parameters()]
+    theta = 1 + torch.nn.utils.parameters_to_vector(net.parameters()).detach()  # not the module's own values
+    x = torch.randn(7, 4, dtype=torch.float64).repeat(2, 1)  # every input twice
+    a = baselines.mc_dropout_logits(net, theta, x, 3, torch.Generator().manual_seed(5), batch_size=4)
+    b = baselines.mc_dropout_logits(net, theta, x, 3, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same masks whatever the batch size
+    assert not torch.equal(a[:, :7], a[:, 7:])  # each input gets its own mask
+    assert not torch.equal(a[0], a[1])  # each pass too
+    assert all(torch.equal(q, r) for q, r in zip(net.parameters(), before, strict=True))
+    assert net.training and all(m.training for m in net) and not any(m._forward_hooks for m in net)
+    with torch.no_grad():  # at theta, each pass is the network under one mask: its mean is near eval mode
+        torch.nn.utils.vector_to_parameters(theta, net.parameters())
+        assert a.mean(0).sub(net.eval()(x)).abs().max() < a.std(0).max() * 3
+
+
+def test_mc_dropout_bad_inputs_name_the_problem():
+    net = _dropout_net()
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    x, g = torch.randn(3, 4, dtype=torch.float64), torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="no nn.Dropout layer"):
+        baselines.mc_dropout_logits(toy_mlp().double(), torch.zeros(20, dtype=torch.float64), x[:, :2], 2, g)
+    with pytest.raises(ValueError, match="only element-wise nn.Dropout"):
+        baselines.mc_dropout_logits(nn.Sequential(nn.Linear(4, 2), nn.Dropout1d(0.5)), torch.zeros(10), x.float(), 2, g)
+    with pytest.raises(ValueError, match="theta must have shape"):
+        baselines.mc_dropout_logits(net, theta[:-1], x, 2, g)
+    with pytest.raises(ValueError, match="n_samples must be a positive integer"):
+        baselines.mc_dropout_logits(net, theta, x, 0, g)
+    with pytest.raises(ValueError, match="NaN"):
+        baselines.mc_dropout_logits(net, theta, x * float("nan"), 2, g)
+    with pytest.raises(ValueError, match="generator"):
+        baselines.mc_dropout_logits(net, theta, x, 2, None)

@@ -123,8 +123,14 @@ def test_method_names():
     names = mbs.method_names(cfg)
     assert names[:5] == ms.method_names()
     assert "Laplace-kfac (evidence)" in names and "Laplace-diag-nn (wd)" in names and names[-1] == "Ensemble (5)"
+    assert names[-2] == mbs.DROPOUT and mbs.DROPOUT not in mbs.method_names({**cfg, "dropout_rates": []})
     assert len(set(names)) == len(names)
     assert mbs.ensemble_seed(cfg, 0) == cfg["seed"]  # member 0 is the MAP
+    # MC dropout's networks: the MAP's settings and seed, their own cache keys
+    for rate in cfg["dropout_rates"]:
+        settings = mbs.dropout_settings(cfg, rate)
+        assert settings["seed"] == cfg["seed"] and settings["map_dropout"] == rate
+        assert ms.map_key(settings) != ms.map_key(mbs.mnist_settings(cfg))
 
 
 def _tiny_mnist(seed=0):
@@ -144,12 +150,17 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     study = mbs.run_study(cfg, data, **kw)
     tables = mbs.tables(study)
     # every MAP (the ensemble's too) and SMP run went to the cache under tmp_path, none elsewhere
-    assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["ensemble_members"] + 4
+    assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["ensemble_members"] + 4 + len(cfg["dropout_rates"])
+    drop = tables["dropout"]
+    assert list(drop.index) == cfg["dropout_rates"] and drop["selected"].sum() == 1
+    assert drop.loc[drop["selected"], "val_nll"].iloc[0] == drop["val_nll"].min()
+    assert study["evals"][mbs.DROPOUT]["n_samples"] == cfg["n_chains"]
+    assert tables["scores"].loc[mbs.DROPOUT, "logits_variance"] > 0  # the masks vary the logits
     assert np.isfinite(tables["laplace"]["gradient_norm"]).all()
     assert list(tables["scores"].index) == mbs.method_names(cfg)
     assert list(tables["shift"].index.get_level_values("angle").unique()) == [0, 45]
     assert tables["three"].shape == (len(mbs.method_names(cfg)), 10)
-    np.testing.assert_allclose(tables["three"].sum(1), 1, rtol=1e-6)
+    np.testing.assert_allclose(tables["three"].sum(axis=1), 1, rtol=1e-6)
     lap = tables["laplace"]
     assert lap.loc[("diag", "wd"), "prior_precision"] == mbs.weight_decay_prior(cfg) == 60 * cfg["map_weight_decay"]
     for structure in ("diag", "kfac"):  # the evidence's alpha has the larger log evidence
@@ -164,6 +175,7 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     again = mbs.tables(mbs.run_study(cfg, data, **kw))
     assert again["scores"].drop(columns="predict_seconds").equals(tables["scores"].drop(columns="predict_seconds"))
     assert again["laplace"].equals(lap)
+    assert again["dropout"].drop(columns="val_seconds").equals(drop.drop(columns="val_seconds"))
 
 
 def test_leads_over_the_map():

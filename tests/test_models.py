@@ -20,6 +20,22 @@ def test_parameter_counts_of_the_paper_networks():
     assert ParamLayout.from_module(lenet5()).dim == 47_154
 
 
+def test_lenet5_with_dropout_has_the_same_parameter_vector():
+    """MC dropout's LeNet-5: a Dropout before each fully connected layer, the same parameters in the same
+    order, and in eval mode the same function of the flat vector as the paper's network."""
+    plain, dropped = lenet5(), lenet5(dropout=0.25)
+    assert not any(isinstance(m, nn.Dropout) for m in plain)
+    assert [m.p for m in dropped if isinstance(m, nn.Dropout)] == [0.25] * 3
+    assert [type(m) for m in dropped if not isinstance(m, nn.Dropout)] == [type(m) for m in plain]
+    assert [p.shape for p in dropped.parameters()] == [p.shape for p in plain.parameters()]
+    theta = torch.nn.utils.parameters_to_vector(plain.parameters())
+    torch.nn.utils.vector_to_parameters(theta, dropped.parameters())
+    x = torch.rand(5, 1, 28, 28)
+    torch.testing.assert_close(dropped.eval()(x), plain.eval()(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="dropout must be a probability"):
+        lenet5(dropout=1.0)
+
+
 def test_layout_blocks_tile_the_vector():
     layout = ParamLayout.from_module(lenet5())
     sizes = [b.stop - b.start for b in layout.block_slices]
