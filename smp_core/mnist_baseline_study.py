@@ -58,7 +58,7 @@ def weight_decay_prior(cfg: dict[str, Any]) -> float:
 
 def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
     """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself."""
-    return cfg["seed"] + 100 * member
+    return ms.map_seed(cfg, member)
 
 
 def dropout_seed(cfg: dict[str, Any], part: str) -> int:

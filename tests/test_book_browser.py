@@ -55,6 +55,7 @@ PAGES = (
     "book/generated/toy.html",
     "book/generated/mnist.html",
     "book/generated/mnist_growth.html",
+    "book/generated/mnist_seeds.html",
     "book/generated/summary.html",
     "book/generated/toy_baselines.html",
     "book/generated/mnist_baselines.html",
@@ -69,7 +70,7 @@ REQUIRED = {"book/intro.html", "book/method.html", "book/generated/toy.html", "b
 MATH_PAGES = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html",
               "book/generated/mnist_growth.html", "book/generated/toy_kfac.html", "book/generated/mnist_kfac.html",
               "book/generated/toy_baselines.html", "book/generated/toy_tail.html", "book/generated/mnist_tail.html",
-              "book/generated/mnist_baselines.html"}
+              "book/generated/mnist_baselines.html", "book/generated/mnist_seeds.html"}
 
 CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = (

@@ -17,7 +17,7 @@ def test_paper_scale_uses_the_papers_settings():
 
 def test_every_scale_exists_and_configs_are_copies():
     for study in ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_baselines", "mnist_growth",
-                  "mnist_kfac", "mnist_tail"):
+                  "mnist_kfac", "mnist_seeds", "mnist_tail"):
         for scale in SCALES:
             assert get_config(study, scale)["scale"] == scale
     a = get_config("toy", "ci")
@@ -114,3 +114,11 @@ def test_mnist_baselines_study_shares_the_mnist_settings():
         assert {k: v for k, v in baselines.items() if k not in (*MNIST_BASELINE_KEYS, "study")} == {
             k: v for k, v in mnist.items() if k != "study"}  # the same data, MAP and SMP settings
         assert set(baselines["laplace_structures"]) <= {"diag", "kfac"}  # no d x d matrix for LeNet-5
+
+
+def test_mnist_seeds_study_shares_the_mnist_settings():
+    for scale in SCALES:
+        mnist, seeds = get_config("mnist", scale), get_config("mnist_seeds", scale)
+        assert {k: v for k, v in seeds.items() if k not in ("map_seeds", "study")} == {
+            k: v for k, v in mnist.items() if k not in ("smp_replicates", "study")}
+        assert seeds["map_seeds"] >= 2

@@ -1,5 +1,6 @@
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -267,3 +268,50 @@ def test_kfac_against_diag_verdicts():
     assert findings["kfac lower NLL"].tolist() == ["yes", "no"]
     assert (findings["nll_map"] == 0.04).all()
     assert ms.kfac_against_diag(table.drop(index=["SMP-fixed-kfac", "SMP-ema-kfac"])).empty
+
+
+def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_path, monkeypatch):
+    """run_map_seeds: MAP 0 and its runs are the MNIST chapter's MAP and replicate 0 (read back from the
+    cache without training or running anything), MAP m is the baselines chapter's ensemble member m, and
+    each MAP's runs have their own seeds."""
+    from smp_core import mnist_baseline_study as mbs
+    from smp_core.config import MNIST_VARIANTS, get_config
+
+    cfg = {**get_config("mnist_seeds", "ci"), "n_train": 40, "n_val": 20, "n_test": 30, "map_epochs": 1,
+           "n_chains": 3, "n_steps": 30, "period": 10}
+    data = _tiny_mnist(2)
+    kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    study = ms.run_map_seeds(cfg, data, **kw)
+    assert len(study["tables"]) == cfg["map_seeds"] == 2
+    assert list(study["maps"]["seed"]) == [cfg["seed"], cfg["seed"] + 100]
+    assert list(study["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
+    assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["map_seeds"] * (1 + len(MNIST_VARIANTS))
+    scores = [t["scores"] for t in study["tables"]]
+    assert not scores[0].equals(scores[1])  # another MAP, other runs
+    assert scores[0].loc["MAP", "nll"] == study["maps"].loc[0, "nll"]
+    # the MNIST chapter at the same settings finds MAP 0 and its replicate 0 in the cache
+    monkeypatch.setattr(ms, "train_map", lambda *a, **k: pytest.fail("a MAP was not shared"))
+    monkeypatch.setattr(ms, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not shared"))
+    mnist = {**{k: v for k, v in cfg.items() if k != "map_seeds"}, "study": "mnist", "smp_replicates": 1}
+    theta0 = ms.fit_map(mnist, data, **kw)["theta"]
+    chapter = ms.run_replicates(mnist, theta0, data, **kw)
+    assert chapter["tables"][0]["scores"].equals(scores[0])
+    # MAP 1 is stored under the MNIST settings with the seed map_seed(cfg, 1)
+    member = ms.fit_map({**mnist, "seed": ms.map_seed(cfg, 1)}, data, **kw)
+    assert member["theta"].shape == theta0.shape and not torch.equal(member["theta"], theta0)
+    # ... which the baselines chapter's ensemble member 1 uses, at every scale
+    for scale in ("ci", "laptop", "paper"):
+        seeds, baselines = get_config("mnist_seeds", scale), get_config("mnist_baselines", scale)
+        mnist_at_scale = {**{k: v for k, v in seeds.items() if k != "map_seeds"}, "study": "mnist"}
+        for m in range(seeds["map_seeds"]):
+            ensemble = {**mbs.mnist_settings(baselines), "seed": mbs.ensemble_seed(baselines, m)}
+            assert ms.map_key(ensemble) == ms.map_key({**mnist_at_scale, "seed": ms.map_seed(seeds, m)})
+
+
+def test_least_dispersed_per_map():
+    def tables(mi):
+        return {"scores": pd.DataFrame({"mutual_info": mi}, index=list(ms.DIAGONAL_METHODS))}
+
+    least = ms.least_dispersed_per_map([tables([0.02, 0.5, 0.04]), tables([0.06, 0.4, 0.03])])
+    assert list(least["least"]) == ["SMP-fixed-diag", "SMP-periodic-diag"]
+    assert least.loc[1, "SMP-periodic-diag"] == 0.03
