@@ -416,8 +416,9 @@ def mc_dropout_logits(
     probability ``1 - p`` and scaled by ``1 / (1 - p)`` (inverted dropout, as in training, so the mean
     over masks of a layer's output is its deterministic output). The masks come from ``generator``
     (a CPU generator) in a fixed order (sample, then batch, then layer) and are moved to ``x``'s
-    device, so the same generator gives the same samples on any device. The module's parameters and
-    its train/eval flags are left as they were.
+    device, so the same generator gives the same samples on any device. With two or more dropout
+    layers that order, and so the samples, also depend on ``batch_size``. The module's parameters,
+    its train/eval flags and its hooks are left as they were.
 
     Args:
         module: a network containing at least one ``nn.Dropout`` (element-wise dropout; the channel
@@ -451,6 +452,8 @@ def mc_dropout_logits(
         raise ValueError(f"only element-wise nn.Dropout layers are supported, the module has {sorted(set(others))}")
     if not dropouts:
         raise ValueError("the module has no nn.Dropout layer: MC dropout needs a network trained with dropout")
+    if any(not 0.0 <= m.p < 1.0 for m in dropouts):
+        raise ValueError(f"dropout probabilities must lie in [0, 1), got {[m.p for m in dropouts]}")
 
     def mask(layer: nn.Dropout, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
         keep = 1.0 - layer.p
@@ -458,10 +461,11 @@ def mc_dropout_logits(
         return output * kept.to(device=output.device, dtype=output.dtype) / keep
 
     flags = {m: m.training for m in module.modules()}
-    module.eval()  # each nn.Dropout is then the identity, and its hook applies our mask
-    hooks = [m.register_forward_hook(mask) for m in dropouts]
-    params = layout.unflatten(theta.to(x.device))
+    hooks = []
     try:
+        module.eval()  # each nn.Dropout is then the identity, and its hook applies our mask
+        hooks = [m.register_forward_hook(mask) for m in dropouts]
+        params = layout.unflatten(theta.to(x.device))
         with torch.no_grad():
             samples = [torch.cat([functional_call(module, params, (xb,)).reshape(xb.shape[0], -1)
                                   for xb in x.split(batch_size)]) for _ in range(n_samples)]

@@ -128,7 +128,6 @@ MNIST_KFAC: dict[str, dict[str, Any]] = {
 # from each of map_seeds MAPs trained with the same settings and the seeds seed + 100 m (MAP 0 is the MNIST
 # chapter's; the others are the MNIST baselines chapter's ensemble members, so the MAPs are shared): how much
 # the paper's verdicts depend on the training run of the MAP. The number of MAPs is ours (5, as the ensemble).
-MNIST_SEED_KEYS = ("map_seeds",)
 MNIST_SEEDS: dict[str, dict[str, Any]] = {
     scale: {**{k: v for k, v in settings.items() if k != "smp_replicates"}, "map_seeds": 2 if scale == "ci" else 5}
     for scale, settings in MNIST.items()}

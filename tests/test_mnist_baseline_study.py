@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from smp_core import metrics
+from smp_core import baselines, metrics
 from smp_core import mnist_baseline_study as mbs
 from smp_core import mnist_study as ms
 from smp_core.config import SCALES, get_config
+from smp_core.models import lenet5
 
 
 @pytest.mark.parametrize("scale", SCALES)
@@ -156,6 +157,14 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert drop.loc[drop["selected"], "val_nll"].iloc[0] == drop["val_nll"].min()
     assert study["evals"][mbs.DROPOUT]["n_samples"] == cfg["n_chains"]
     assert tables["scores"].loc[mbs.DROPOUT, "logits_variance"] > 0  # the masks vary the logits
+    # the MC dropout row is the selected rate's network, predicting under the test masks' seed
+    rate = float(drop.index[drop["selected"]][0])
+    theta = ms.fit_map(mbs.dropout_settings(cfg, rate), data, **kw)["theta"]
+    sets = mbs.test_sets(cfg, data)
+    redo = mbs.evaluate(lambda x: baselines.mc_dropout_logits(
+        lenet5(rate), theta, x, cfg["n_chains"], torch.Generator().manual_seed(mbs.dropout_seed(cfg, "test"))),
+        sets, study["three"])
+    assert redo["scores"] == study["evals"][mbs.DROPOUT]["scores"]
     assert np.isfinite(tables["laplace"]["gradient_norm"]).all()
     assert list(tables["scores"].index) == mbs.method_names(cfg)
     assert list(tables["shift"].index.get_level_values("angle").unique()) == [0, 45]
@@ -176,6 +185,12 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert again["scores"].drop(columns="predict_seconds").equals(tables["scores"].drop(columns="predict_seconds"))
     assert again["laplace"].equals(lap)
     assert again["dropout"].drop(columns="val_seconds").equals(drop.drop(columns="val_seconds"))
+    # MC dropout's grid is in MC dropout's cache keys only: without it every other row is still cached
+    monkeypatch.setattr(mbs, "evaluate", lambda *a, **k: pytest.fail("a method's scores were not cached"))
+    without = mbs.tables(mbs.run_study({**cfg, "dropout_rates": []}, data, **kw))
+    assert mbs.DROPOUT not in without["scores"].index and "dropout" not in without
+    assert without["scores"].drop(columns="predict_seconds").equals(
+        tables["scores"].drop(index=mbs.DROPOUT, columns="predict_seconds"))
 
 
 def test_leads_over_the_map():
