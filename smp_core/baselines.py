@@ -400,6 +400,33 @@ def linearised_logits(
     return torch.cat(parts, dim=1).to(samples.dtype)
 
 
+def _split_before_first_dropout(module: nn.Module) -> tuple[nn.Sequential | None, nn.Sequential | None]:
+    """For a plain ``nn.Sequential`` whose first dropout is a direct child after at least one layer, the
+    layers before it and the layers from it on (both keep the parent's child names, so the parameter
+    names match ``module.named_parameters()``); otherwise ``(None, None)``. A subclass of
+    ``nn.Sequential`` may override ``forward``, so only the class itself is split."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    if type(module) is not nn.Sequential:
+        return None, None
+    children = list(module)
+    first = next((i for i, child in enumerate(children) if isinstance(child, _DropoutNd)), None)
+    if first is None or first == 0:
+        return None, None
+    if any(isinstance(m, _DropoutNd) for child in children[:first] for m in child.modules()):
+        return None, None  # a dropout nested inside an earlier layer
+    prefix, suffix = module[:first], module[first:]
+    names = [name for part in (prefix, suffix) for name, _ in part.named_parameters()]
+    if sorted(names) != sorted(name for name, _ in module.named_parameters()):
+        return None, None  # parameters shared between the two parts (tied weights)
+    return prefix, suffix
+
+
+def _params_of(part: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of ``params`` (names as in the parent ``nn.Sequential``) that belong to ``part``."""
+    return {name: params[name] for name, _ in part.named_parameters()}
+
+
 def mc_dropout_logits(
     module: nn.Module,
     theta: torch.Tensor,
@@ -419,6 +446,10 @@ def mc_dropout_logits(
     device, so the same generator gives the same samples on any device. With two or more dropout
     layers that order, and so the samples, also depend on ``batch_size``. The module's parameters,
     its train/eval flags and its hooks are left as they were.
+
+    For a plain ``nn.Sequential`` (LeNet-5 with dropout is one) the layers before the first dropout
+    are run once per batch instead of once per pass, and their outputs for all of ``x`` are held in
+    memory; the masks and so the samples are the same as without this shortcut.
 
     Args:
         module: a network containing at least one ``nn.Dropout`` (element-wise dropout; the channel
@@ -466,9 +497,19 @@ def mc_dropout_logits(
         module.eval()  # each nn.Dropout is then the identity, and its hook applies our mask
         hooks = [m.register_forward_hook(mask) for m in dropouts]
         params = layout.unflatten(theta.to(x.device))
+        prefix, suffix = _split_before_first_dropout(module)
         with torch.no_grad():
-            samples = [torch.cat([functional_call(module, params, (xb,)).reshape(xb.shape[0], -1)
-                                  for xb in x.split(batch_size)]) for _ in range(n_samples)]
+            if prefix is None:
+                samples = [torch.cat([functional_call(module, params, (xb,)).reshape(xb.shape[0], -1)
+                                      for xb in x.split(batch_size)]) for _ in range(n_samples)]
+            else:
+                # The layers before the first dropout see no mask: run them once per batch, not once
+                # per pass. The masks are drawn in the same order (sample, batch, layer), so the
+                # samples are those of the generic path above.
+                heads = [functional_call(prefix, _params_of(prefix, params), (xb,)) for xb in x.split(batch_size)]
+                tail_params = _params_of(suffix, params)
+                samples = [torch.cat([functional_call(suffix, tail_params, (hb,)).reshape(hb.shape[0], -1)
+                                      for hb in heads]) for _ in range(n_samples)]
     finally:
         for hook in hooks:
             hook.remove()

@@ -418,3 +418,47 @@ def test_mc_dropout_through_two_layers_is_unbiased():
     z = (logits.mean(0) - exact) / (logits.var(0) / 4000).sqrt()
     assert z.abs().max() < 4.0, z
     assert (logits.var(0) > 0).all()
+
+
+class _NotSplit(nn.Sequential):
+    """The same layers and parameter names as an ``nn.Sequential``, but a subclass: never split."""
+
+
+def test_mc_dropout_runs_the_layers_before_the_first_dropout_once_and_draws_the_same_samples():
+    """LeNet-5 with three dropout layers: the plain ``nn.Sequential`` runs its convolutions once per batch
+    (counted by a hook), and gives exactly the samples of the generic path (every layer on every pass),
+    batch by batch and pass by pass."""
+    from smp_core.models import lenet5
+
+    torch.manual_seed(3)
+    net = lenet5(dropout=0.25)
+    generic = _NotSplit(*net)
+    assert baselines._split_before_first_dropout(net)[0] is not None
+    assert baselines._split_before_first_dropout(generic) == (None, None)
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    x = torch.rand(11, 1, 28, 28, generator=torch.Generator().manual_seed(8))
+    calls = []
+    hook = net[0].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        fast = baselines.mc_dropout_logits(net, theta, x, 4, torch.Generator().manual_seed(9), batch_size=4)
+    finally:
+        hook.remove()
+    assert len(calls) == 3  # 3 batches, not 4 passes x 3 batches
+    slow = baselines.mc_dropout_logits(generic, theta, x, 4, torch.Generator().manual_seed(9), batch_size=4)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=0)
+    assert not torch.equal(fast[0], fast[1])
+
+
+def test_mc_dropout_with_weights_tied_across_the_first_dropout_takes_the_generic_path():
+    torch.manual_seed(5)
+    first, last = nn.Linear(3, 3), nn.Linear(3, 3)
+    last.weight = first.weight
+    net = nn.Sequential(first, nn.Tanh(), nn.Dropout(0.5), last).double()
+    assert baselines._split_before_first_dropout(net) == (None, None)
+    nested = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)), nn.Dropout(0.5), nn.Linear(3, 2))
+    assert baselines._split_before_first_dropout(nested) == (None, None)
+    theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    a = baselines.mc_dropout_logits(net, theta, x, 5, torch.Generator().manual_seed(1))
+    b = baselines.mc_dropout_logits(_NotSplit(*net), theta, x, 5, torch.Generator().manual_seed(1))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
