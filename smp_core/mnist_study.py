@@ -27,7 +27,7 @@ from .mnist import mnist_tensors
 from .models import as_chain_model, lenet5, predict
 from .preconditioners import ema_refresh_applies
 from .recursion import residual_variance_ratio, run_smp
-from .results import cached, config_key, summarise_replicates
+from .results import cached, config_key, summarise_replicates, variance_components
 
 STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
 INPUT_SHAPE = (1, 28, 28)
@@ -247,31 +247,37 @@ def map_seed(cfg: dict[str, Any], member: int) -> int:
 
 def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
                   progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
-    """Beyond the paper: the four SMP variants from each of ``cfg["map_seeds"]`` MAPs.
+    """Beyond the paper: the four SMP variants in ``cfg["smp_replicates"]`` replicates from each of
+    ``cfg["map_seeds"]`` MAPs.
 
     MAP ``m`` is trained with the MNIST study's settings and the seed :func:`map_seed` (``m = 0``: the
-    MNIST chapter's MAP), and its four variants run as that chapter's replicate 0 with the MAP's seed
-    (:func:`run_replicates` with one replicate), so MAP 0's runs are the MNIST chapter's and every MAP
-    and run is shared through ``<cache_root>/mnist/``. The spread over MAPs is that of the MAP's
-    training run (initial weights and minibatch order) together with the SMP random stream.
+    MNIST chapter's MAP), and its variants run as that chapter's replicates with the MAP's seed
+    (:func:`run_replicates`), so MAP 0's runs are the MNIST chapter's and every MAP and run is shared
+    through ``<cache_root>/mnist/``. Between MAPs the spread is that of the MAP's training run (initial
+    weights and minibatch order) together with the SMP random stream; between the replicates of one
+    MAP, that of the stream alone.
 
-    Returns ``tables`` (:func:`tables` per MAP), ``diverged`` (chains per MAP and variant) and
-    ``maps`` (per MAP: its seed, training seconds and test accuracy and NLL).
+    Returns ``runs`` (per MAP, :func:`tables` per replicate), ``tables`` (per MAP, the mean over its
+    replicates of each table), ``diverged`` (chains per MAP and variant, summed over its replicates)
+    and ``maps`` (per MAP: its seed, training seconds and test accuracy and NLL).
     """
-    settings = {**{k: v for k, v in cfg.items() if k not in ("map_seeds", "smp_replicates")}, "study": "mnist"}
-    per_map, diverged, maps = [], [], []
+    settings = {**{k: v for k, v in cfg.items() if k != "map_seeds"}, "study": "mnist"}
+    runs_per_map, per_map, diverged, maps = [], [], [], []
     for m in range(cfg["map_seeds"]):
-        member = {**settings, "seed": map_seed(cfg, m), "smp_replicates": 1}
+        member = {**settings, "seed": map_seed(cfg, m)}
         fit = fit_map(member, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
         runs = run_replicates(member, fit["theta"], data, device, use_cache, progress, cache_root)
-        per_map.append(runs["tables"][0])
-        diverged.append(runs["diverged"].iloc[0].rename(m))
+        runs_per_map.append(runs["tables"])
+        means = summarise_replicates(runs["tables"])
+        per_map.append({name: means[f"{name}_mean"] for name in runs["tables"][0]})
+        diverged.append(runs["diverged"].sum().rename(m))
         scores = runs["tables"][0]["scores"].loc["MAP"]
         maps.append({"map": m, "seed": member["seed"], "map_seconds": fit["seconds"],
                      "accuracy": scores["accuracy"], "nll": scores["nll"]})
     diverged_table = pd.DataFrame(diverged)
     diverged_table.index.name = "map"
-    return {"tables": per_map, "diverged": diverged_table, "maps": pd.DataFrame(maps).set_index("map")}
+    return {"runs": runs_per_map, "tables": per_map, "diverged": diverged_table,
+            "maps": pd.DataFrame(maps).set_index("map")}
 
 
 def least_dispersed_per_map(per_map: list[dict[str, pd.DataFrame]], variants=None) -> pd.DataFrame:
@@ -282,6 +288,38 @@ def least_dispersed_per_map(per_map: list[dict[str, pd.DataFrame]], variants=Non
     table.index.name = "map"
     table["least"] = table[variants].idxmin(axis=1)
     return table
+
+
+def dispersion_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], variants=None) -> pd.DataFrame:
+    """The test-set mutual information of each diagonal variant in every run, indexed by ``(map, replicate)``,
+    with the natural logarithms of periodic over fixed and of periodic over EMA (below 0: periodic
+    disperses less) and the least dispersed variant of the run."""
+    variants = list(variants or DIAGONAL_METHODS)
+    rows = {(m, r): t["scores"].loc[variants, "mutual_info"]
+            for m, runs in enumerate(runs_per_map) for r, t in enumerate(runs)}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.index = pd.MultiIndex.from_tuples(table.index, names=["map", "replicate"])
+    periodic, fixed, ema = "SMP-periodic-diag", "SMP-fixed-diag", "SMP-ema-diag"
+    if {periodic, fixed, ema} <= set(variants):
+        table["log periodic/fixed"] = np.log(table[periodic] / table[fixed])
+        table["log periodic/EMA"] = np.log(table[periodic] / table[ema])
+    table["least"] = table[variants].idxmin(axis=1)
+    return table
+
+
+def map_or_stream(per_run: pd.DataFrame) -> pd.DataFrame:
+    """How much of the spread of each run's dispersion comes from the MAP and how much from the SMP random
+    stream: :func:`smp_core.results.variance_components` of the log mutual information of each variant and
+    of the log ratios of :func:`dispersion_per_run`, the MAPs as groups (``sd_map``, ``sd_stream``,
+    ``map_share``; ``p_value`` tests for no difference between MAPs)."""
+    logged = {}
+    for column in per_run.columns.drop("least"):
+        if column.startswith("log "):  # a log ratio already
+            logged[column] = per_run[column]
+        else:
+            logged[f"log {column}"] = np.log(per_run[column])
+    out = variance_components(pd.DataFrame(logged))
+    return out.rename(columns={"sd_group": "sd_map", "sd_within": "sd_stream", "group_share": "map_share"})
 
 
 def logits_on_test_set(theta: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:

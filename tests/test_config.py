@@ -117,8 +117,15 @@ def test_mnist_baselines_study_shares_the_mnist_settings():
 
 
 def test_mnist_seeds_study_shares_the_mnist_settings():
+    from smp_core import mnist_study as ms
+    from smp_core.config import MNIST_VARIANTS
+
     for scale in SCALES:
         mnist, seeds = get_config("mnist", scale), get_config("mnist_seeds", scale)
         assert {k: v for k, v in seeds.items() if k not in ("map_seeds", "study")} == {
-            k: v for k, v in mnist.items() if k not in ("smp_replicates", "study")}
+            k: v for k, v in mnist.items() if k != "study"}
         assert seeds["map_seeds"] >= 2
+        # every SMP run of every MAP and replicate draws its own random numbers
+        runs = [ms.smp_seed({**seeds, "seed": ms.map_seed(seeds, m)}, i, r) for m in range(seeds["map_seeds"])
+                for r in range(seeds["smp_replicates"]) for i in range(len(MNIST_VARIANTS))]
+        assert len(set(runs)) == len(runs)

@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -271,9 +272,9 @@ def test_kfac_against_diag_verdicts():
 
 
 def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_path, monkeypatch):
-    """run_map_seeds: MAP 0 and its runs are the MNIST chapter's MAP and replicate 0 (read back from the
+    """run_map_seeds: MAP 0 and its runs are the MNIST chapter's MAP and replicates (read back from the
     cache without training or running anything), MAP m is the baselines chapter's ensemble member m, and
-    each MAP's runs have their own seeds."""
+    each MAP's runs have their own seeds; the per-MAP tables are the means over the MAP's replicates."""
     from smp_core import mnist_baseline_study as mbs
     from smp_core.config import MNIST_VARIANTS, get_config
 
@@ -285,17 +286,22 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
     assert len(study["tables"]) == cfg["map_seeds"] == 2
     assert list(study["maps"]["seed"]) == [cfg["seed"], cfg["seed"] + 100]
     assert list(study["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
-    assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["map_seeds"] * (1 + len(MNIST_VARIANTS))
+    n_runs = cfg["smp_replicates"] * len(MNIST_VARIANTS)
+    assert cfg["smp_replicates"] == 2 and [len(runs) for runs in study["runs"]] == [2, 2]
+    assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["map_seeds"] * (1 + n_runs)
     scores = [t["scores"] for t in study["tables"]]
     assert not scores[0].equals(scores[1])  # another MAP, other runs
     assert scores[0].loc["MAP", "nll"] == study["maps"].loc[0, "nll"]
-    # the MNIST chapter at the same settings finds MAP 0 and its replicate 0 in the cache
+    runs = [[t["scores"] for t in per_map] for per_map in study["runs"]]
+    assert not runs[1][0].equals(runs[1][1])  # each replicate its own stream
+    pd.testing.assert_frame_equal(scores[1], (runs[1][0] + runs[1][1]) / 2)
+    # the MNIST chapter at the same settings finds MAP 0 and its replicates in the cache
     monkeypatch.setattr(ms, "train_map", lambda *a, **k: pytest.fail("a MAP was not shared"))
     monkeypatch.setattr(ms, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not shared"))
-    mnist = {**{k: v for k, v in cfg.items() if k != "map_seeds"}, "study": "mnist", "smp_replicates": 1}
+    mnist = {**{k: v for k, v in cfg.items() if k != "map_seeds"}, "study": "mnist"}
     theta0 = ms.fit_map(mnist, data, **kw)["theta"]
     chapter = ms.run_replicates(mnist, theta0, data, **kw)
-    assert chapter["tables"][0]["scores"].equals(scores[0])
+    assert [t["scores"].equals(r) for t, r in zip(chapter["tables"], runs[0], strict=True)] == [True, True]
     # MAP 1 is stored under the MNIST settings with the seed map_seed(cfg, 1)
     member = ms.fit_map({**mnist, "seed": ms.map_seed(cfg, 1)}, data, **kw)
     assert member["theta"].shape == theta0.shape and not torch.equal(member["theta"], theta0)
@@ -315,3 +321,28 @@ def test_least_dispersed_per_map():
     least = ms.least_dispersed_per_map([tables([0.02, 0.5, 0.04]), tables([0.06, 0.4, 0.03])])
     assert list(least["least"]) == ["SMP-fixed-diag", "SMP-periodic-diag"]
     assert least.loc[1, "SMP-periodic-diag"] == 0.03
+
+
+def test_dispersion_per_run_and_map_or_stream():
+    """Three MAPs x two replicates: the per-run table holds each run's mutual information, its log ratios and
+    its least dispersed variant; the decomposition is that of results.variance_components on the logs."""
+    from smp_core.results import variance_components
+
+    fixed, ema, periodic = ms.DIAGONAL_METHODS
+    mi = {(0, 0): [0.02, 0.5, 0.01], (0, 1): [0.03, 0.4, 0.01], (1, 0): [0.02, 0.6, 0.05],
+          (1, 1): [0.01, 0.5, 0.04], (2, 0): [0.05, 0.3, 0.02], (2, 1): [0.04, 0.2, 0.06]}
+    runs = [[{"scores": pd.DataFrame({"mutual_info": mi[(m, r)]}, index=[fixed, ema, periodic])} for r in range(2)]
+            for m in range(3)]
+    per_run = ms.dispersion_per_run(runs)
+    assert list(per_run.index.names) == ["map", "replicate"] and len(per_run) == 6
+    assert per_run.loc[(1, 1), periodic] == 0.04
+    assert per_run.loc[(0, 0), "log periodic/fixed"] == pytest.approx(math.log(0.5))
+    assert per_run.loc[(2, 1), "log periodic/EMA"] == pytest.approx(math.log(0.06 / 0.2))
+    assert list(per_run["least"]) == [periodic, periodic, fixed, fixed, periodic, fixed]
+    split = ms.map_or_stream(per_run)
+    assert list(split.index) == [f"log {fixed}", f"log {ema}", f"log {periodic}", "log periodic/fixed",
+                                 "log periodic/EMA"]
+    expected = variance_components(np.log(per_run[[periodic]]))
+    assert split.loc[f"log {periodic}", "sd_map"] == pytest.approx(expected.iloc[0]["sd_group"])
+    assert split.loc[f"log {periodic}", "p_value"] == pytest.approx(expected.iloc[0]["p_value"])
+    assert {"sd_map", "sd_stream", "map_share", "F", "p_value"} <= set(split.columns)
