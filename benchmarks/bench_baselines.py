@@ -5,14 +5,15 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/bench_baselines.py                 # CPU, and CUDA when present
     .venv/bin/python benchmarks/bench_baselines.py --images 10000 --passes 100
 
-Prints a markdown table. ``smp_core.baselines.mc_dropout_logits`` on LeNet-5 with dropout (p = 0.25 before
-each fully connected layer, the MNIST baselines chapter's network) is timed twice on the same weights,
-inputs and generator seed: as the plain ``nn.Sequential`` it is (the convolutions before the first dropout
-run once per batch, then only the fully connected layers per pass) and wrapped in a subclass of
-``nn.Sequential`` that the shortcut does not split (every layer on every pass, as before the shortcut).
-Both give the same samples; the table says whether they were equal. For scale, the last row is the
-ensemble's predictive: one forward pass of LeNet-5 per member (``--members``, the chapter's 5). Weights are LeNet-5's initial ones and inputs uniform noise of MNIST's shape: the
-time does not depend on their values. Each time is the fastest of ``--repeats`` runs.
+Prints a markdown table. ``smp_core.baselines.mc_dropout_logits`` on LeNet-5 with dropout (p = 0.25
+before each fully connected layer, the MNIST baselines chapter's network) is timed twice on the same
+weights, inputs and generator seed: as the plain ``nn.Sequential`` it is (the convolutions before the
+first dropout run once per batch, then only the fully connected layers per pass) and wrapped in a
+subclass of ``nn.Sequential`` that the shortcut does not split (every layer on every pass, as before
+the shortcut). Both give the same samples; the table says whether they were equal. For scale, the
+last row is the ensemble's predictive: one forward pass of LeNet-5 per member (``--members``, the
+chapter's 5). Weights are LeNet-5's initial ones and inputs uniform noise of MNIST's shape: the time
+does not depend on their values. Each time is the fastest of ``--repeats`` runs.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main():
         theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
         x = torch.rand(args.images, 1, 28, 28, generator=torch.Generator().manual_seed(1)).to(device)
 
-        def dropout(module):
+        def dropout(module, theta=theta, x=x):
             return lambda: mc_dropout_logits(module, theta, x, args.passes, torch.Generator().manual_seed(2),
                                              batch_size=args.batch_size)
 
@@ -82,7 +83,7 @@ def main():
         print(f"| {name} | MC dropout, every layer each pass | {every_seconds:.2f} | |", flush=True)
         plain = lenet5().to(device).eval()
 
-        def ensemble():
+        def ensemble(plain=plain, x=x):
             with torch.no_grad():
                 return [torch.cat([plain(xb) for xb in x.split(args.batch_size)]) for _ in range(args.members)]
 

@@ -403,8 +403,15 @@ def linearised_logits(
 def _split_before_first_dropout(module: nn.Module) -> tuple[nn.Sequential | None, nn.Sequential | None]:
     """For a plain ``nn.Sequential`` whose first dropout is a direct child after at least one layer, the
     layers before it and the layers from it on (both keep the parent's child names, so the parameter
-    names match ``module.named_parameters()``); otherwise ``(None, None)``. A subclass of
-    ``nn.Sequential`` may override ``forward``, so only the class itself is split."""
+    names match ``module.named_parameters()``); otherwise ``(None, None)``.
+
+    The split is taken only where running the layers before the first dropout once per batch cannot
+    change the result: the parent is ``nn.Sequential`` itself (a subclass may override ``forward``),
+    every layer before the first dropout is one of ``torch.nn``'s own (deterministic in eval mode; a
+    user's layer might draw random numbers), no parameter is shared between the two parts, and no
+    forward hook (global, on the parent or on those layers) could see or change what runs.
+    """
+    from torch.nn.modules import module as module_module
     from torch.nn.modules.dropout import _DropoutNd
 
     if type(module) is not nn.Sequential:
@@ -413,8 +420,14 @@ def _split_before_first_dropout(module: nn.Module) -> tuple[nn.Sequential | None
     first = next((i for i, child in enumerate(children) if isinstance(child, _DropoutNd)), None)
     if first is None or first == 0:
         return None, None
-    if any(isinstance(m, _DropoutNd) for child in children[:first] for m in child.modules()):
+    before = [m for child in children[:first] for m in child.modules()]
+    if any(isinstance(m, _DropoutNd) for m in before):
         return None, None  # a dropout nested inside an earlier layer
+    if any(not type(m).__module__.startswith("torch.nn.modules.") for m in before):
+        return None, None  # a layer of the user's own
+    if module_module._global_forward_hooks or module_module._global_forward_pre_hooks or any(
+            m._forward_hooks or m._forward_pre_hooks for m in (module, *before)):
+        return None, None
     prefix, suffix = module[:first], module[first:]
     names = [name for part in (prefix, suffix) for name, _ in part.named_parameters()]
     if sorted(names) != sorted(name for name, _ in module.named_parameters()):
@@ -447,9 +460,10 @@ def mc_dropout_logits(
     layers that order, and so the samples, also depend on ``batch_size``. The module's parameters,
     its train/eval flags and its hooks are left as they were.
 
-    For a plain ``nn.Sequential`` (LeNet-5 with dropout is one) the layers before the first dropout
-    are run once per batch instead of once per pass, and their outputs for all of ``x`` are held in
-    memory; the masks and so the samples are the same as without this shortcut.
+    For a plain ``nn.Sequential`` (LeNet-5 with dropout is one) whose layers before the first dropout
+    are ``torch.nn``'s own, with no forward hooks, those layers are run once per batch instead of once
+    per pass, and their outputs for all of ``x`` are held in memory; the masks and so the samples are
+    the same as without this shortcut.
 
     Args:
         module: a network containing at least one ``nn.Dropout`` (element-wise dropout; the channel

@@ -141,7 +141,9 @@ def variance_components(values: pd.DataFrame) -> pd.DataFrame:
     the second estimate, 0 where it is negative), ``sd_within``, ``group_share``
     (``sigma_group^2 / (sigma_group^2 + sigma_within^2)`` from the estimates, the intraclass correlation),
     ``F = MS_between / MS_within`` and ``p_value``, the chance of an ``F`` at least as large if the groups
-    did not differ (``F(G - 1, G (r - 1))``, exact for normal errors).
+    did not differ (``F(G - 1, G (r - 1))``, exact for normal errors of one variance in every group).
+    A small ``p_value`` says that ``sigma_group > 0``, not that it exceeds ``sigma_within``; the two
+    standard deviations say which is larger. With no spread at all ``F`` and ``p_value`` are NaN.
     """
     from scipy.stats import f as f_distribution
 
@@ -152,7 +154,7 @@ def variance_components(values: pd.DataFrame) -> pd.DataFrame:
     sizes = values.groupby(level=0, sort=False).size()
     if len(sizes) < 2 or sizes.nunique() != 1 or sizes.iloc[0] < 2:
         raise ValueError("a balanced design is needed: at least 2 groups, each with the same number (at least 2) "
-                         f"of replicates; got {dict(sizes)}")
+                         f"of replicates; got {({group: int(n) for group, n in sizes.items()})}")
     n_groups, r = len(sizes), int(sizes.iloc[0])
     rows = {}
     for column in values.columns:
@@ -163,8 +165,13 @@ def variance_components(values: pd.DataFrame) -> pd.DataFrame:
         deviations = y - group_means.reindex(y.index.get_level_values(0)).to_numpy()
         ms_within = float((deviations**2).sum()) / (n_groups * (r - 1))
         var_group = max(0.0, (ms_between - ms_within) / r)
-        f_stat = ms_between / ms_within if ms_within > 0 else float("inf")
+        total = var_group + ms_within
+        if ms_within > 0:
+            f_stat = ms_between / ms_within
+            p_value = float(f_distribution.sf(f_stat, n_groups - 1, n_groups * (r - 1)))
+        else:  # no spread within groups: any between them is certain; none at all leaves nothing to test
+            f_stat, p_value = (float("inf"), 0.0) if ms_between > 0 else (float("nan"), float("nan"))
         rows[column] = {"mean": grand, "sd_group": var_group**0.5, "sd_within": ms_within**0.5,
-                        "group_share": var_group / (var_group + ms_within) if var_group + ms_within > 0 else float("nan"),
-                        "F": f_stat, "p_value": float(f_distribution.sf(f_stat, n_groups - 1, n_groups * (r - 1)))}
+                        "group_share": var_group / total if total > 0 else float("nan"), "F": f_stat,
+                        "p_value": p_value}
     return pd.DataFrame.from_dict(rows, orient="index")

@@ -437,12 +437,15 @@ def test_mc_dropout_runs_the_layers_before_the_first_dropout_once_and_draws_the_
     assert baselines._split_before_first_dropout(generic) == (None, None)
     theta = torch.nn.utils.parameters_to_vector(net.parameters()).detach()
     x = torch.rand(11, 1, 28, 28, generator=torch.Generator().manual_seed(8))
-    calls = []
-    hook = net[0].register_forward_hook(lambda *args: calls.append(1))
-    try:
-        fast = baselines.mc_dropout_logits(net, theta, x, 4, torch.Generator().manual_seed(9), batch_size=4)
-    finally:
-        hook.remove()
+    calls, conv_forward = [], net[0].forward
+
+    def counted(inputs):  # an instance attribute, not a hook: a hook would turn the shortcut off
+        calls.append(1)
+        return conv_forward(inputs)
+
+    net[0].forward = counted
+    fast = baselines.mc_dropout_logits(net, theta, x, 4, torch.Generator().manual_seed(9), batch_size=4)
+    del net[0].forward
     assert len(calls) == 3  # 3 batches, not 4 passes x 3 batches
     slow = baselines.mc_dropout_logits(generic, theta, x, 4, torch.Generator().manual_seed(9), batch_size=4)
     torch.testing.assert_close(fast, slow, rtol=0, atol=0)
@@ -462,3 +465,31 @@ def test_mc_dropout_with_weights_tied_across_the_first_dropout_takes_the_generic
     a = baselines.mc_dropout_logits(net, theta, x, 5, torch.Generator().manual_seed(1))
     b = baselines.mc_dropout_logits(_NotSplit(*net), theta, x, 5, torch.Generator().manual_seed(1))
     torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Noise(nn.Module):
+    """A layer of the user's own that draws random numbers even in eval mode."""
+
+    def forward(self, x):
+        return x + torch.randn_like(x)
+
+
+def test_mc_dropout_keeps_every_pass_where_the_shortcut_could_change_the_result():
+    """Hooks on the parent or on a layer before the first dropout, and layers that are not torch.nn's own
+    (which might be random in eval mode), take the generic path: here a noise layer before the dropout
+    makes the passes differ even with p = 0."""
+    torch.manual_seed(6)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout(0.5), nn.Linear(4, 2))
+    assert baselines._split_before_first_dropout(plain)[0] is not None
+    for hooked in (plain, plain[0]):
+        handle = hooked.register_forward_hook(lambda module, inputs, output: output + 1)
+        assert baselines._split_before_first_dropout(plain) == (None, None)
+        handle.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, inputs: None)
+    assert baselines._split_before_first_dropout(plain) == (None, None)
+    handle.remove()
+    noisy = nn.Sequential(nn.Linear(3, 4), _Noise(), nn.Dropout(0.0), nn.Linear(4, 2))
+    assert baselines._split_before_first_dropout(noisy) == (None, None)
+    theta = torch.nn.utils.parameters_to_vector(noisy.parameters()).detach()
+    logits = baselines.mc_dropout_logits(noisy, theta, torch.randn(5, 3), 2, torch.Generator().manual_seed(0))
+    assert not torch.equal(logits[0], logits[1])

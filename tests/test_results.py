@@ -68,6 +68,12 @@ def test_variance_components_by_hand():
     assert row["sd_group"] == pytest.approx(math.sqrt(7.0)) and row["sd_within"] == pytest.approx(math.sqrt(2.0))
     assert row["group_share"] == pytest.approx(7.0 / 9.0) and row["F"] == pytest.approx(8.0)
     assert row["p_value"] == pytest.approx(1 - math.sqrt(0.8))  # F(1, 2): P(F > x) = 1 - sqrt(x / (x + 2))
+    # equal group means: MS_between = 0 < MS_within = 2, the estimate of sigma_group^2 (-1) is cut to 0
+    same = variance_components(values.assign(y=[1.0, 3.0, 3.0, 1.0])).loc["y"]
+    assert same["sd_group"] == 0.0 and same["group_share"] == 0.0 and same["F"] == 0.0 and same["p_value"] == 1.0
+    # no spread at all: nothing to test
+    flat = variance_components(values.assign(y=2.0)).loc["y"]
+    assert flat["sd_within"] == 0.0 and math.isnan(flat["F"]) and math.isnan(flat["p_value"])
 
 
 def test_variance_components_are_unbiased_and_the_test_has_its_level():
