@@ -290,15 +290,31 @@ def least_dispersed_per_map(per_map: list[dict[str, pd.DataFrame]], variants=Non
     return table
 
 
-def dispersion_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], variants=None) -> pd.DataFrame:
-    """The test-set mutual information of each diagonal variant in every run, indexed by ``(map, replicate)``,
-    with the natural logarithms of periodic over fixed and of periodic over EMA (below 0: periodic
-    disperses less) and the least dispersed variant of the run."""
+def values_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], table: str, column: str,
+                   variants=None) -> pd.DataFrame:
+    """One column of one of the :func:`tables` (e.g. ``"tails"``, ``"mi_largest_chain_share"``) for each
+    variant (columns; the diagonal ones by default) in every run, indexed by ``(map, replicate)``."""
     variants = list(variants or DIAGONAL_METHODS)
-    rows = {(m, r): t["scores"].loc[variants, "mutual_info"]
-            for m, runs in enumerate(runs_per_map) for r, t in enumerate(runs)}
-    table = pd.DataFrame.from_dict(rows, orient="index")
-    table.index = pd.MultiIndex.from_tuples(table.index, names=["map", "replicate"])
+    rows = {(m, r): t[table].loc[variants, column] for m, runs in enumerate(runs_per_map) for r, t in enumerate(runs)}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index = pd.MultiIndex.from_tuples(out.index, names=["map", "replicate"])
+    return out
+
+
+def dispersion_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], variants=None,
+                       measure: str = "mutual_info") -> pd.DataFrame:
+    """The test-set dispersion of each diagonal variant in every run, indexed by ``(map, replicate)``,
+    with the natural logarithms of periodic over fixed and of periodic over EMA (below 0: periodic
+    disperses less) and the least dispersed variant of the run.
+
+    ``measure`` is ``"mutual_info"`` (the paper's mutual information, from the scores table) or
+    ``"trimmed_mutual_info"`` (the same without the most deviant chains, :func:`mutual_information_tail`,
+    from the tails table)."""
+    variants = list(variants or DIAGONAL_METHODS)
+    table_of = {"mutual_info": "scores", "trimmed_mutual_info": "tails"}
+    if measure not in table_of:
+        raise ValueError(f"measure must be one of {sorted(table_of)}, got {measure!r}")
+    table = values_per_run(runs_per_map, table_of[measure], measure, variants)
     periodic, fixed, ema = "SMP-periodic-diag", "SMP-fixed-diag", "SMP-ema-diag"
     if {periodic, fixed, ema} <= set(variants):
         table["log periodic/fixed"] = np.log(table[periodic] / table[fixed])
@@ -340,7 +356,7 @@ def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.de
                       "logits_variance": metrics.logits_variance(logits)},
         "curve": metrics.calibration_curve(probs, yt, n_bins=n_bins),
         "probs": probs.float(),
-        "tail": largest_chain_shares(logits),
+        "tail": {**largest_chain_shares(logits), **mutual_information_tail(probs)},
     }
 
 
@@ -356,6 +372,25 @@ def largest_chain_shares(logits: torch.Tensor) -> dict[str, float]:
     per_chain = ((logits - logits.mean(0)) ** 2).flatten(1).mean(1)
     top = per_chain.sort(descending=True).values / per_chain.sum()
     return {"largest_chain_share": float(top[0]), "largest_two_share": float(top[:2].sum())}
+
+
+TRIM = 0.1
+"""The fraction of chains :func:`mutual_information_tail` leaves out of its trimmed mutual information
+(ours: 10 of the paper's S = 100 chains)."""
+
+
+def mutual_information_tail(probs: torch.Tensor, trim: float = TRIM) -> dict[str, float]:
+    """How much of the test-set mutual information its most deviant chains carry, and what is left
+    without them: the largest chain's share of :func:`smp_core.metrics.mutual_information_per_sample`
+    (about ``1/S`` when the chains spread alike, near 1 when the mutual information is one chain's
+    excursion) and :func:`smp_core.metrics.trimmed_mutual_information` with ``trim`` (NaN for one sample).
+    """
+    if probs.shape[0] < 2:
+        return {"mi_largest_chain_share": float("nan"), "trimmed_mutual_info": float("nan")}
+    parts = metrics.mutual_information_per_sample(probs)
+    total = float(parts.sum())
+    return {"mi_largest_chain_share": float(parts.max()) / total if total > 0 else float("nan"),
+            "trimmed_mutual_info": metrics.trimmed_mutual_information(probs, trim)}
 
 
 def ambiguous_three(map_probs: torch.Tensor, labels: torch.Tensor) -> int:

@@ -20,10 +20,12 @@ from smp_core.metrics import (
     jackknife_se,
     logits_variance,
     mutual_information,
+    mutual_information_per_sample,
     nll,
     params_variance,
     predictive,
     predictive_entropy,
+    trimmed_mutual_information,
 )
 
 
@@ -137,6 +139,44 @@ def test_mutual_information_hand_case_with_zero_probabilities():
     assert expected_entropy(probs) == 0.0
     assert predictive_entropy(probs) == pytest.approx(math.log(2), rel=1e-14)
     assert mutual_information(probs) == pytest.approx(math.log(2), rel=1e-14)
+
+
+def test_mutual_information_splits_exactly_over_the_samples():
+    # MI = (1/S) sum_l KL(f_l || f_hat), also with exact zeros in some samples (0 log 0 = 0)
+    gen = torch.Generator().manual_seed(3)
+    probs = _dirichlet((7, 120, 4), gen, concentration=0.3)
+    probs[2, :10] = _t([1.0, 0.0, 0.0, 0.0])
+    parts = mutual_information_per_sample(probs)
+    assert parts.shape == (7,)
+    assert (parts >= 0).all()
+    assert float(parts.mean()) == pytest.approx(mutual_information(probs), rel=1e-12)
+    # the hand case: two confident samples that disagree are each log 2 from the predictive (1/2, 1/2)
+    hand = mutual_information_per_sample(_t([[[1.0, 0.0]], [[0.0, 1.0]]]))
+    assert hand.tolist() == pytest.approx([math.log(2), math.log(2)], rel=1e-14)
+    assert mutual_information_per_sample(probs[:1]).tolist() == [0.0]
+
+
+def test_trimmed_mutual_information_leaves_out_the_excursions():
+    gen = torch.Generator().manual_seed(4)
+    base = _dirichlet((1, 200, 3), gen)
+    # 18 samples near the base and 2 far off: the trimmed summary should see only the 18
+    near = base * 0.98 + 0.02 * _dirichlet((18, 200, 3), gen)
+    far = _dirichlet((2, 200, 3), gen, concentration=0.2)
+    probs = torch.cat([near[:7], far[:1], near[7:], far[1:]])
+    parts = mutual_information_per_sample(probs)
+    assert set(parts.argsort()[-2:].tolist()) == {7, 19}
+    assert trimmed_mutual_information(probs, trim=0.1) == pytest.approx(mutual_information(near), rel=1e-12)
+    assert trimmed_mutual_information(probs, trim=0.1) < 0.05 * mutual_information(probs)
+    # trim 0 (and a trim too small to leave out one sample) is the mutual information itself
+    assert trimmed_mutual_information(probs, trim=0.0) == mutual_information(probs)
+    assert trimmed_mutual_information(probs, trim=0.04) == mutual_information(probs)
+    # floor(trim * S) without floating-point loss: 0.29 * 100 leaves out 29 samples, not 28
+    hundred = _dirichlet((100, 5, 3), gen)
+    kept = mutual_information_per_sample(hundred).argsort()[:71]
+    assert trimmed_mutual_information(hundred, trim=0.29) == mutual_information(hundred[kept])
+    for bad in (1.0, -0.1, math.nan, True, "0.1"):
+        with pytest.raises(ValueError, match="trim must be a fraction"):
+            trimmed_mutual_information(probs, trim=bad)
 
 
 def test_epistemic_std_hand_case_uses_population_std():

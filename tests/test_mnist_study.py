@@ -86,6 +86,24 @@ def test_largest_chain_shares():
     assert math.isnan(ms.largest_chain_shares(logits[:1])["largest_chain_share"])
 
 
+def test_mutual_information_tail():
+    # 20 chains: 19 close together and one far out, which carries nearly all the mutual information
+    gen = torch.Generator().manual_seed(0)
+    logits = 0.05 * torch.randn(20, 50, 10, generator=gen, dtype=torch.float64)
+    logits[11] = 5.0 * torch.randn(50, 10, generator=gen, dtype=torch.float64)
+    probs = torch.softmax(logits, dim=-1)
+    tail = ms.mutual_information_tail(probs, trim=0.05)
+    assert tail["mi_largest_chain_share"] > 0.9
+    keep = torch.arange(20) != 11
+    assert tail["trimmed_mutual_info"] == pytest.approx(metrics.mutual_information(probs[keep]), rel=1e-12)
+    # chains that spread alike: the largest share stays near 1/S (here below 3/S)
+    alike = torch.softmax(torch.randn(20, 500, 10, generator=gen, dtype=torch.float64), dim=-1)
+    assert ms.mutual_information_tail(alike)["mi_largest_chain_share"] < 3 / 20
+    assert all(math.isnan(v) for v in ms.mutual_information_tail(probs[:1]).values())
+    # identical chains: no mutual information to share
+    assert math.isnan(ms.mutual_information_tail(probs[:1].expand(4, -1, -1))["mi_largest_chain_share"])
+
+
 def _tiny_mnist(seed=0):
     gen = torch.Generator().manual_seed(seed)
 
@@ -346,3 +364,11 @@ def test_dispersion_per_run_and_map_or_stream():
     assert split.loc[f"log {periodic}", "sd_map"] == pytest.approx(expected.iloc[0]["sd_group"])
     assert split.loc[f"log {periodic}", "p_value"] == pytest.approx(expected.iloc[0]["p_value"])
     assert {"sd_map", "sd_stream", "map_share", "F", "p_value"} <= set(split.columns)
+    # the trimmed measure comes from the tails table; an unknown measure is refused
+    trimmed = [[{"tails": pd.DataFrame({"trimmed_mutual_info": [v / 2 for v in mi[(m, r)]]},
+                                      index=[fixed, ema, periodic])} for r in range(2)] for m in range(3)]
+    robust = ms.dispersion_per_run(trimmed, measure="trimmed_mutual_info")
+    assert robust.loc[(1, 1), periodic] == 0.02
+    assert robust.loc[(0, 0), "log periodic/fixed"] == pytest.approx(math.log(0.5))
+    with pytest.raises(ValueError, match="measure must be one of"):
+        ms.dispersion_per_run(runs, measure="median")
