@@ -204,7 +204,9 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from (deleted once the
     run is in the cache). Returns
     ``tables``: :func:`tables` per replicate (MAP row included); ``diverged``: the diverged chains
-    per replicate (rows) and variant (columns), which every metric leaves out; ``figure_evals``:
+    per replicate (rows) and variant (columns), which every metric leaves out; ``divergence``: the
+    check steps that stopped them and the largest move of a kept chain, per replicate and variant
+    (:func:`divergence_record`); ``figure_evals``:
     the :func:`evaluate` results of the first replicate (with the test-set probabilities; the later
     replicates keep only the tables).
     """
@@ -212,7 +214,7 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     path = smp_path(device)
     variants, folder = study_variants(cfg), cfg.get("study", "mnist")
     map_eval = evaluate(theta_map[None], data, device=device)
-    per_replicate, diverged, figure_evals = [], {}, None
+    per_replicate, diverged, divergence, figure_evals = [], {}, [], None
     for r in range(cfg["smp_replicates"]):
         evals, elapsed = {"MAP": map_eval}, {"MAP": 0.0}
         for i, variant in enumerate(variants):
@@ -228,6 +230,7 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
                 checkpoint.unlink(missing_ok=True)
             name = f"SMP-{variant}"
             elapsed[name], diverged[(r, name)] = res.elapsed, res.n_diverged
+            divergence.append(divergence_record(res, theta_map, r, name, cfg["period"]))
             evals[name] = evaluate(res.theta[~res.diverged], data, device=device)
             if r > 0:
                 evals[name].pop("probs")  # the figures show the first replicate only
@@ -235,7 +238,21 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
         figure_evals = figure_evals or evals
     diverged = pd.Series(diverged, name="diverged chains").unstack()[[f"SMP-{v}" for v in variants]]
     diverged.index.name = "replicate"
-    return {"tables": per_replicate, "diverged": diverged, "figure_evals": figure_evals}
+    return {"tables": per_replicate, "diverged": diverged, "divergence": pd.DataFrame(divergence),
+            "figure_evals": figure_evals}
+
+
+def divergence_record(result, theta0: torch.Tensor, replicate: int, method: str, period: int) -> dict[str, Any]:
+    """One run's divergences: how many chains were stopped, the check steps that caught them, those
+    steps modulo the period ``T`` of the periodic strategy (the steps since the last recomputation), and
+    the largest move (max-norm) of a kept chain from ``theta0``, against the divergence threshold."""
+    steps = sorted(int(k) for k in result.diverged_step[result.diverged].tolist())
+    kept = result.theta[~result.diverged]
+    largest = float((kept.cpu() - theta0.cpu()).abs().max()) if kept.shape[0] else float("nan")
+    return {"replicate": replicate, "method": method, "diverged": len(steps),
+            "caught_at_steps": " ".join(map(str, steps)),
+            "steps_modulo_T": " ".join(str(k % period) for k in steps),
+            "largest_move_of_a_kept_chain": largest}
 
 
 def map_seed(cfg: dict[str, Any], member: int) -> int:
@@ -388,9 +405,12 @@ def mutual_information_tail(probs: torch.Tensor, trim: float = TRIM) -> dict[str
     if probs.shape[0] < 2:
         return {"mi_largest_chain_share": float("nan"), "trimmed_mutual_info": float("nan")}
     parts = metrics.mutual_information_per_sample(probs)
-    total = float(parts.sum())
-    return {"mi_largest_chain_share": float(parts.max()) / total if total > 0 else float("nan"),
-            "trimmed_mutual_info": metrics.trimmed_mutual_information(probs, trim)}
+    total, largest = float(parts.sum()), float(parts.max())
+    # identical chains: the parts (in nats, each at most log C) are rounding of about 1e-16, and their
+    # shares mean nothing
+    spread = total > 1e-12
+    return {"mi_largest_chain_share": largest / total if spread else float("nan"),
+            "trimmed_mutual_info": metrics.trimmed_mutual_information(probs, trim, parts=parts)}
 
 
 def ambiguous_three(map_probs: torch.Tensor, labels: torch.Tensor) -> int:

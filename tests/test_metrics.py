@@ -21,6 +21,7 @@ from smp_core.metrics import (
     logits_variance,
     mutual_information,
     mutual_information_per_sample,
+    n_trimmed,
     nll,
     params_variance,
     predictive,
@@ -174,9 +175,37 @@ def test_trimmed_mutual_information_leaves_out_the_excursions():
     hundred = _dirichlet((100, 5, 3), gen)
     kept = mutual_information_per_sample(hundred).argsort()[:71]
     assert trimmed_mutual_information(hundred, trim=0.29) == mutual_information(hundred[kept])
-    for bad in (1.0, -0.1, math.nan, True, "0.1"):
-        with pytest.raises(ValueError, match="trim must be a fraction"):
+    for bad in (1.0, -0.1, math.nan):
+        with pytest.raises(ValueError, match="trim must be a fraction in"):
             trimmed_mutual_information(probs, trim=bad)
+    for bad in (True, "0.1", None):
+        with pytest.raises(ValueError, match="trim must be a real number"):
+            trimmed_mutual_information(probs, trim=bad)
+    # numpy and other real scalars are fractions too; a trim just below 1 keeps one sample
+    import numpy as np
+
+    assert trimmed_mutual_information(probs, trim=np.float32(0.1)) == trimmed_mutual_information(probs, trim=0.1)
+    assert trimmed_mutual_information(probs, trim=1 - 1e-12) == 0.0
+    assert [n_trimmed(100, t) for t in (0.0, 0.01, 0.1, 0.29, 0.999)] == [0, 1, 10, 29, 99]
+    assert n_trimmed(8, 0.1) == 0 and n_trimmed(1, 0.5) == 0
+    with pytest.raises(ValueError, match="n_samples must be a positive integer"):
+        n_trimmed(0, 0.1)
+
+
+def test_trimmed_mutual_information_is_never_above_the_mutual_information():
+    # MI_kept <= mean of the kept parts <= MI, for any data; ties are broken by sample order
+    gen = torch.Generator().manual_seed(5)
+    for concentration in (0.1, 1.0, 10.0):
+        probs = _dirichlet((12, 40, 5), gen, concentration)
+        mi = mutual_information(probs)
+        for trim in (0.1, 0.25, 0.5, 0.9):
+            assert trimmed_mutual_information(probs, trim) <= mi + 1e-15
+    # ties (given parts): a stable sort, so the last of the tied samples is left out first
+    probs = _dirichlet((5, 30, 3), gen)
+    tied = torch.tensor([0.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    assert trimmed_mutual_information(probs, trim=0.2, parts=tied) == mutual_information(probs[[0, 1, 2, 3]])
+    assert trimmed_mutual_information(probs, trim=0.4, parts=tied) == mutual_information(probs[[0, 1, 2]])
+    assert mutual_information(probs[[0, 1, 2, 3]]) != mutual_information(probs[[0, 2, 3, 4]])
 
 
 def test_epistemic_std_hand_case_uses_population_std():

@@ -100,8 +100,21 @@ def test_mutual_information_tail():
     alike = torch.softmax(torch.randn(20, 500, 10, generator=gen, dtype=torch.float64), dim=-1)
     assert ms.mutual_information_tail(alike)["mi_largest_chain_share"] < 3 / 20
     assert all(math.isnan(v) for v in ms.mutual_information_tail(probs[:1]).values())
-    # identical chains: no mutual information to share
-    assert math.isnan(ms.mutual_information_tail(probs[:1].expand(4, -1, -1))["mi_largest_chain_share"])
+    # identical chains: no mutual information to share (3 chains: the mean of 3 equal numbers may round)
+    for n in (3, 4, 7):
+        same = torch.softmax(logits[:1] + 0.1, dim=-1).expand(n, -1, -1)
+        assert math.isnan(ms.mutual_information_tail(same)["mi_largest_chain_share"])
+
+
+def test_divergence_record():
+    from types import SimpleNamespace
+
+    theta = torch.tensor([[0.5, -0.2], [float("nan"), float("nan")], [0.1, 2.0], [float("nan"), 0.0]])
+    res = SimpleNamespace(theta=theta, diverged=torch.tensor([False, True, False, True]),
+                          diverged_step=torch.tensor([-1, 6550, -1, 4050]))
+    row = ms.divergence_record(res, torch.tensor([0.0, 1.0]), 0, "SMP-periodic-kfac", period=500)
+    assert row["diverged"] == 2 and row["caught_at_steps"] == "4050 6550" and row["steps_modulo_T"] == "50 50"
+    assert row["largest_move_of_a_kept_chain"] == pytest.approx(1.2)  # |-0.2 - 1| in chain 0
 
 
 def _tiny_mnist(seed=0):
@@ -205,6 +218,18 @@ def test_run_replicates_tables_and_cache(tmp_path):
     assert list(runs["diverged"].index) == [0, 1]
     assert list(runs["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
     assert all("probs" in ev for ev in runs["figure_evals"].values())
+    # the tails table carries the mutual information's split over the chains
+    tails = runs["tables"][0]["tails"]
+    assert {"largest_chain_share", "mi_largest_chain_share", "trimmed_mutual_info"} <= set(tails.columns)
+    assert math.isnan(tails.loc["MAP", "trimmed_mutual_info"])
+    # with 3 chains nothing is trimmed: the trimmed MI is the MI
+    smp = [f"SMP-{v}" for v in MNIST_VARIANTS]
+    assert tails.loc[smp, "trimmed_mutual_info"].tolist() == pytest.approx(
+        runs["tables"][0]["scores"].loc[smp, "mutual_info"].tolist(), rel=1e-12)
+    # one divergence record per run, each with the largest move of a kept chain
+    div = runs["divergence"]
+    assert len(div) == 2 * len(MNIST_VARIANTS) and (div["diverged"] == 0).all()
+    assert (div["largest_move_of_a_kept_chain"] > 0).all() and (div["largest_move_of_a_kept_chain"] < 1e3).all()
     # other seeds per replicate; a rerun reads every run from the cache
     assert not runs["tables"][0]["scores"].equals(runs["tables"][1]["scores"])
     again = ms.run_replicates(cfg, theta0, data, **kw)
@@ -364,11 +389,14 @@ def test_dispersion_per_run_and_map_or_stream():
     assert split.loc[f"log {periodic}", "sd_map"] == pytest.approx(expected.iloc[0]["sd_group"])
     assert split.loc[f"log {periodic}", "p_value"] == pytest.approx(expected.iloc[0]["p_value"])
     assert {"sd_map", "sd_stream", "map_share", "F", "p_value"} <= set(split.columns)
-    # the trimmed measure comes from the tails table; an unknown measure is refused
-    trimmed = [[{"tails": pd.DataFrame({"trimmed_mutual_info": [v / 2 for v in mi[(m, r)]]},
+    # the trimmed measure comes from the tails table (here periodic is least in every run); an unknown
+    # measure is refused
+    trimmed = [[{"tails": pd.DataFrame({"trimmed_mutual_info": [0.02, 0.3, 0.01 + 0.001 * (m + r)]},
                                       index=[fixed, ema, periodic])} for r in range(2)] for m in range(3)]
     robust = ms.dispersion_per_run(trimmed, measure="trimmed_mutual_info")
-    assert robust.loc[(1, 1), periodic] == 0.02
-    assert robust.loc[(0, 0), "log periodic/fixed"] == pytest.approx(math.log(0.5))
+    assert robust.loc[(1, 1), periodic] == pytest.approx(0.012)
+    assert robust.loc[(2, 0), "log periodic/fixed"] == pytest.approx(math.log(0.012 / 0.02))
+    assert robust.loc[(0, 1), "log periodic/EMA"] == pytest.approx(math.log(0.011 / 0.3))
+    assert (robust["least"] == periodic).all()
     with pytest.raises(ValueError, match="measure must be one of"):
         ms.dispersion_per_run(runs, measure="median")
