@@ -399,8 +399,8 @@ TRIM = 0.1
 def mutual_information_tail(probs: torch.Tensor, trim: float = TRIM) -> dict[str, float]:
     """How much of the test-set mutual information its most deviant chains carry, and what is left
     without them: the largest chain's share of :func:`smp_core.metrics.mutual_information_per_sample`
-    (about ``1/S`` when the chains spread alike, near 1 when the mutual information is one chain's
-    excursion) and :func:`smp_core.metrics.trimmed_mutual_information` with ``trim`` (NaN for one sample).
+    (a few times ``1/S`` when the chains spread alike, near 1 when the mutual information is one
+    chain's excursion) and :func:`smp_core.metrics.trimmed_mutual_information` with ``trim`` (NaN for one sample).
     """
     if probs.shape[0] < 2:
         return {"mi_largest_chain_share": float("nan"), "trimmed_mutual_info": float("nan")}
