@@ -25,7 +25,7 @@ from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .mnist import mnist_tensors
 from .models import as_chain_model, lenet5, predict
-from .preconditioners import ema_refresh_applies
+from .preconditioners import ema_refresh_applies, preconditioner_from_name
 from .recursion import residual_variance_ratio, run_smp
 from .results import cached, config_key, summarise_replicates, variance_components
 
@@ -171,13 +171,17 @@ def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dic
 
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
-                device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0):
+                device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0,
+                preconditioner=None, n_steps: int | None = None):
     """One SMP variant from theta_0 = MAP; the empirical Fisher (of the variant's structure) from the
     validation set.
 
     ``index`` is the variant's place in :func:`study_variants` and, with ``replicate``, sets its seed
     (:func:`smp_seed`); tau is :func:`variant_tau`; an EMA variant refactorises its statistic every
     ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it).
+    ``preconditioner``: a :class:`~smp_core.preconditioners.Preconditioner` to use instead of the one
+    the variant's name builds (:func:`variant_preconditioner` wrapped by :func:`smp_core.watch.watch`,
+    say); ``n_steps``: stop before ``cfg["n_steps"]``.
     """
     device = device or default_device()
     net = lenet5().to(device)
@@ -186,8 +190,10 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     n_fisher = cfg.get("n_fisher_periodic") if variant.startswith("periodic") else None
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
     refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
-    return run_smp(net, "categorical", x, theta0=theta0.to(device), preconditioner=variant,
-                   tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+    return run_smp(net, "categorical", x, theta0=theta0.to(device),
+                   preconditioner=variant if preconditioner is None else preconditioner,
+                   tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"] if n_steps is None else n_steps,
+                   n_chains=cfg["n_chains"],
                    seed=smp_seed(cfg, index, replicate), fisher="empirical", fisher_data=fisher_data,
                    ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh,
                    input_shape=INPUT_SHAPE,
@@ -253,6 +259,159 @@ def divergence_record(result, theta0: torch.Tensor, replicate: int, method: str,
             "caught_at_steps": " ".join(map(str, steps)),
             "steps_modulo_T": " ".join(str(k % period) for k in steps),
             "largest_move_of_a_kept_chain": largest}
+
+
+def variant_preconditioner(cfg: dict[str, Any], variant: str):
+    """The :class:`~smp_core.preconditioners.Preconditioner` that :func:`run_variant` builds from the
+    variant's name for LeNet-5 (the same settings: ridge, T, ``ema_refresh``)."""
+    model = as_chain_model(lenet5(), INPUT_SHAPE)
+    refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
+    layers = kronecker_layers(model) if variant.endswith("-kfac") else ()
+    return preconditioner_from_name(variant, dim=model.layout.dim, blocks=model.layout.block_slices, layers=layers,
+                                    ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh)
+
+
+def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tensor, data: dict, index: int,
+                       result, replicate: int = 0, device: torch.device | None = None, progress: bool = True,
+                       check_every: int = 50) -> dict[str, Any] | None:
+    """Run a run whose chains diverged again, up to the last check that caught one, watching its steps.
+
+    ``result`` is the run's :class:`~smp_core.recursion.SMPResult` (from :func:`run_variant` with the
+    same ``cfg``, ``variant``, ``index`` and ``replicate``). The replay wraps the variant's
+    preconditioner with :func:`smp_core.watch.watch`, which changes no number, and records every chain's
+    steps (per layer: score and step norms, move from the MAP, and for kfac the step's share at the
+    ridge) over the two check intervals before each catch, and the preconditioner's state before and
+    after every periodic recomputation inside them (:func:`factor_spectra` summarises those). The
+    replay must stop the same chains at the same checks as the run; it raises if it does not
+    (bit-for-bit replays need a preconditioner without an element-wise rule: ``block``, ``dense``,
+    ``kfac``). Returns ``None`` when no chain diverged, else ``caught`` (the catch steps), ``steps``
+    (:meth:`smp_core.watch.StepWatch.table` with ``diverged_step`` of each chain, -1 for kept ones),
+    ``spectra`` (:func:`factor_spectra` of each capture), ``factorisations``
+    (:func:`factorisation_checks` of each chain stopped at the check after a capture, at that capture)
+    and ``stopped_stats`` (those chains' statistics there, by ``(step, chain)``).
+    """
+    from .watch import watch
+
+    caught = sorted({int(k) for k in result.diverged_step[result.diverged].tolist()})
+    if not caught:
+        return None
+    precond = variant_preconditioner(cfg, variant)
+    if precond.elementwise is not None:
+        raise ValueError(f"{variant}: a run with an element-wise rule (none, diag) cannot be replayed bit for bit")
+    steps = sorted({k for c in caught for k in range(max(1, c - 2 * check_every + 1), c + 1)})
+    period = int(cfg["period"]) if variant.startswith("periodic") else 0
+    captures = [k for k in steps if period and k % period == 0]
+    device = device or default_device()
+    wrapped, record = watch(precond, theta_map.to(device), steps, capture_at=captures)
+    replay = run_variant(cfg, variant, theta_map, data, index, device, progress=progress, replicate=replicate,
+                         preconditioner=wrapped, n_steps=caught[-1])
+    expected = torch.where(result.diverged_step.cpu() <= caught[-1], result.diverged_step.cpu(), -1)
+    if not torch.equal(replay.diverged_step.cpu(), expected):
+        raise RuntimeError(f"the replay of {variant} stopped chains {replay.diverged_step.tolist()}, the run "
+                           f"{expected.tolist()}: it did not retrace the run (another MAP, data or code?)")
+    table = record.table()
+    table["diverged_step"] = table["chain"].map(dict(enumerate(result.diverged_step.cpu().tolist())))
+    spectra = [factor_spectra(precond, state, k, when, cfg["ridge"]) for k, (before, after) in record.captured.items()
+               for when, state in (("before", before), ("after", after))]
+    spectra = pd.concat(spectra, ignore_index=True) if spectra else pd.DataFrame()
+    # the recomputations just before a catch: the new factor of each chain stopped at the next check
+    rows, stats = [], {}
+    for k, (_, after) in record.captured.items():
+        next_check = (k // check_every + 1) * check_every
+        for c in (result.diverged_step == next_check).nonzero().ravel().tolist():
+            stats[(k, c)] = tuple(m[c if m.shape[0] > 1 else 0].clone() for m in after.stat)
+            rows += [{"step": k, "chain": c, **row} for row in factorisation_checks(precond, after, c)]
+    return {"caught": caught, "steps": table, "spectra": spectra, "factorisations": pd.DataFrame(rows),
+            "stopped_stats": stats}
+
+
+def stopped_chains(autopsy: dict[str, Any]) -> pd.DataFrame:
+    """One row per chain that a replay (:func:`replay_divergences`) watched being stopped: the check that
+    caught it, the first watched step at which a layer's parameters were not finite (the layers), the
+    chain's largest move from the MAP at the watched step before, and its largest step norm over the watched
+    steps before that, against the largest step norm of any kept chain over the same steps. A chain
+    stopped for moving more than the threshold while staying finite has no first non-finite step."""
+    steps = autopsy["steps"]
+    kept = steps[steps.diverged_step < 0]
+    rows = []
+    for chain, d in steps[steps.diverged_step >= 0].groupby("chain"):
+        caught = int(d["diverged_step"].iloc[0])
+        d = d[d.step <= caught]
+        bad = d[~np.isfinite(d["move"])]
+        first = int(bad["step"].min()) if len(bad) else None
+        before = d[d.step < first] if first else d
+        last = before[before.step == before.step.max()] if len(before) else before
+        same = kept[kept.step.isin(before.step.unique())]
+        rows.append({"chain": chain, "caught_at": caught, "first_non_finite_step": first,
+                     "non_finite_layers": " ".join(sorted(bad.loc[bad.step == first, "group"])) if first else "",
+                     "largest_move_before": float(last["move"].max()) if len(last) else np.nan,
+                     "largest_step_norm_before": float(before["step_norm"].max()) if len(before) else np.nan,
+                     "largest_step_norm_of_a_kept_chain": float(same["step_norm"].max()) if len(same) else np.nan})
+    return pd.DataFrame(rows)
+
+
+def _eigh_fails(m: torch.Tensor) -> bool:
+    """Whether ``torch.linalg.eigh`` (values and vectors, as the kfac factorisation asks) fails on ``m``."""
+    try:
+        torch.linalg.eigh(m)
+    except torch.linalg.LinAlgError:
+        return True
+    return False
+
+
+def factorisation_checks(precond, state, chain: int) -> list[dict[str, Any]]:
+    """Per kfac layer, for one chain of a state with a stored factor: whether its statistic and its factor
+    are finite, and whether the eigendecomposition of each Kronecker factor fails in the statistic's
+    own precision and in float64 (a failure leaves the chain a NaN factor, which stops it)."""
+    rows = []
+    for i in range(len(precond.structure.layers)):
+        a, g = (state.stat[2 * i + j][chain if state.stat[2 * i + j].shape[0] > 1 else 0] for j in (0, 1))
+        scale = state.factor[3 * i + 2]
+        scale = scale[chain if scale.shape[0] > 1 else 0]
+        rows.append({"layer": i + 1, "dtype": str(a.dtype).removeprefix("torch."),
+                     "statistic finite": bool(torch.isfinite(a).all() and torch.isfinite(g).all()),
+                     "factor finite": bool(torch.isfinite(scale).all()),
+                     "eigh of A fails": _eigh_fails(a), "eigh of G fails": _eigh_fails(g),
+                     "eigh of A fails in float64": _eigh_fails(a.double()),
+                     "eigh of G fails in float64": _eigh_fails(g.double())})
+    return rows
+
+
+def factor_spectra(precond, state, step: int, when: str, ridge: float) -> pd.DataFrame:
+    """Per chain and kfac layer of a kfac state: how many eigenvalue products ``lambda_G lambda_A`` of
+    ``G (x) A`` lie below the ridge (where ``P^{-1}`` is about ``1 / ridge``), their share, and the
+    rows of ``G`` and ``A`` that are exactly zero (output units whose gradient, inputs whose value,
+    is zero on every Fisher image). A shared state (one statistic for all chains) gives chain -1. A
+    chain whose factors are not finite, or cannot be decomposed (one blowing up), gets NaN counts."""
+    rows = []
+    for i, _layer in enumerate(precond.structure.layers):
+        a, g = state.stat[2 * i].double(), state.stat[2 * i + 1].double()
+        eig_a, eig_g = _eigenvalues_or_nan(a), _eigenvalues_or_nan(g)
+        products = (eig_g.clamp_min(0)[:, :, None] * eig_a.clamp_min(0)[:, None, :]).flatten(1)
+        below = torch.where(products.isnan().any(1), float("nan"), (products < ridge).sum(1).double())
+        zero_g = (g.diagonal(dim1=1, dim2=2) == 0).sum(1)
+        zero_a = (a.diagonal(dim1=1, dim2=2) == 0).sum(1)
+        for c in range(a.shape[0]):
+            rows.append({"step": step, "when": when, "chain": c if a.shape[0] > 1 else -1, "layer": i + 1,
+                         "products below ridge": float(below[c]),
+                         "share below ridge": float(below[c]) / products.shape[1],
+                         "zero G rows": int(zero_g[c]), "zero A rows": int(zero_a[c])})
+    return pd.DataFrame(rows)
+
+
+def _eigenvalues_or_nan(m: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues of a batch of symmetric matrices ``(C, n, n)``; NaN rows for the elements that are not
+    finite or on which LAPACK fails (the factor of a chain that is blowing up)."""
+    finite = torch.isfinite(m).all((-2, -1))
+    safe = torch.where(finite[:, None, None], m, torch.eye(m.shape[-1], dtype=m.dtype, device=m.device))
+    try:
+        values = torch.linalg.eigvalsh(safe)
+    except torch.linalg.LinAlgError:
+        values = torch.stack([_eigenvalues_or_nan(x[None])[0] if ok else x.new_full(x.shape[:1], float("nan"))
+                              for x, ok in zip(safe, finite.tolist(), strict=True)]) if m.shape[0] > 1 else None
+        if values is None:
+            return m.new_full(m.shape[:-1], float("nan"))
+    return values.masked_fill(~finite[:, None], float("nan"))
 
 
 def map_seed(cfg: dict[str, Any], member: int) -> int:

@@ -400,3 +400,53 @@ def test_dispersion_per_run_and_map_or_stream():
     assert (robust["least"] == periodic).all()
     with pytest.raises(ValueError, match="measure must be one of"):
         ms.dispersion_per_run(runs, measure="median")
+
+
+def test_replay_divergences_retraces_a_run_and_watches_its_steps():
+    # with N = 40 and tau = 20 two of six periodic-kfac chains diverge by the first check (step 50)
+    from smp_core.config import get_config
+
+    cfg = {**get_config("mnist_kfac", "ci"), "n_train": 40, "n_chains": 6, "n_steps": 50, "period": 20,
+           "tau": {"periodic-kfac": 20.0}}
+    data, cpu = _tiny_mnist(1), torch.device("cpu")
+    torch.manual_seed(0)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    with pytest.warns(UserWarning, match="diverged"):
+        result = ms.run_variant(cfg, "periodic-kfac", theta0, data, 2, cpu, progress=False)
+    stopped = result.diverged.nonzero().ravel().tolist()
+    assert 0 < len(stopped) < 6
+    with pytest.warns(UserWarning, match="diverged"):
+        autopsy = ms.replay_divergences(cfg, "periodic-kfac", theta0, data, 2, result, device=cpu, progress=False)
+    assert autopsy["caught"] == sorted(set(result.diverged_step[result.diverged].tolist()))
+    steps = autopsy["steps"]
+    assert sorted(steps["step"].unique()) == list(range(1, autopsy["caught"][-1] + 1))  # two checks of 50, from 1
+    assert set(steps["group"]) == {f"layer {i}" for i in range(1, 6)}
+    assert sorted(steps.loc[steps.diverged_step >= 0, "chain"].unique()) == stopped
+    # the stopped chains moved past the threshold by their catch; the kept ones did not
+    last = steps[steps.step == autopsy["caught"][-1]].groupby("chain")["move"].max()
+    assert (last[stopped] > 1e3).all() or not last[stopped].notna().all()
+    assert (last.drop(stopped) < 1e3).all()
+    assert steps["ridge_share"].between(0, 1).all()
+    # captures at the recomputations k = 20 and 40: shared factors before the first, per chain after
+    spectra = autopsy["spectra"]
+    assert sorted(spectra["step"].unique()) == [20, 40]
+    first = spectra[spectra.step == 20]
+    assert set(first.loc[first.when == "before", "chain"]) == {-1}
+    assert set(first.loc[first.when == "after", "chain"]) == set(range(6))
+    assert spectra["share below ridge"].dropna().between(0, 1).all()
+    # the stopped chains, and the factorisations at the recomputations before the check that caught them
+    summary = ms.stopped_chains(autopsy)
+    assert summary["chain"].tolist() == stopped and (summary["caught_at"] == 50).all()
+    assert (summary["largest_step_norm_before"] > 0).all()
+    checks = autopsy["factorisations"]
+    assert set(checks["step"]) == {20, 40} and sorted(checks["chain"].unique()) == stopped
+    assert len(checks) == 2 * 5 * len(stopped)
+    assert set(autopsy["stopped_stats"]) == {(k, c) for k in (20, 40) for c in stopped}
+    # a result from another run is refused; a diagonal variant cannot be replayed bit for bit
+    result.diverged_step[stopped[0]] = 100
+    with pytest.raises(RuntimeError, match="did not retrace"), pytest.warns(UserWarning):
+        ms.replay_divergences(cfg, "periodic-kfac", theta0, data, 2, result, device=cpu, progress=False)
+    with pytest.raises(ValueError, match="element-wise"):
+        ms.replay_divergences(cfg, "periodic-diag", theta0, data, 2, result, device=cpu, progress=False)
+    result.diverged[:] = False
+    assert ms.replay_divergences(cfg, "periodic-kfac", theta0, data, 2, result, device=cpu) is None
