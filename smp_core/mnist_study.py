@@ -286,7 +286,7 @@ def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tenso
     (bit-for-bit replays need a preconditioner without an element-wise rule: ``block``, ``dense``,
     ``kfac``). Returns ``None`` when no chain diverged, else ``caught`` (the catch steps), ``steps``
     (:meth:`smp_core.watch.StepWatch.table` with ``diverged_step`` of each chain, -1 for kept ones),
-    ``spectra`` (:func:`factor_spectra` of each capture), ``factorisations``
+    ``spectra`` (:func:`factor_spectra` of each capture; a stopped chain's rows end at its catch), ``factorisations``
     (:func:`factorisation_checks` of each chain stopped at the check after a capture, at that capture)
     and ``stopped_stats`` (those chains' statistics there, by ``(step, chain)``).
     """
@@ -311,9 +311,15 @@ def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tenso
                            f"{expected.tolist()}: it did not retrace the run (another MAP, data or code?)")
     table = record.table()
     table["diverged_step"] = table["chain"].map(dict(enumerate(result.diverged_step.cpu().tolist())))
+    # a stopped chain sits at the MAP from its catch on: its rows after the check that caught it go
+    table = table[(table.diverged_step < 0) | (table.step <= table.diverged_step)].reset_index(drop=True)
+    stopped_at = dict(enumerate(result.diverged_step.cpu().tolist()))
     spectra = [factor_spectra(precond, state, k, when, cfg["ridge"]) for k, (before, after) in record.captured.items()
                for when, state in (("before", before), ("after", after))]
     spectra = pd.concat(spectra, ignore_index=True) if spectra else pd.DataFrame()
+    if len(spectra):  # a stopped chain sits at the MAP from its catch on: its later rows describe nothing
+        catch = spectra["chain"].map(stopped_at).fillna(-1)
+        spectra = spectra[(catch < 0) | (spectra["step"] < catch)].reset_index(drop=True)
     # the recomputations just before a catch: the new factor of each chain stopped at the next check
     rows, stats = [], {}
     for k, (_, after) in record.captured.items():
@@ -350,19 +356,20 @@ def stopped_chains(autopsy: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _eigh_fails(m: torch.Tensor) -> bool:
-    """Whether ``torch.linalg.eigh`` (values and vectors, as the kfac factorisation asks) fails on ``m``."""
+def _eigh_outcome(m: torch.Tensor) -> str:
+    """What ``torch.linalg.eigh`` (values and vectors, as the kfac factorisation asks) gives on ``m``:
+    ``"ok"``, ``"error"`` (it raised) or ``"NaN"`` (it returned non-finite values without an error)."""
     try:
-        torch.linalg.eigh(m)
+        values, vectors = torch.linalg.eigh(m)
     except torch.linalg.LinAlgError:
-        return True
-    return False
+        return "error"
+    return "ok" if bool(torch.isfinite(values).all() and torch.isfinite(vectors).all()) else "NaN"
 
 
 def factorisation_checks(precond, state, chain: int) -> list[dict[str, Any]]:
     """Per kfac layer, for one chain of a state with a stored factor: whether its statistic and its factor
-    are finite, and whether the eigendecomposition of each Kronecker factor fails in the statistic's
-    own precision and in float64 (a failure leaves the chain a NaN factor, which stops it)."""
+    are finite, and what the eigendecomposition of each Kronecker factor gives (:func:`_eigh_outcome`) in
+    the statistic's own precision and in float64 (a non-finite factor stops the chain)."""
     rows = []
     for i in range(len(precond.structure.layers)):
         a, g = (state.stat[2 * i + j][chain if state.stat[2 * i + j].shape[0] > 1 else 0] for j in (0, 1))
@@ -371,9 +378,9 @@ def factorisation_checks(precond, state, chain: int) -> list[dict[str, Any]]:
         rows.append({"layer": i + 1, "dtype": str(a.dtype).removeprefix("torch."),
                      "statistic finite": bool(torch.isfinite(a).all() and torch.isfinite(g).all()),
                      "factor finite": bool(torch.isfinite(scale).all()),
-                     "eigh of A fails": _eigh_fails(a), "eigh of G fails": _eigh_fails(g),
-                     "eigh of A fails in float64": _eigh_fails(a.double()),
-                     "eigh of G fails in float64": _eigh_fails(g.double())})
+                     "eigh of A": _eigh_outcome(a), "eigh of G": _eigh_outcome(g),
+                     "eigh of A in float64": _eigh_outcome(a.double()),
+                     "eigh of G in float64": _eigh_outcome(g.double())})
     return rows
 
 
