@@ -345,24 +345,48 @@ def _ridged(m: torch.Tensor, ridge: float) -> torch.Tensor:
 def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.linalg.eigh`` of a batch ``(C, n, n)`` and a ``(C,)`` mask of the elements it failed on.
 
-    LAPACK can fail to converge on a finite but extreme matrix, such as the factor of a chain that is
-    blowing up between two divergence checks; one such chain must not stop the others. The batch is
-    then decomposed element by element, and a failed element gets the identity's decomposition and
-    its flag (the caller gives that chain NaN, which the recursion reports as a divergence).
+    LAPACK's eigensolver can fail on a finite matrix, by raising (it did not converge) or, worse, by
+    returning NaN without an error; one such matrix must not stop the other chains. An element that
+    fails in its own precision either way is decomposed again in float64 and cast back. That rescues
+    the failures seen so far: in the MNIST KFAC laptop run, MKL's float32 ``eigh`` returned NaN, without
+    an error, for the output-gradient factor ``G`` (128 x 128, largest entry about 7e-3, smallest
+    non-zero ones 1e-31 and below, about sixty zero rows) of LeNet-5's third layer for two chains at
+    a periodic recomputation; before this retry both chains were stopped as if they had diverged
+    (``notebooks/mnist_kfac.md``). An element that is not finite, or fails in float64 as well (a
+    chain blowing up between two divergence checks), gets the identity's decomposition and its flag:
+    the caller gives that chain NaN, which the recursion reports as a divergence.
     """
+    failed = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
     try:
         values, vectors = torch.linalg.eigh(m)
-        return values, vectors, torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
+        retry = ~(torch.isfinite(values).all(-1) & torch.isfinite(vectors).all((-2, -1)))
     except torch.linalg.LinAlgError:
-        pass
-    values, vectors = m.new_ones(m.shape[:-1]), torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).repeat(
-        m.shape[0], 1, 1)
-    failed = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
-    for i in range(m.shape[0]):
-        try:
-            values[i], vectors[i] = torch.linalg.eigh(m[i])
-        except torch.linalg.LinAlgError:
-            failed[i] = True
+        values = m.new_ones(m.shape[:-1])
+        vectors = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).repeat(m.shape[0], 1, 1)
+        retry = torch.zeros_like(failed)
+        for i in range(m.shape[0]):
+            try:
+                values[i], vectors[i] = torch.linalg.eigh(m[i])
+            except torch.linalg.LinAlgError:
+                retry[i] = True
+                continue
+            retry[i] = not bool(torch.isfinite(values[i]).all() and torch.isfinite(vectors[i]).all())
+    if not bool(retry.any()):
+        return values, vectors, failed
+    finite = torch.isfinite(m).all((-2, -1))
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    for i in retry.nonzero().ravel().tolist():
+        ok = bool(finite[i])
+        if ok:
+            try:
+                value, vector = torch.linalg.eigh(m[i].double())
+                ok = bool(torch.isfinite(value).all() and torch.isfinite(vector).all())
+            except torch.linalg.LinAlgError:
+                ok = False
+        if ok:
+            values[i], vectors[i] = value.to(m.dtype), vector.to(m.dtype)
+        else:
+            values[i], vectors[i], failed[i] = 1.0, eye, True
     return values, vectors, failed
 
 

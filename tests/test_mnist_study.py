@@ -54,6 +54,11 @@ def test_smp_seeds_and_run_keys_per_replicate():
     # asking for more replicates keeps the keys, hence the cache, of those already run
     assert ms.run_key({**cfg, "smp_replicates": 9}, "none", 1, "a path") == key
     assert ms.run_key(cfg, "none", 0, "a path") != key
+    # a variant's own version enters its key only: the other variants' cached runs still match
+    assert "variant_version" not in key
+    kfac = get_config("mnist_kfac", "laptop")
+    assert ms.run_key(kfac, "periodic-kfac", 0, "p")["variant_version"] == ms.VARIANT_VERSIONS["periodic-kfac"]
+    assert "variant_version" not in ms.run_key(kfac, "fixed-kfac", 0, "p")
 
 
 def test_ambiguous_three_rule():

@@ -349,6 +349,78 @@ def test_kfac_isolates_a_chain_whose_factor_lapack_cannot_decompose(generator, m
     torch.testing.assert_close(out[[0, 1, 3]], expected[[0, 1, 3]], rtol=1e-12, atol=1e-12)
 
 
+def test_kfac_decomposes_in_float64_a_float32_factor_lapack_fails_on(generator, monkeypatch):
+    """A finite float32 factor on which eigh fails (two chains of the MNIST KFAC laptop run) is decomposed
+    in float64 and cast back: the chain keeps a finite solve, close to the one from float64 statistics, and
+    the other chains' solves are exactly as they were."""
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
+    stat64 = tuple(m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64) for m in factors)
+    stat = tuple(m.float() for m in stat64)
+    v = torch.randn(4, DIM, generator=generator, dtype=torch.float64)
+    expected = struct.apply(struct.factorize(stat, RIDGE), v.float())
+    real_eigh = torch.linalg.eigh
+    marked = stat[1][2].clone()  # chain 2's G of the first layer: LAPACK "fails" on it in float32 only
+    calls = []
+
+    def eigh(m):
+        if m.dtype == torch.float32 and any(torch.equal(x, marked) for x in (m if m.ndim == 3 else m[None])):
+            raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge")
+        calls.append(m.dtype)
+        return real_eigh(m)
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    out = struct.apply(struct.factorize(stat, RIDGE), v.float())
+    assert torch.float64 in calls and out.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[[0, 1, 3]], expected[[0, 1, 3]], rtol=0, atol=0)
+    exact = struct.apply(struct.factorize(stat64, RIDGE), v)
+    torch.testing.assert_close(out[2].double(), exact[2], rtol=1e-4, atol=1e-5)
+
+
+def test_kfac_decomposes_in_float64_a_float32_factor_that_comes_back_nan_without_an_error(generator, monkeypatch):
+    """MKL's float32 eigh returned NaN without raising for two chains' factors in the MNIST KFAC laptop run:
+    the NaN output is caught and that chain's factor decomposed in float64, the others untouched."""
+    struct = Structure("kfac", DIM, layers=LAYERS)
+    factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
+    stat = tuple((m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64)).float() for m in factors)
+    v = torch.randn(4, DIM, generator=generator)
+    expected = struct.apply(struct.factorize(stat, RIDGE), v)
+    real_eigh = torch.linalg.eigh
+
+    def eigh(m):
+        values, vectors = real_eigh(m)
+        if m.dtype == torch.float32 and m.shape[-1] == 3:  # the first layer's A: chain 1 comes back NaN
+            values, vectors = values.clone(), vectors.clone()
+            (values[1] if m.ndim == 3 else values).fill_(float("nan"))
+        return values, vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    out = struct.apply(struct.factorize(stat, RIDGE), v)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[[0, 2, 3]], expected[[0, 2, 3]], rtol=0, atol=0)
+
+
+def test_kfac_factors_on_which_mkl_float32_eigh_returns_nan():
+    """The two output-gradient factors G of LeNet-5's third layer (128 x 128, float32) that stopped two chains
+    of the MNIST KFAC laptop run (saved by tools/replay_divergences.py --save-stats from that run's replay
+    at git 1537d7b: chain 93 at step 4000, chain 22 at step 6500). With torch 2.14.1's MKL 2024.2 their
+    float32 eigh returns NaN without an error; whatever this platform's LAPACK does, the factorisation must
+    give finite eigenpairs that rebuild G."""
+    from pathlib import Path
+
+    from smp_core.preconditioners import _eigh_per_chain
+
+    g = torch.load(Path(__file__).parent / "fixtures" / "kfac_g_float32_eigh_nan.pt")
+    assert g.shape == (2, 128, 128) and g.dtype == torch.float32 and torch.isfinite(g).all()
+    values, vectors, failed = _eigh_per_chain(g)
+    assert not failed.any()
+    assert torch.isfinite(values).all() and torch.isfinite(vectors).all()
+    rebuilt = vectors.double() @ torch.diag_embed(values.double()) @ vectors.double().mT
+    assert (rebuilt - g.double()).abs().max() < 1e-6 * g.abs().max()
+
+
 def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):
     # y = W [x, 1] + sigma eps with two outputs: the Fisher is exactly (I / sigma^2) (x) mean([x, 1][x, 1]^T),
     # and fixed-kfac holds it. Started there and fed scores simulated from the model at fixed theta, the EMA
