@@ -119,7 +119,7 @@ _MNIST_KFAC_CHANGES: dict[str, Any] = {
 MNIST_KFAC: dict[str, dict[str, Any]] = {
     "paper": {**_MNIST_PAPER, **_MNIST_KFAC_CHANGES},
     # laptop: the MNIST laptop settings (K = 10^4) with one replicate: each kfac
-    # run takes 7 to 21 times a diagonal one on 2 cores (832, 1606 and 1053 s for fixed, EMA and periodic)
+    # run takes 7 to 21 times a diagonal one on 2 cores (594, 1221 and 719 s for fixed, EMA and periodic)
     "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1},
     "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES},
 }
