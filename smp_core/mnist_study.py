@@ -33,7 +33,8 @@ STUDY_VERSION = 1  # bump when a change to this module changes its results (inva
 # Per variant, beyond STUDY_VERSION: bumped when a change alters that variant's runs only. periodic-kfac 2:
 # a kfac factor on which LAPACK's float32 eigh fails (raises, or returns NaN) is decomposed in float64 instead
 # of stopping its chain (smp_core.preconditioners._eigh_per_chain); such a failure always stopped a chain, and
-# the fixed-kfac and ema-kfac runs lost none, so theirs are unchanged.
+# the fixed-kfac and ema-kfac runs lost none, so theirs are unchanged (checked for this repository's laptop
+# caches: a cached fixed-kfac or ema-kfac run elsewhere that stopped chains may predate the retry; delete it).
 VARIANT_VERSIONS = {"periodic-kfac": 2}
 INPUT_SHAPE = (1, 28, 28)
 FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
@@ -280,8 +281,8 @@ def variant_preconditioner(cfg: dict[str, Any], variant: str):
 
 
 def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tensor, data: dict, index: int,
-                       result, replicate: int = 0, device: torch.device | None = None, progress: bool = True,
-                       check_every: int = 50) -> dict[str, Any] | None:
+                       result, replicate: int = 0, device: torch.device | None = None,
+                       progress: bool = True) -> dict[str, Any] | None:
     """Run a run whose chains diverged again, up to the last check that caught one, watching its steps.
 
     ``result`` is the run's :class:`~smp_core.recursion.SMPResult` (from :func:`run_variant` with the
@@ -292,17 +293,20 @@ def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tenso
     after every periodic recomputation inside them (:func:`factor_spectra` summarises those). The
     replay must stop the same chains at the same checks as the run; it raises if it does not
     (bit-for-bit replays need a preconditioner without an element-wise rule: ``block``, ``dense``,
-    ``kfac``). Returns ``None`` when no chain diverged, else ``caught`` (the catch steps), ``steps``
+    ``kfac``). The check interval is the run's own (``result.config["check_every"]``). Returns ``None``
+    when no chain diverged, else ``caught`` (the catch steps), ``check_every``, ``steps``
     (:meth:`smp_core.watch.StepWatch.table` with ``diverged_step`` of each chain, -1 for kept ones),
-    ``spectra`` (:func:`factor_spectra` of each capture; a stopped chain's rows end at its catch), ``factorisations``
+    ``spectra`` (:func:`factor_spectra` of each capture), ``factorisations``
     (:func:`factorisation_checks` of each chain stopped at the check after a capture, at that capture)
-    and ``stopped_stats`` (those chains' statistics there, by ``(step, chain)``).
+    and ``stopped_stats`` (those chains' statistics there, by ``(step, chain)``). A stopped chain sits at
+    the MAP from its catch on, so its rows in ``steps`` and ``spectra`` end at the check that caught it.
     """
     from .watch import watch
 
     caught = sorted({int(k) for k in result.diverged_step[result.diverged].tolist()})
     if not caught:
         return None
+    check_every = int(result.config["check_every"])
     precond = variant_preconditioner(cfg, variant)
     if precond.elementwise is not None:
         raise ValueError(f"{variant}: a run with an element-wise rule (none, diag) cannot be replayed bit for bit")
@@ -313,21 +317,20 @@ def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tenso
     wrapped, record = watch(precond, theta_map.to(device), steps, capture_at=captures)
     replay = run_variant(cfg, variant, theta_map, data, index, device, progress=progress, replicate=replicate,
                          preconditioner=wrapped, n_steps=caught[-1])
-    expected = torch.where(result.diverged_step.cpu() <= caught[-1], result.diverged_step.cpu(), -1)
-    if not torch.equal(replay.diverged_step.cpu(), expected):
+    # the replay ends at the last catch, so every chain the run stopped must be stopped, at the same check
+    if not torch.equal(replay.diverged_step.cpu(), result.diverged_step.cpu()):
         raise RuntimeError(f"the replay of {variant} stopped chains {replay.diverged_step.tolist()}, the run "
-                           f"{expected.tolist()}: it did not retrace the run (another MAP, data or code?)")
-    table = record.table()
-    table["diverged_step"] = table["chain"].map(dict(enumerate(result.diverged_step.cpu().tolist())))
-    # a stopped chain sits at the MAP from its catch on: its rows after the check that caught it go
-    table = table[(table.diverged_step < 0) | (table.step <= table.diverged_step)].reset_index(drop=True)
+                           f"{result.diverged_step.tolist()}: it did not retrace the run (another MAP, data or code?)")
     stopped_at = dict(enumerate(result.diverged_step.cpu().tolist()))
+    table = record.table()
+    table["diverged_step"] = table["chain"].map(stopped_at)
+    table = table[(table.diverged_step < 0) | (table.step <= table.diverged_step)].reset_index(drop=True)
     spectra = [factor_spectra(precond, state, k, when, cfg["ridge"]) for k, (before, after) in record.captured.items()
                for when, state in (("before", before), ("after", after))]
     spectra = pd.concat(spectra, ignore_index=True) if spectra else pd.DataFrame()
-    if len(spectra):  # a stopped chain sits at the MAP from its catch on: its later rows describe nothing
-        catch = spectra["chain"].map(stopped_at).fillna(-1)
-        spectra = spectra[(catch < 0) | (spectra["step"] < catch)].reset_index(drop=True)
+    if len(spectra):
+        catch = spectra["chain"].map(stopped_at).fillna(-1)  # (chain -1: a statistic shared by all chains)
+        spectra = spectra[(catch < 0) | (spectra["step"] <= catch)].reset_index(drop=True)
     # the recomputations just before a catch: the new factor of each chain stopped at the next check
     rows, stats = [], {}
     for k, (_, after) in record.captured.items():
@@ -335,24 +338,25 @@ def replay_divergences(cfg: dict[str, Any], variant: str, theta_map: torch.Tenso
         for c in (result.diverged_step == next_check).nonzero().ravel().tolist():
             stats[(k, c)] = tuple(m[c if m.shape[0] > 1 else 0].clone() for m in after.stat)
             rows += [{"step": k, "chain": c, **row} for row in factorisation_checks(precond, after, c)]
-    return {"caught": caught, "steps": table, "spectra": spectra, "factorisations": pd.DataFrame(rows),
-            "stopped_stats": stats}
+    return {"caught": caught, "check_every": check_every, "steps": table, "spectra": spectra,
+            "factorisations": pd.DataFrame(rows), "stopped_stats": stats}
 
 
 def stopped_chains(autopsy: dict[str, Any]) -> pd.DataFrame:
-    """One row per chain that a replay (:func:`replay_divergences`) watched being stopped: the check that
-    caught it, the first watched step at which a layer's parameters were not finite (the layers), the
-    chain's largest move from the MAP at the watched step before, and its largest step norm over the watched
-    steps before that, against the largest step norm of any kept chain over the same steps. A chain
+    """One row per chain that a replay (:func:`replay_divergences`) watched being stopped, over the two
+    check intervals before the check that caught it: that check, the first step at which a layer's
+    parameters were not finite (the layers), the chain's largest move from the MAP at the step before,
+    and its largest step norm over the steps before that, against the largest step norm of any kept
+    chain over the same steps. A chain
     stopped for moving more than the threshold while staying finite has no first non-finite step."""
-    steps = autopsy["steps"]
+    steps, window = autopsy["steps"], 2 * autopsy["check_every"]
     kept = steps[steps.diverged_step < 0]
     rows = []
     for chain, d in steps[steps.diverged_step >= 0].groupby("chain"):
         caught = int(d["diverged_step"].iloc[0])
-        d = d[d.step <= caught]
+        d = d[(d.step <= caught) & (d.step > caught - window)]  # the chain's own window: the two checks before
         bad = d[~np.isfinite(d["move"])]
-        first = int(bad["step"].min()) if len(bad) else None
+        first = int(bad["step"].min()) if len(bad) else None  # (None: the chain stayed finite)
         before = d[d.step < first] if first else d
         last = before[before.step == before.step.max()] if len(before) else before
         same = kept[kept.step.isin(before.step.unique())]
@@ -361,7 +365,10 @@ def stopped_chains(autopsy: dict[str, Any]) -> pd.DataFrame:
                      "largest_move_before": float(last["move"].max()) if len(last) else np.nan,
                      "largest_step_norm_before": float(before["step_norm"].max()) if len(before) else np.nan,
                      "largest_step_norm_of_a_kept_chain": float(same["step_norm"].max()) if len(same) else np.nan})
-    return pd.DataFrame(rows)
+    table = pd.DataFrame(rows)
+    if len(table):
+        table["first_non_finite_step"] = table["first_non_finite_step"].astype("Int64")  # <NA>: stayed finite
+    return table
 
 
 def _eigh_outcome(m: torch.Tensor) -> str:

@@ -347,7 +347,8 @@ def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
     LAPACK's eigensolver can fail on a finite matrix, by raising (it did not converge) or, worse, by
     returning NaN without an error; one such matrix must not stop the other chains. An element that
-    fails in its own precision either way is decomposed again in float64 and cast back. That rescues
+    fails in its own precision either way is decomposed again in float64 and cast back (for a
+    float64 input that can only repeat the failure; a wrong but finite result is not detected). That rescues
     the failures seen so far: in the MNIST KFAC laptop run, MKL's float32 ``eigh`` returned NaN, without
     an error, for the output-gradient factor ``G`` (128 x 128, largest entry about 7e-3, smallest
     non-zero ones 1e-31 and below, about sixty zero rows) of LeNet-5's third layer for two chains at

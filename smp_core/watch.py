@@ -23,8 +23,8 @@ The wrapper has no element-wise rule, so the recursion takes its plain step-by-s
 preconditioner that has no rule of its own (``block``, ``dense``, ``kfac``) that is the path the
 original run took, and the replay is exact. For ``none`` and ``diag`` the original run may have
 used the element-wise rule or step blocks, which draw or round differently: the watched run is
-then a run of the same chain law, not a replay. It counts steps from the start: do not resume it
-from a checkpoint. A chain stopped for diverging is put back at ``theta_0`` and stays there: its
+then a run of the same chain law, not a replay. It counts steps from the start (``init`` sets step 1): do not
+resume it from a checkpoint. A chain stopped for diverging is put back at ``theta_0`` and stays there: its
 rows after the check that stopped it (``SMPResult.diverged_step``) describe nothing.
 """
 
@@ -38,6 +38,7 @@ import pandas as pd
 import torch
 
 from .preconditioners import Preconditioner, PreconditionerState
+from .recursion import _accepts_out
 
 
 @dataclass
@@ -126,10 +127,15 @@ def watch(precond: Preconditioner, theta0: torch.Tensor, steps: Iterable[int], *
     kfac_layers = bool(layer_groups) and list(index) == list(layer_groups) and all(
         torch.equal(index[name].cpu(), idx) for name, idx in layer_groups.items())
     record = StepWatch(index, steps, capture_at, theta0)
-    inner_solve, inner_update = precond.solve, precond.update
+    inner_init, inner_solve, inner_update = precond.init, precond.solve, precond.update
+    takes_out = _accepts_out(inner_solve)  # a user's solve without out= stays without it
+
+    def init(theta0_, curvature):
+        record.step = 1  # a fresh run starts at step 1 (not so a run resumed from a checkpoint)
+        return inner_init(theta0_, curvature)
 
     def solve(state, v, out=None):
-        result = inner_solve(state, v) if out is None else inner_solve(state, v, out=out)
+        result = inner_solve(state, v, out=out) if out is not None and takes_out else inner_solve(state, v)
         k = record.step
         if k in steps:
             pending = {name: (v[:, idx].norm(dim=1), result[:, idx].norm(dim=1)) for name, idx in index.items()}
@@ -139,24 +145,29 @@ def watch(precond: Preconditioner, theta0: torch.Tensor, steps: Iterable[int], *
             record._pending[k] = pending
         return result
 
+    def copy(state):
+        return PreconditionerState(*(tuple(t.detach().cpu().clone() for t in part) for part in state))
+
     def update(state, k, theta, score, curvature):
+        # copied before the update: an EMA folds the score into its statistic in place
+        before = copy(state) if k in capture_at else None
         new = inner_update(state, k, theta, score, curvature)
-        if k in capture_at:
-            record.captured[k] = tuple(PreconditionerState(*(tuple(t.detach().cpu().clone() for t in part)
-                                                             for part in s)) for s in (state, new))
+        if before is not None:
+            record.captured[k] = (before, copy(new))
         pending = record._pending.pop(k, None)
         if pending is not None:
             for name, idx in index.items():
-                move = (theta[:, idx] - theta0[..., idx]).abs().amax(1)
-                values = pending[name]
+                move = (theta[:, idx] - theta0[..., idx]).abs().amax(1).tolist()
+                values = [t.tolist() for t in pending[name]]  # one transfer per tensor, not per number
                 for chain in range(theta.shape[0]):
-                    row = {"step": k, "chain": chain, "group": name, "score_norm": float(values[0][chain]),
-                           "step_norm": float(values[1][chain]), "move": float(move[chain])}
+                    row = {"step": k, "chain": chain, "group": name, "score_norm": values[0][chain],
+                           "step_norm": values[1][chain], "move": move[chain]}
                     if len(values) > 2:
-                        row["ridge_share"] = float(values[2][chain])
+                        row["ridge_share"] = values[2][chain]
                     record.rows.append(row)
         record.step = k + 1
         return new
 
-    wrapped = dataclasses.replace(precond, solve=solve, update=update, elementwise=None, update_every=None)
+    wrapped = dataclasses.replace(precond, init=init, solve=solve, update=update, elementwise=None,
+                                  update_every=None)
     return wrapped, record

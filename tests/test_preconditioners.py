@@ -404,8 +404,9 @@ def test_kfac_decomposes_in_float64_a_float32_factor_that_comes_back_nan_without
 
 def test_kfac_factors_on_which_mkl_float32_eigh_returns_nan():
     """The two output-gradient factors G of LeNet-5's third layer (128 x 128, float32) that stopped two chains
-    of the MNIST KFAC laptop run (saved by tools/replay_divergences.py --save-stats from that run's replay
-    at git 1537d7b: chain 93 at step 4000, chain 22 at step 6500). With torch 2.14.1's MKL 2024.2 their
+    of the MNIST KFAC laptop run (saved by tools/replay_divergences.py --save-stats from a first replay of
+    that run, at git 1537d7b: chain 93 at step 4000, chain 22 at step 6500; the chapter's tables come from
+    a second replay, at d07eb4b, which stopped the same chains at the same checks). With torch 2.14.1's MKL 2024.2 their
     float32 eigh returns NaN without an error; whatever this platform's LAPACK does, the factorisation must
     give finite eigenpairs that rebuild G."""
     from pathlib import Path
@@ -419,6 +420,32 @@ def test_kfac_factors_on_which_mkl_float32_eigh_returns_nan():
     assert torch.isfinite(values).all() and torch.isfinite(vectors).all()
     rebuilt = vectors.double() @ torch.diag_embed(values.double()) @ vectors.double().mT
     assert (rebuilt - g.double()).abs().max() < 1e-6 * g.abs().max()
+
+
+def test_eigh_per_chain_flags_what_float64_cannot_decompose(generator, monkeypatch):
+    """A non-finite element, and one whose float64 retry also comes back NaN, are flagged (the identity's
+    decomposition in their place); the others keep their own eigenpairs."""
+    from smp_core.preconditioners import _eigh_per_chain
+
+    m = torch.randn(4, 3, 3, generator=generator)
+    m = m @ m.mT + torch.eye(3)
+    m[1, 1, 1] = float("nan")
+    values, vectors, failed = _eigh_per_chain(m)
+    assert failed.tolist() == [False, True, False, False]
+    assert torch.equal(vectors[1], torch.eye(3)) and torch.isfinite(values).all()
+    real_eigh, marked = torch.linalg.eigh, m[2].clone()
+
+    def eigh(x):  # element 2 comes back NaN without an error, in float32 and in float64
+        values, vectors = real_eigh(x)
+        for i, xi in enumerate(x if x.ndim == 3 else x[None]):
+            if torch.equal(xi.float(), marked):
+                (values[i] if x.ndim == 3 else values).fill_(float("nan"))
+        return values, vectors
+
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    values, vectors, failed = _eigh_per_chain(m[[0, 2, 3]])
+    assert failed.tolist() == [False, True, False]
+    torch.testing.assert_close(values[[0, 2]], real_eigh(m[[0, 3]])[0], rtol=0, atol=0)
 
 
 def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):

@@ -1,5 +1,7 @@
 """The step watch: it changes no number of a run, and what it records is what the run did."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,6 +53,28 @@ def test_a_watched_run_retraces_the_run_bit_for_bit(name):
         before, after = record.captured[10]
         assert not torch.equal(before.factor[2], after.factor[2])
         assert after.factor[2].shape[0] == 7  # one factor per chain after the first recomputation
+    if name == "ema-dense":  # the EMA folds the score in place: "before" must be the state before
+        before, after = record.captured[10]
+        assert not torch.equal(before.stat[0], after.stat[0])
+        # the fold of one score: after = beta before + (1 - beta) s s^T, with s the step's score
+        fold = after.stat[0] - wrapped.hyper["beta"] * before.stat[0]
+        assert torch.all(torch.linalg.matrix_rank(fold, rtol=1e-6) == 1)
+    # a wrapped preconditioner run again starts counting at step 1 (init resets the count)
+    again = run_smp(net, "bernoulli", x, preconditioner=wrapped, **kwargs)
+    assert torch.equal(again.theta, plain.theta) and record.step == 31
+
+
+def test_a_users_solve_without_out_keeps_working():
+    # the recursion passes out= only to a solve that takes it; the wrapper must do the same
+    net, x, theta0 = _toy()
+    inner = _build(net, "fixed-dense")
+    plain_solve = inner.solve
+    user = dataclasses.replace(inner, solve=lambda state, v: plain_solve(state, v))
+    kwargs = dict(tau=0.3, n_steps=12, n_chains=4, seed=3, progress=False)
+    plain = run_smp(net, "bernoulli", x, preconditioner=user, **kwargs)
+    wrapped, record = watch(user, theta0, steps=[12])
+    watched = run_smp(net, "bernoulli", x, preconditioner=wrapped, **kwargs)
+    assert torch.equal(plain.theta, watched.theta) and len(record.table()) > 0
 
 
 def test_the_step_norm_is_the_norm_of_the_preconditioned_score():

@@ -17,6 +17,11 @@ replay does not stop the same chains at the same checks. Written to ``--out`` (d
   those chains and as the median over the kept chains (:func:`~smp_core.mnist_study.factor_spectra`);
 * ``manifest.json``.
 
+The run is looked up under the current code's cache key (``mnist_study.run_key``): a run made
+before a change of that key (``VARIANT_VERSIONS``) is not found. The committed
+``results/laptop/mnist_kfac/replay_before_fix/`` therefore comes from this tool at git d07eb4b,
+before the kfac factorisation's float64 retry, and is not reproduced by it at later commits.
+
 ``--save-stats FILE`` also saves the stopped chains' statistics at those recomputations (a
 ``torch.save`` of ``{(step, chain): (A_1, G_1, A_2, G_2, ...)}``).
 
