@@ -347,8 +347,8 @@ def stopped_chains(autopsy: dict[str, Any]) -> pd.DataFrame:
     check intervals before the check that caught it: that check, the first step at which a layer's
     parameters were not finite (the layers), the chain's largest move from the MAP at the step before,
     and its largest step norm over the steps before that, against the largest step norm of any kept
-    chain over the same steps. A chain
-    stopped for moving more than the threshold while staying finite has no first non-finite step."""
+    chain over the same steps. A chain stopped for moving more than the threshold while staying finite
+    has no first non-finite step."""
     steps, window = autopsy["steps"], 2 * autopsy["check_every"]
     kept = steps[steps.diverged_step < 0]
     rows = []
@@ -428,11 +428,13 @@ def _eigenvalues_or_nan(m: torch.Tensor) -> torch.Tensor:
     safe = torch.where(finite[:, None, None], m, torch.eye(m.shape[-1], dtype=m.dtype, device=m.device))
     try:
         values = torch.linalg.eigvalsh(safe)
-    except torch.linalg.LinAlgError:
-        values = torch.stack([_eigenvalues_or_nan(x[None])[0] if ok else x.new_full(x.shape[:1], float("nan"))
-                              for x, ok in zip(safe, finite.tolist(), strict=True)]) if m.shape[0] > 1 else None
-        if values is None:
-            return m.new_full(m.shape[:-1], float("nan"))
+    except torch.linalg.LinAlgError:  # element by element: the ones LAPACK fails on stay NaN
+        values = m.new_full(m.shape[:-1], float("nan"))
+        for i in range(m.shape[0]):
+            try:
+                values[i] = torch.linalg.eigvalsh(safe[i])
+            except torch.linalg.LinAlgError:
+                pass
     return values.masked_fill(~finite[:, None], float("nan"))
 
 

@@ -464,3 +464,27 @@ def test_replay_divergences_retraces_a_run_and_watches_its_steps():
         ms.replay_divergences(cfg, "periodic-diag", theta0, data, 2, result, device=cpu, progress=False)
     result.diverged[:] = False
     assert ms.replay_divergences(cfg, "periodic-kfac", theta0, data, 2, result, device=cpu) is None
+
+
+def test_factor_spectra_counts_and_nan_for_a_chain_that_cannot_be_decomposed():
+    from smp_core.config import get_config
+    from smp_core.preconditioners import PreconditionerState
+
+    precond = ms.variant_preconditioner(get_config("mnist_kfac", "ci"), "periodic-kfac")
+    gen = torch.Generator().manual_seed(0)
+    stat = []
+    for layer in precond.structure.layers:
+        for n in (layer.n_cols, layer.n_out):
+            m = torch.randn(3, n, n, generator=gen, dtype=torch.float64) / n
+            stat.append(m @ m.mT)
+    stat[4][1, 0, :] = 0.0  # chain 1: a zero row and column of layer 3's A
+    stat[4][1, :, 0] = 0.0
+    stat[5][2, 3, 3] = float("nan")  # chain 2: layer 3's G is not finite
+    table = ms.factor_spectra(precond, PreconditionerState(tuple(stat), ()), 40, "after", ridge=1e-3)
+    assert len(table) == 3 * 5 and set(table["chain"]) == {0, 1, 2}
+    row = table[(table.chain == 0) & (table.layer == 3)].iloc[0]
+    eig_g, eig_a = (torch.linalg.eigvalsh(m[0]).clamp_min(0) for m in (stat[5], stat[4]))
+    assert row["products below ridge"] == int((eig_g[:, None] * eig_a[None, :] < 1e-3).sum())
+    assert table[(table.chain == 1) & (table.layer == 3)].iloc[0]["zero A rows"] == 1
+    assert math.isnan(table[(table.chain == 2) & (table.layer == 3)].iloc[0]["products below ridge"])
+    assert table[table.chain != 2]["products below ridge"].notna().all()
