@@ -360,20 +360,26 @@ def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     failed = torch.zeros(m.shape[0], dtype=torch.bool, device=m.device)
     try:
         values, vectors = torch.linalg.eigh(m)
-        retry = ~(torch.isfinite(values).all(-1) & torch.isfinite(vectors).all((-2, -1)))
-    except torch.linalg.LinAlgError:
-        values = m.new_ones(m.shape[:-1])
-        vectors = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device).repeat(m.shape[0], 1, 1)
-        retry = torch.zeros_like(failed)
-        for i in range(m.shape[0]):
-            try:
-                values[i], vectors[i] = torch.linalg.eigh(m[i])
-            except torch.linalg.LinAlgError:
-                retry[i] = True
-                continue
-            retry[i] = not bool(torch.isfinite(values[i]).all() and torch.isfinite(vectors[i]).all())
+        precisions = (torch.float64,)  # the batch ran: its non-finite elements go to float64
+    except torch.linalg.LinAlgError:  # element by element, in the own precision first
+        values, vectors = m.new_full(m.shape[:-1], float("nan")), m.new_full(m.shape, float("nan"))
+        precisions = (m.dtype, torch.float64)
+    retry = ~(torch.isfinite(values).all(-1) & torch.isfinite(vectors).all((-2, -1)))
     if not bool(retry.any()):
         return values, vectors, failed
+    finite = torch.isfinite(m).all((-2, -1)).tolist()
+    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
+    for i in retry.nonzero().ravel().tolist():
+        values[i], vectors[i], failed[i] = 1.0, eye, True
+        for dtype in precisions if finite[i] else ():
+            try:
+                value, vector = torch.linalg.eigh(m[i].to(dtype))
+            except torch.linalg.LinAlgError:
+                continue
+            if bool(torch.isfinite(value).all() and torch.isfinite(vector).all()):
+                values[i], vectors[i], failed[i] = value.to(m.dtype), vector.to(m.dtype), False
+                break
+    return values, vectors, failed
     finite = torch.isfinite(m).all((-2, -1))
     eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
     for i in retry.nonzero().ravel().tolist():

@@ -77,15 +77,14 @@ def _kfac_ridge_share(precond: Preconditioner, state: PreconditionerState, v: to
     return shares
 
 
-def default_groups(precond: Preconditioner, layout=None) -> dict[str, torch.Tensor]:
-    """One group per kfac layer (``layer 1``, ``layer 2``, ...) for a ``kfac`` preconditioner, else one
-    per parameter block of ``layout`` (its ``block_slices``: each layer's weight and bias), else one
-    group ``all``."""
+def default_groups(precond: Preconditioner) -> dict[str, torch.Tensor]:
+    """One group per kfac layer (``layer 1``, ``layer 2``, ...) for a ``kfac`` preconditioner, one per
+    block (``block 1``, ...) for a ``block`` one, else one group ``all``."""
     structure = precond.structure
     if structure.name == "kfac":
         return {f"layer {i + 1}": layer.positions() for i, layer in enumerate(structure.layers)}
-    if layout is not None:
-        return {f"block {i + 1}": torch.arange(b.start, b.stop) for i, b in enumerate(layout.block_slices)}
+    if structure.blocks:
+        return {f"block {i + 1}": torch.arange(b.start, b.stop) for i, b in enumerate(structure.blocks)}
     return {"all": torch.arange(structure.dim)}
 
 
