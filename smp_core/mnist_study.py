@@ -187,10 +187,9 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
 
     ``index`` is the variant's place in :func:`study_variants` and, with ``replicate``, sets its seed
     (:func:`smp_seed`); tau is :func:`variant_tau`; an EMA variant refactorises its statistic every
-    ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it).
-    ``preconditioner``: a :class:`~smp_core.preconditioners.Preconditioner` to use instead of the one
-    the variant's name builds (:func:`variant_preconditioner` wrapped by :func:`smp_core.watch.watch`,
-    say); ``n_steps``: stop before ``cfg["n_steps"]``.
+    ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it):
+    :func:`variant_preconditioner`. ``preconditioner``: one to use instead (that one wrapped by
+    :func:`smp_core.watch.watch`, say); ``n_steps``: stop before ``cfg["n_steps"]``.
     """
     device = device or default_device()
     net = lenet5().to(device)
@@ -198,14 +197,11 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     xv, yv = (t.to(device) for t in data["val"])
     n_fisher = cfg.get("n_fisher_periodic") if variant.startswith("periodic") else None
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
-    refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
     return run_smp(net, "categorical", x, theta0=theta0.to(device),
-                   preconditioner=variant if preconditioner is None else preconditioner,
+                   preconditioner=variant_preconditioner(cfg, variant) if preconditioner is None else preconditioner,
                    tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"] if n_steps is None else n_steps,
-                   n_chains=cfg["n_chains"],
-                   seed=smp_seed(cfg, index, replicate), fisher="empirical", fisher_data=fisher_data,
-                   ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh,
-                   input_shape=INPUT_SHAPE,
+                   n_chains=cfg["n_chains"], seed=smp_seed(cfg, index, replicate), fisher="empirical",
+                   fisher_data=fisher_data, input_shape=INPUT_SHAPE,
                    checkpoint=checkpoint, checkpoint_every=cfg.get("checkpoint_every"), progress=progress)
 
 
