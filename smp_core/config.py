@@ -123,6 +123,14 @@ MNIST_KFAC: dict[str, dict[str, Any]] = {
     "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1},
     "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES},
 }
+# The law of one step at the MAP for the two fixed preconditioners (notebooks/mnist_kfac.md, "Why KFAC stays
+# near the MAP"; smp_core.step_law): step_law_draws steps drawn per structure, their output change measured on
+# the first step_law_eval test images. All ours.
+_STEP_LAW = {"paper": {"step_law_draws": 1000, "step_law_eval": 500},
+             "laptop": {"step_law_draws": 1000, "step_law_eval": 500},
+             "ci": {"step_law_draws": 40, "step_law_eval": 20}}
+for _scale, _settings in MNIST_KFAC.items():
+    _settings.update(_STEP_LAW[_scale])
 
 # Beyond the paper (notebooks/mnist_seeds.md): the MNIST study's four SMP variants, in the MNIST study's
 # smp_replicates replicates (3 at laptop: about 8 minutes per MAP and replicate), from each of map_seeds MAPs

@@ -171,8 +171,9 @@ def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
     """The cache key of one SMP run: its scale's settings, the variant, the replicate, the study
     version (and the variant's, :data:`VARIANT_VERSIONS`) and :func:`smp_path`. The number of
-    replicates is left out, so that asking for more replicates reuses the ones already run."""
-    settings = {k: v for k, v in cfg.items() if k != "smp_replicates"}
+    replicates is left out, so that asking for more replicates reuses the ones already run, and so are
+    the ``step_law_*`` settings, which no run uses (:func:`step_law_at_map`)."""
+    settings = {k: v for k, v in cfg.items() if k != "smp_replicates" and not k.startswith("step_law_")}
     key = {**settings, "part": variant, "replicate": replicate, "study_version": STUDY_VERSION, "smp_path": path}
     if variant in VARIANT_VERSIONS:  # (absent otherwise, so that the other variants' cached runs still match)
         key["variant_version"] = VARIANT_VERSIONS[variant]
@@ -908,3 +909,161 @@ def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
                         **{c: float((table[c] * weights).sum()) for c in table.columns if "share" in c},
                         "units with zero G row": int(table["units with zero G row"].sum())}
     return table
+
+
+STEP_LAW_VARIANTS = ("none", "fixed-diag", "fixed-kfac")
+
+
+def step_law_key(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
+    """The cache key of :func:`step_law_at_map` for one variant: the MAP's key, the preconditioner's
+    settings, tau, the draws, the evaluation images and the seed."""
+    return {**map_key(cfg), "part": f"step law {variant}", "ridge": cfg["ridge"], "tau": _step_law_tau(cfg, variant),
+            "step_law_draws": cfg["step_law_draws"], "step_law_eval": cfg["step_law_eval"],
+            "seed": step_law_seed(cfg), "study_version": STUDY_VERSION}
+
+
+def step_law_seed(cfg: dict[str, Any]) -> int:
+    """The seed of the drawn steps (``seed + 700``), the same for every variant: each preconditioner is
+    applied to the same scores, so that the variants' draws are paired."""
+    return cfg["seed"] + 700
+
+
+def _step_law_tau(cfg: dict[str, Any], variant: str) -> float:
+    return cfg.get("tau", {}).get(variant, MNIST_TAU.get(variant))
+
+
+def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torch.device | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The parameter groups of :func:`step_law_at_map`: LeNet-5's five layers (weights and biases, the
+    kfac layers) and the coordinates whose diagonal empirical Fisher at ``theta0`` over the validation
+    set (the fixed preconditioners' data) is below ``ridge`` or not (boolean masks)."""
+    device = device or default_device()
+    model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
+    xv, yv = (t.to(device) for t in data["val"])
+    (diag,) = estimate_fisher(model, _categorical(), theta0.to(device)[None], xv, yv, kind="empirical",
+                              structure="diag")
+    below = (diag.reshape(-1) < ridge).cpu()
+    groups = {f"layer {i + 1}": layer.positions() for i, layer in enumerate(kronecker_layers(model))}
+    groups.update({"diag Fisher below ridge": below, "diag Fisher at or above ridge": ~below})
+    return groups
+
+
+def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
+                    use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+    """The law of one step at the MAP for the fixed diagonal and fixed KFAC preconditioners, and none.
+
+    For each of :data:`STEP_LAW_VARIANTS`, the preconditioner a run of that variant starts with (the
+    empirical Fisher over the validation set at the MAP, :func:`variant_preconditioner`; the identity
+    for ``none``) and ``cfg["step_law_draws"]`` steps ``u = P^{-1} s`` drawn as the recursion draws
+    them (:func:`smp_core.step_law.draw_steps`; the same scores for every variant,
+    :func:`step_law_seed`), with their linearised change of the logits on the first
+    ``cfg["step_law_eval"]`` test images, in total and per group of :func:`step_law_groups`. Cached
+    under ``<cache_root>/mnist_kfac/`` by :func:`step_law_key`. Returns the draws of every variant, with
+    columns ``variant``, ``label`` (the drawn image's label) and those of ``draw_steps``.
+    """
+    from .step_law import draw_steps
+
+    device = device or default_device()
+    net = as_chain_model(lenet5().to(device), INPUT_SHAPE)
+    x = data["train"][0].to(device)
+    xv, yv = (t.to(device) for t in data["val"])
+    x_eval = data["test"][0][: cfg["step_law_eval"]].to(device)
+    theta = theta_map.to(device)
+    frames = []
+    for variant in STEP_LAW_VARIANTS:
+        def compute(variant=variant):
+            precond = variant_preconditioner(cfg, variant)
+            state = precond.init(theta[None], lambda t: estimate_fisher(net, _categorical(), t, xv, yv,
+                                                                        kind="empirical", structure=precond.structure))
+            return draw_steps(net, "categorical", x, theta, precond, state, n_draws=cfg["step_law_draws"],
+                              groups=step_law_groups(theta_map, data, cfg["ridge"], device), x_eval=x_eval,
+                              seed=step_law_seed(cfg), progress=progress)
+
+        draws = cached("mnist_kfac", step_law_key(cfg, variant), compute, root=cache_root, enabled=use_cache)
+        labels = data["train"][1].numpy()[draws["row"].to_numpy()]
+        frames.append(draws.assign(variant=variant, label=labels).reset_index())
+    return pd.concat(frames, ignore_index=True)
+
+
+def step_law_prediction(draws: pd.DataFrame, cfg: dict[str, Any], observed: pd.DataFrame) -> pd.DataFrame:
+    """The variances a run of ``cfg["n_steps"]`` steps would show if ``theta`` and ``P`` stayed at the
+    MAP (:func:`smp_core.step_law.predicted_variances` of the drawn steps), beside a run's.
+
+    ``observed``: rows ``SMP-<variant>`` with ``params_variance``, ``logits_variance`` and (optional)
+    ``largest_chain_share``. The predicted logit variance is over the evaluation images of the draws,
+    the observed one over the whole test set.
+    """
+    from .step_law import predicted_variances
+
+    dim = as_chain_model(lenet5(), INPUT_SHAPE).layout.dim
+    rows = []
+    for variant, d in draws.groupby("variant", sort=False):
+        pred = predicted_variances(d, cfg["n_train"], cfg["n_steps"], _step_law_tau(cfg, variant), dim)
+        name = f"SMP-{variant}"
+        obs = observed.loc[name] if name in observed.index else pd.Series(dtype=float)
+        row = {"method": name}
+        for column in ("params_variance", "logits_variance"):
+            row[f"{column}: predicted"] = pred[column]
+            row[f"{column}: predicted se"] = pred[f"{column}_se"]
+            row[f"{column}: observed"] = obs.get(column, float("nan"))
+            row[f"{column}: observed / predicted"] = row[f"{column}: observed"] / pred[column]
+        row["largest chain's share of the observed logit variance"] = obs.get("largest_chain_share", float("nan"))
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("method")
+
+
+def step_law_tails(draws: pd.DataFrame, fractions=(0.01, 0.001)) -> pd.DataFrame:
+    """How heavy the tail of each variant's step law is: for the squared step ``||u||^2`` and the squared
+    output change ``mean (J u)^2``, the mean, median, 99th percentile and largest draw, the mean over
+    the median, and the share of the sum held by the largest ``fraction`` of the draws."""
+    from .step_law import top_share
+
+    rows = []
+    for variant, d in draws.groupby("variant", sort=False):
+        for column, label in (("step_sq", "||u||^2"), ("output_sq", "mean (J u)^2")):
+            values = d[column]
+            row = {"method": f"SMP-{variant}", "quantity": label, "mean": values.mean(), "median": values.median(),
+                   "99th percentile": values.quantile(0.99), "largest": values.max(),
+                   "mean / median": values.mean() / values.median()}
+            for fraction in fractions:
+                row[f"share of the largest {fraction:.1%}"] = top_share(values, fraction)
+            rows.append(row)
+    return pd.DataFrame(rows).set_index(["method", "quantity"])
+
+
+def step_law_by_group(draws: pd.DataFrame, groups: dict[str, torch.Tensor]) -> pd.DataFrame:
+    """Where each variant's steps go, per group of :func:`step_law_groups`: its share of ``E ||s||^2`` and
+    of ``E ||u||^2`` (both add up to 1 over a partition), and ``E mean (J u_g)^2 / E mean (J u)^2``, the
+    output change of the step cut to the group relative to the whole step's (not additive: the groups'
+    changes can cancel or add up), and ``E mean (J u_g)^2 / E ||u_g||^2``, how much the outputs move per
+    unit of squared step in the group: large where the step points along directions the network's
+    outputs are sensitive to."""
+    rows = []
+    for variant, d in draws.groupby("variant", sort=False):
+        for name, g in groups.items():
+            g = torch.as_tensor(g)
+            size = int(g.sum()) if g.dtype == torch.bool else g.numel()
+            rows.append({"method": f"SMP-{variant}", "group": name, "parameters": size,
+                         "share of E||s||^2": d[f"score_sq[{name}]"].mean() / d["score_sq"].mean(),
+                         "share of E||u||^2": d[f"step_sq[{name}]"].mean() / d["step_sq"].mean(),
+                         "output change alone / whole": d[f"output_sq[{name}]"].mean() / d["output_sq"].mean(),
+                         "output change per ||u||^2": d[f"output_sq[{name}]"].mean() / d[f"step_sq[{name}]"].mean()})
+    return pd.DataFrame(rows).set_index(["method", "group"])
+
+
+def largest_steps(draws: pd.DataFrame, variant: str, n: int = 5) -> pd.DataFrame:
+    """The ``n`` draws of ``variant`` with the largest output change: the drawn training image and its
+    label, the output change, its share of the sum over all draws, the squared step, the step's share
+    on the coordinates whose diagonal Fisher is below the ridge, and the layer whose part of the step
+    alone changes the outputs most."""
+    d = draws[draws["variant"] == variant]
+    layers = [c for c in d.columns if c.startswith("output_sq[layer ")]
+    top = d.nlargest(n, "output_sq")
+    return pd.DataFrame({
+        "training image": top["row"].to_numpy(), "label": top["label"].to_numpy(),
+        "mean (J u)^2": top["output_sq"].to_numpy(),
+        "share of the sum": (top["output_sq"] / d["output_sq"].sum()).to_numpy(),
+        "||u||^2": top["step_sq"].to_numpy(),
+        "share of ||u||^2 below the ridge": (top["step_sq[diag Fisher below ridge]"] / top["step_sq"]).to_numpy(),
+        "layer changing the outputs most": [c[len("output_sq["):-1] for c in top[layers].idxmax(axis=1)],
+    }, index=pd.RangeIndex(1, len(top) + 1, name="rank"))

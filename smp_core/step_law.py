@@ -202,7 +202,7 @@ def predicted_variances(draws: pd.DataFrame, n_obs: int, n_steps: int, tau: floa
 
 def top_share(values, fraction: float) -> float:
     """The share of ``sum(values)`` held by the largest ``ceil(fraction n)`` of the ``n`` values (non-negative)."""
-    values = torch.as_tensor(pd.Series(values).to_numpy(), dtype=torch.float64)
+    values = torch.tensor(pd.Series(values).to_numpy(dtype="float64", copy=True))
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
     if values.numel() == 0 or bool((values < 0).any()) or not bool(torch.isfinite(values).all()):

@@ -488,3 +488,57 @@ def test_factor_spectra_counts_and_nan_for_a_chain_that_cannot_be_decomposed():
     assert table[(table.chain == 1) & (table.layer == 3)].iloc[0]["zero A rows"] == 1
     assert math.isnan(table[(table.chain == 2) & (table.layer == 3)].iloc[0]["products below ridge"])
     assert table[table.chain != 2]["products below ridge"].notna().all()
+
+
+def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
+    from smp_core.config import get_config
+
+    cfg = {**get_config("mnist_kfac", "ci"), "n_train": 40, "step_law_draws": 12, "step_law_eval": 5}
+    data = _tiny_mnist(2)
+    torch.manual_seed(0)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    draws = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    assert list(draws["variant"].unique()) == list(ms.STEP_LAW_VARIANTS) and len(draws) == 36
+    by = {v: d.reset_index(drop=True) for v, d in draws.groupby("variant")}
+    for v in ms.STEP_LAW_VARIANTS:  # the same scores through every preconditioner
+        assert by[v]["row"].equals(by["none"]["row"]) and by[v]["score_sq"].equals(by["none"]["score_sq"])
+        assert (by[v]["label"].to_numpy() == data["train"][1].numpy()[by[v]["row"].to_numpy()]).all()
+        for parts in (["layer 1", "layer 2", "layer 3", "layer 4", "layer 5"],
+                      ["diag Fisher below ridge", "diag Fisher at or above ridge"]):
+            total = sum(by[v][f"step_sq[{g}]"] for g in parts)
+            assert total.to_numpy() == pytest.approx(by[v]["step_sq"].to_numpy(), rel=1e-4)
+    assert by["none"]["step_sq"].to_numpy() == pytest.approx(by["none"]["score_sq"].to_numpy())  # P = I
+    assert not np.allclose(by["fixed-diag"]["step_sq"], by["fixed-kfac"]["step_sq"])
+    assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 3
+    again = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    assert again.equals(draws)
+    # the step-law settings are not part of any run's cache key
+    other = {**cfg, "step_law_draws": 99}
+    assert ms.run_key(cfg, "fixed-kfac", 0, "p") == ms.run_key(other, "fixed-kfac", 0, "p")
+
+    groups = ms.step_law_groups(theta0, data, cfg["ridge"], torch.device("cpu"))
+    by_group = ms.step_law_by_group(draws, groups)
+    layers = by_group.loc[(slice(None), [f"layer {i}" for i in range(1, 6)]), :]
+    assert layers.groupby("method")["share of E||u||^2"].sum().to_numpy() == pytest.approx(1.0, rel=1e-4)
+    assert layers.groupby("method")["parameters"].sum().eq(theta0.numel()).all()
+    none = by_group.loc["SMP-none"]
+    assert none["share of E||u||^2"].to_numpy() == pytest.approx(none["share of E||s||^2"].to_numpy())
+
+    observed = pd.DataFrame({"params_variance": [2e-6], "logits_variance": [0.5], "largest_chain_share": [0.3]},
+                            index=["SMP-fixed-diag"])
+    pred = ms.step_law_prediction(draws, cfg, observed)
+    assert list(pred.index) == [f"SMP-{v}" for v in ms.STEP_LAW_VARIANTS]
+    row = pred.loc["SMP-fixed-diag"]
+    assert row["params_variance: observed / predicted"] == pytest.approx(2e-6 / row["params_variance: predicted"])
+    assert row["largest chain's share of the observed logit variance"] == 0.3
+    assert np.isnan(pred.loc["SMP-none", "logits_variance: observed"])
+
+    tails = ms.step_law_tails(draws)
+    diag = by["fixed-diag"]["output_sq"]
+    assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "largest"] == diag.max()
+    assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "share of the largest 1.0%"] == pytest.approx(
+        diag.max() / diag.sum())  # 1 % of 12 draws: the largest one
+    top = ms.largest_steps(draws, "fixed-diag", n=3)
+    assert list(top["mean (J u)^2"]) == sorted(diag.nlargest(3))[::-1]
+    assert top["share of the sum"].to_numpy() == pytest.approx((diag.nlargest(3) / diag.sum()).to_numpy())
+    assert set(top["layer changing the outputs most"]) <= {f"layer {i}" for i in range(1, 6)}
