@@ -123,7 +123,7 @@ MNIST_KFAC: dict[str, dict[str, Any]] = {
     "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1},
     "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES},
 }
-# The law of one step at the MAP for the two fixed preconditioners (notebooks/mnist_kfac.md, "Why KFAC stays
+# The law of one step at the MAP for none and the two fixed preconditioners (notebooks/mnist_kfac.md, "Why KFAC stays
 # near the MAP"; smp_core.step_law): step_law_draws steps drawn per structure, their output change measured on
 # the first step_law_eval test images. All ours.
 _STEP_LAW = {"paper": {"step_law_draws": 1000, "step_law_eval": 500},

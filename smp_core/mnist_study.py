@@ -154,8 +154,11 @@ def study_variants(cfg: dict[str, Any]) -> list[str]:
 
 
 def variant_tau(cfg: dict[str, Any], variant: str) -> float:
-    """tau of ``variant``: ``cfg["tau"]`` (the KFAC study) or the paper's (``MNIST_TAU``)."""
-    return cfg.get("tau", MNIST_TAU)[variant]
+    """tau of ``variant``: ``cfg["tau"]`` (the KFAC study) or else the paper's (``MNIST_TAU``)."""
+    taus = {**MNIST_TAU, **cfg.get("tau", {})}
+    if variant not in taus:
+        raise KeyError(f"no tau for the MNIST variant {variant!r}; known: {sorted(taus)}")
+    return taus[variant]
 
 
 def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
@@ -912,24 +915,23 @@ def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
 
 
 STEP_LAW_VARIANTS = ("none", "fixed-diag", "fixed-kfac")
+STEP_LAW_BATCH = 100  # scores per batch of draw_steps
 
 
-def step_law_key(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
-    """The cache key of :func:`step_law_at_map` for one variant: the MAP's key, the preconditioner's
-    settings, tau, the draws, the evaluation images and the seed."""
-    return {**map_key(cfg), "part": f"step law {variant}", "ridge": cfg["ridge"], "tau": _step_law_tau(cfg, variant),
+def step_law_key(cfg: dict[str, Any], variant: str, device: torch.device) -> dict[str, Any]:
+    """The cache key of :func:`step_law_at_map` for one variant: the MAP's key, the ridge, the draws, the
+    evaluation images, the batch and the device type (both set the order of the random numbers) and
+    the seed."""
+    return {**map_key(cfg), "part": f"step law {variant}", "ridge": cfg["ridge"],
             "step_law_draws": cfg["step_law_draws"], "step_law_eval": cfg["step_law_eval"],
-            "seed": step_law_seed(cfg), "study_version": STUDY_VERSION}
+            "step_law_batch": STEP_LAW_BATCH, "device": torch.device(device).type, "seed": step_law_seed(cfg),
+            "study_version": STUDY_VERSION}
 
 
 def step_law_seed(cfg: dict[str, Any]) -> int:
     """The seed of the drawn steps (``seed + 700``), the same for every variant: each preconditioner is
     applied to the same scores, so that the variants' draws are paired."""
     return cfg["seed"] + 700
-
-
-def _step_law_tau(cfg: dict[str, Any], variant: str) -> float:
-    return cfg.get("tau", {}).get(variant, MNIST_TAU.get(variant))
 
 
 def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torch.device | None = None
@@ -959,7 +961,8 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
     :func:`step_law_seed`), with their linearised change of the logits on the first
     ``cfg["step_law_eval"]`` test images, in total and per group of :func:`step_law_groups`. Cached
     under ``<cache_root>/mnist_kfac/`` by :func:`step_law_key`. Returns the draws of every variant, with
-    columns ``variant``, ``label`` (the drawn image's label) and those of ``draw_steps``.
+    columns ``variant``, ``training_label`` (the drawn image's label in the training set; the label the
+    score uses is drawn from the model, and ``log_prob`` is its log-probability) and those of ``draw_steps``.
     """
     from .step_law import draw_steps
 
@@ -977,11 +980,12 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
                                                                         kind="empirical", structure=precond.structure))
             return draw_steps(net, "categorical", x, theta, precond, state, n_draws=cfg["step_law_draws"],
                               groups=step_law_groups(theta_map, data, cfg["ridge"], device), x_eval=x_eval,
-                              seed=step_law_seed(cfg), progress=progress)
+                              seed=step_law_seed(cfg), batch=STEP_LAW_BATCH, progress=progress)
 
-        draws = cached("mnist_kfac", step_law_key(cfg, variant), compute, root=cache_root, enabled=use_cache)
+        draws = cached("mnist_kfac", step_law_key(cfg, variant, device), compute, root=cache_root,
+                       enabled=use_cache)
         labels = data["train"][1].numpy()[draws["row"].to_numpy()]
-        frames.append(draws.assign(variant=variant, label=labels).reset_index())
+        frames.append(draws.assign(variant=variant, training_label=labels).reset_index())
     return pd.concat(frames, ignore_index=True)
 
 
@@ -998,7 +1002,7 @@ def step_law_prediction(draws: pd.DataFrame, cfg: dict[str, Any], observed: pd.D
     dim = as_chain_model(lenet5(), INPUT_SHAPE).layout.dim
     rows = []
     for variant, d in draws.groupby("variant", sort=False):
-        pred = predicted_variances(d, cfg["n_train"], cfg["n_steps"], _step_law_tau(cfg, variant), dim)
+        pred = predicted_variances(d, cfg["n_train"], cfg["n_steps"], variant_tau(cfg, variant), dim)
         name = f"SMP-{variant}"
         obs = observed.loc[name] if name in observed.index else pd.Series(dtype=float)
         row = {"method": name}
@@ -1052,18 +1056,86 @@ def step_law_by_group(draws: pd.DataFrame, groups: dict[str, torch.Tensor]) -> p
 
 
 def largest_steps(draws: pd.DataFrame, variant: str, n: int = 5) -> pd.DataFrame:
-    """The ``n`` draws of ``variant`` with the largest output change: the drawn training image and its
-    label, the output change, its share of the sum over all draws, the squared step, the step's share
+    """The ``n`` draws of ``variant`` with the largest output change: the drawn training image, its label
+    in the training set, the model's probability of the label the score used (drawn from the model),
+    the output change, its share of the sum over all draws, the squared step, the step's share
     on the coordinates whose diagonal Fisher is below the ridge, and the layer whose part of the step
     alone changes the outputs most."""
     d = draws[draws["variant"] == variant]
     layers = [c for c in d.columns if c.startswith("output_sq[layer ")]
     top = d.nlargest(n, "output_sq")
     return pd.DataFrame({
-        "training image": top["row"].to_numpy(), "label": top["label"].to_numpy(),
+        "training image": top["row"].to_numpy(), "training label": top["training_label"].to_numpy(),
+        "probability of the drawn label": np.exp(top["log_prob"].to_numpy()),
         "mean (J u)^2": top["output_sq"].to_numpy(),
         "share of the sum": (top["output_sq"] / d["output_sq"].sum()).to_numpy(),
         "||u||^2": top["step_sq"].to_numpy(),
         "share of ||u||^2 below the ridge": (top["step_sq[diag Fisher below ridge]"] / top["step_sq"]).to_numpy(),
         "layer changing the outputs most": [c[len("output_sq["):-1] for c in top[layers].idxmax(axis=1)],
     }, index=pd.RangeIndex(1, len(top) + 1, name="rank"))
+
+
+def step_law_surprise(draws: pd.DataFrame, threshold: float = 0.5) -> pd.DataFrame:
+    """How much of each variant's steps come from surprising labels: the share of the draws whose drawn
+    label had model probability below ``threshold``, and those draws' share of ``E ||s||^2``, of
+    ``E ||u||^2`` and of ``E mean (J u)^2``."""
+    rows = []
+    for variant, d in draws.groupby("variant", sort=False):
+        rare = np.exp(d["log_prob"]) < threshold
+        rows.append({"method": f"SMP-{variant}", f"share of draws with p(Y | X) < {threshold:g}": rare.mean(),
+                     **{f"their share of {label}": d.loc[rare, column].sum() / d[column].sum()
+                        for column, label in (("score_sq", "E||s||^2"), ("step_sq", "E||u||^2"),
+                                              ("output_sq", "E mean (J u)^2"))}})
+    return pd.DataFrame(rows).set_index("method")
+
+
+def cached_run(cfg: dict[str, Any], variant: str, theta_map: torch.Tensor, data: dict,
+               device: torch.device | None = None, use_cache: bool = True, progress: bool = True,
+               cache_root: str = ".cache", replicate: int = 0):
+    """One run of a study's variant (:func:`run_variant`), from the cache :func:`run_replicates` fills
+    (``<cache_root>/<study>/``, :func:`run_key`), or run now and cached there."""
+    device = device or default_device()
+    index = study_variants(cfg).index(variant)
+    def compute():
+        return run_variant(cfg, variant, theta_map, data, index, device, None, progress, replicate=replicate)
+
+    return cached(cfg.get("study", "mnist"), run_key(cfg, variant, replicate, smp_path(device)), compute,
+                  root=cache_root, enabled=use_cache)
+
+
+def linearised_against_actual(theta_map: torch.Tensor, thetas: torch.Tensor, x_eval: torch.Tensor,
+                              device: torch.device | None = None) -> pd.DataFrame:
+    """Per chain of a run, how far it moved and whether the linearised network describes its move.
+
+    On the images ``x_eval``: the chain's share of the logit variance (its squared deviation from the
+    chains' mean logits over the sum of all chains'), its largest move from the MAP (max-norm), its
+    squared distance, the actual change of its logits from the MAP's, ``mean_{x, c} (f_l - f_0)^2``,
+    and the linearised change ``mean_{x, c} (J (theta_l - theta_0))^2`` (a Jacobian-vector product),
+    which is what :func:`step_law_at_map` measures step by step. Rows: chains left out by the run
+    (NaN) are dropped; sorted by share, largest first.
+    """
+    device = device or default_device()
+    module = lenet5().to(device)
+    layout = as_chain_model(module, INPUT_SHAPE).layout
+    x = x_eval.to(device).reshape(-1, *INPUT_SHAPE)
+    theta0 = theta_map.to(device)
+    kept = torch.isfinite(thetas).all(1)
+    chains = kept.nonzero().reshape(-1).tolist()
+    thetas = thetas[kept].to(device)
+
+    def logits(flat):
+        return torch.func.functional_call(module, layout.unflatten(flat), (x,))
+
+    with torch.no_grad():
+        base = logits(theta0)
+        actual = torch.stack([logits(t) for t in thetas])  # (S, n, C)
+        linear = torch.stack([torch.func.jvp(logits, (theta0,), (t - theta0,))[1] for t in thetas])
+    deviation = (actual - actual.mean(0)).square().sum((1, 2))
+    delta = thetas - theta0
+    table = pd.DataFrame({
+        "chain": chains, "share of the logit variance": (deviation / deviation.sum()).cpu().numpy(),
+        "largest move": delta.abs().amax(1).cpu().numpy(),
+        "||theta - theta_0||^2": delta.square().sum(1).cpu().numpy(),
+        "actual mean (f - f_0)^2": (actual - base).square().flatten(1).mean(1).cpu().numpy(),
+        "linearised mean (J (theta - theta_0))^2": linear.square().flatten(1).mean(1).cpu().numpy()})
+    return table.sort_values("share of the logit variance", ascending=False).reset_index(drop=True)

@@ -47,6 +47,8 @@ def _group_masks(groups: Mapping[str, torch.Tensor | slice] | None, dim: int,
     masks = {}
     for name, g in (groups or {}).items():
         idx = torch.arange(dim)[g] if isinstance(g, slice) else torch.as_tensor(g).reshape(-1)
+        if idx.is_floating_point() or idx.is_complex():
+            raise ValueError(f"group {name!r} must be integer indices, a slice or a boolean mask, got {idx.dtype}")
         if idx.dtype == torch.bool:
             if idx.numel() != dim:
                 raise ValueError(f"group {name!r}: a boolean mask must have {dim} entries, got {idx.numel()}")
@@ -92,10 +94,17 @@ def draw_steps(
         x_eval: inputs on which to measure the output change ``J_x u`` (e.g. test images); ``None``
             skips it.
         seed: an int or a ``torch.Generator`` on ``theta``'s device.
-        batch: scores computed together; jvp_batch: steps whose output change is computed together.
+        batch: scores computed together (it sets the order of the random numbers, so the draws of
+            a seed depend on it, and on the device); jvp_batch: steps whose output change is
+            computed together.
+        input_shape: as for :func:`smp_core.run_smp` (the shape of one input of a CNN, say).
+        progress: show a tqdm bar.
+
+    The output change calls the module as it is: a module with dropout must be in ``eval()`` mode.
 
     Returns:
-        One row per draw: ``row`` (the index of the drawn covariate in ``x_train``), ``score_sq``
+        One row per draw: ``row`` (the index of the drawn covariate in ``x_train``), ``log_prob``
+        (``log f_theta(Y | X)`` of the drawn response: very negative for a surprising one), ``score_sq``
         (``||s||^2``), ``step_sq`` (``||u||^2``), with ``x_eval`` ``output_sq``
         (``mean_{x, c} (J_x u)_c^2``), and per group ``score_sq[<group>]``, ``step_sq[<group>]`` and
         ``output_sq[<group>]`` (``u`` set to zero outside the group).
@@ -114,6 +123,12 @@ def draw_steps(
     x_train = x_train.to(device=device, dtype=dtype)
     check_training_inputs(net, x_train)
     masks = _group_masks(groups, dim, device, dtype)
+    parts = (*tuple(getattr(precond_state, "stat", ()) or ()), *tuple(getattr(precond_state, "factor", ()) or ()))
+    per_chain = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] != 1]
+    if per_chain:
+        raise ValueError(f"the preconditioner state holds one P per chain (leading sizes {per_chain}): pass one "
+                         "chain's state (each tensor cut to [i:i + 1]) or a state shared by all chains, as the "
+                         "fixed strategies build it at a common start")
     outputs = None
     if x_eval is not None:
         x_eval = x_eval.to(device=device, dtype=dtype)
@@ -143,16 +158,17 @@ def draw_steps(
         index = torch.randint(x_train.shape[0], (b,), generator=gen, device=device)
         start = theta[None].expand(b, dim).contiguous()
         out, ctx = net.forward(start, x_train.index_select(0, index))
-        score = net.vjp(ctx, lik.residual(out, lik.sample(out, gen)))
+        response = lik.sample(out, gen)
+        log_prob = lik.log_prob(out, response)
+        score = net.vjp(ctx, lik.residual(out, response))
         step = preconditioner.solve(precond_state, score)
-        if step.shape != (b, dim):  # a state for S chains applied to b scores
-            raise ValueError(f"the preconditioner's solve returned shape {tuple(step.shape)} for {b} scores: "
-                             "pass a state shared by all chains (one chain's, or the fixed strategies' at a "
-                             "common start)")
+        if step.shape != (b, dim):
+            raise ValueError(f"the preconditioner's solve returned shape {tuple(step.shape)} for {b} scores")
         if not bool(torch.isfinite(step).all()):
             raise ValueError(f"a step u = P^{{-1}} s is not finite (draws {done} to {done + b - 1}): the "
                              "preconditioner's state cannot be solved at theta")
-        record = {"row": index.cpu(), "score_sq": score.square().sum(1).cpu(), "step_sq": step.square().sum(1).cpu()}
+        record = {"row": index.cpu(), "log_prob": log_prob.detach().cpu(), "score_sq": score.square().sum(1).cpu(),
+                  "step_sq": step.square().sum(1).cpu()}
         with torch.no_grad():
             if outputs is not None:
                 record["output_sq"] = torch.cat([outputs(step[i:i + jvp_batch]) for i in range(0, b, jvp_batch)]).cpu()
@@ -210,5 +226,5 @@ def top_share(values, fraction: float) -> float:
     total = float(values.sum())
     if total == 0.0:
         return float("nan")
-    top = max(1, math.ceil(fraction * values.numel()))
+    top = max(1, math.ceil(fraction * values.numel() - 1e-9))  # (0.07 * 100 is 7.000000000000001)
     return float(values.sort(descending=True).values[:top].sum()) / total

@@ -8,6 +8,7 @@ import torch
 from smp_core import metrics
 from smp_core import mnist_study as ms
 from smp_core.paper import paper_table
+from smp_core.tail import tail_variance
 
 
 def test_claims_on_the_papers_tables():
@@ -502,7 +503,7 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     by = {v: d.reset_index(drop=True) for v, d in draws.groupby("variant")}
     for v in ms.STEP_LAW_VARIANTS:  # the same scores through every preconditioner
         assert by[v]["row"].equals(by["none"]["row"]) and by[v]["score_sq"].equals(by["none"]["score_sq"])
-        assert (by[v]["label"].to_numpy() == data["train"][1].numpy()[by[v]["row"].to_numpy()]).all()
+        assert (by[v]["training_label"].to_numpy() == data["train"][1].numpy()[by[v]["row"].to_numpy()]).all()
         for parts in (["layer 1", "layer 2", "layer 3", "layer 4", "layer 5"],
                       ["diag Fisher below ridge", "diag Fisher at or above ridge"]):
             total = sum(by[v][f"step_sq[{g}]"] for g in parts)
@@ -528,6 +529,9 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
                             index=["SMP-fixed-diag"])
     pred = ms.step_law_prediction(draws, cfg, observed)
     assert list(pred.index) == [f"SMP-{v}" for v in ms.STEP_LAW_VARIANTS]
+    for v, tau in (("none", 1.0), ("fixed-diag", 0.05), ("fixed-kfac", 0.05)):  # each variant's own tau
+        expected = tail_variance(40, 0, cfg["n_steps"], tau) * by[v]["step_sq"].mean() / theta0.numel()
+        assert pred.loc[f"SMP-{v}", "params_variance: predicted"] == pytest.approx(expected)
     row = pred.loc["SMP-fixed-diag"]
     assert row["params_variance: observed / predicted"] == pytest.approx(2e-6 / row["params_variance: predicted"])
     assert row["largest chain's share of the observed logit variance"] == 0.3
@@ -542,3 +546,24 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     assert list(top["mean (J u)^2"]) == sorted(diag.nlargest(3))[::-1]
     assert top["share of the sum"].to_numpy() == pytest.approx((diag.nlargest(3) / diag.sum()).to_numpy())
     assert set(top["layer changing the outputs most"]) <= {f"layer {i}" for i in range(1, 6)}
+    assert top["probability of the drawn label"].between(0, 1).all()
+    surprise = ms.step_law_surprise(draws, threshold=1.01)  # every draw counts as surprising
+    assert surprise.iloc[:, 0].eq(1.0).all() and surprise.iloc[:, 1:].to_numpy() == pytest.approx(1.0)
+    with pytest.raises(KeyError, match="no tau"):
+        ms.variant_tau(cfg, "dense-fixed")
+
+
+def test_linearised_against_actual_is_exact_for_a_small_move():
+    torch.manual_seed(0)
+    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    direction = torch.randn(3, theta0.numel(), dtype=torch.float64)
+    thetas = (theta0.double() + 1e-4 * direction * torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)).float()
+    thetas = torch.cat([thetas, torch.full((1, theta0.numel()), float("nan"))])  # a stopped chain
+    x = _tiny_mnist(3)["test"][0][:6]
+    table = ms.linearised_against_actual(theta0, thetas, x, torch.device("cpu"))
+    assert sorted(table["chain"]) == [0, 1, 2]
+    assert table["share of the logit variance"].sum() == pytest.approx(1.0)
+    assert table["linearised mean (J (theta - theta_0))^2"].to_numpy() == pytest.approx(
+        table["actual mean (f - f_0)^2"].to_numpy(), rel=0.02)
+    assert table.set_index("chain").loc[2, "largest move"] == pytest.approx(
+        float((thetas[2] - theta0).abs().max()), rel=1e-6)

@@ -64,6 +64,8 @@ def test_traces_of_a_linear_gaussian_step():
                        groups={"weight": slice(0, 3), "bias": torch.tensor([False, False, False, True])},
                        x_eval=x_eval, seed=1, batch=300, jvp_batch=64)
     assert len(draws) == 4000 and draws["row"].between(0, 39).all()
+    # log f(Y | X) of the drawn response: -e^2 / 2 - log(2 pi) / 2 with e ~ N(0, 1), mean -(1 + log 2 pi) / 2
+    assert abs(_z(draws["log_prob"], -0.5 * (1 + math.log(2 * math.pi)))) < Z_LIMIT
     assert abs(_z(draws["score_sq"], float(fisher.trace()))) < Z_LIMIT
     assert abs(_z(draws["step_sq"], float(cov.trace()))) < Z_LIMIT
     assert abs(_z(draws["output_sq"], float((eval_moment * cov).sum()))) < Z_LIMIT
@@ -107,23 +109,31 @@ def test_output_change_of_a_nonlinear_network_is_its_jacobian():
 
 def test_predicted_variances_match_a_run():
     """A fixed-P run of the linear-Gaussian problem, whose steps do not depend on theta: the mean over
-    coordinates of the chains' squared distance from theta_0 (their mean, a martingale's) against the
-    prediction from drawn steps, with both standard errors."""
+    coordinates of the chains' squared distance from theta_0 (their mean, a martingale's), and the mean
+    over evaluation points of the squared output change, against the predictions from drawn steps, with
+    both standard errors."""
     net, x, _ = _linear_problem()
     n_steps, tau, chains = 30, 0.8, 3000
     run = run_smp(net, "gaussian", x, preconditioner="fixed-dense", tau=tau, n_steps=n_steps, n_chains=chains,
                   ridge=0.05, seed=7, progress=False)
     theta = _flat(net)
-    per_chain = (run.theta - theta).square().mean(1)  # (S,)
-    observed, observed_se = float(per_chain.mean()), float(per_chain.std()) / math.sqrt(chains)
+    x_eval = torch.randn(20, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    phi = torch.cat([x_eval, torch.ones(20, 1, dtype=torch.float64)], 1)
+    per_chain = {"params_variance": (run.theta - theta).square().mean(1),  # (S,)
+                 "logits_variance": ((run.theta - theta) @ phi.T).square().mean(1)}  # the model is linear
     draws = draw_steps(net, "gaussian", x, theta, run.preconditioner, run.precond_state, n_draws=4000, seed=8,
-                       batch=500)
+                       batch=500, x_eval=x_eval)
     pred = predicted_variances(draws, n_obs=40, n_steps=n_steps, tau=tau, dim=4)
-    assert set(pred) == {"params_variance", "params_variance_se"}  # no x_eval, no logits
     v = tail_variance(40, 0, n_steps, tau)
     assert pred["params_variance"] == pytest.approx(v * draws["step_sq"].mean() / 4)
-    z = (observed - pred["params_variance"]) / math.hypot(observed_se, pred["params_variance_se"])
-    assert abs(z) < Z_LIMIT
+    assert pred["params_variance_se"] == pytest.approx(v * draws["step_sq"].std(ddof=1) / 4 / math.sqrt(4000))
+    assert pred["logits_variance"] == pytest.approx(v * draws["output_sq"].mean())
+    assert pred["logits_variance_se"] == pytest.approx(v * draws["output_sq"].std(ddof=1) / math.sqrt(4000))
+    for column, values in per_chain.items():
+        observed, observed_se = float(values.mean()), float(values.std()) / math.sqrt(chains)
+        assert abs((observed - pred[column]) / math.hypot(observed_se, pred[f"{column}_se"])) < Z_LIMIT
+    without = predicted_variances(draws.drop(columns="output_sq"), n_obs=40, n_steps=n_steps, tau=tau, dim=4)
+    assert set(without) == {"params_variance", "params_variance_se"}  # no output change, no logits
 
 
 def test_draws_are_reproducible_and_group_columns_named():
@@ -135,7 +145,7 @@ def test_draws_are_reproducible_and_group_columns_named():
     b = draw_steps(net, "gaussian", x, theta, res.preconditioner, res.precond_state, n_draws=7, seed=3, batch=3,
                    groups={"w": slice(0, 3)}, x_eval=x[:5])
     assert a.equals(b)
-    assert list(a.columns) == ["row", "score_sq", "step_sq", "output_sq", "score_sq[w]", "step_sq[w]",
+    assert list(a.columns) == ["row", "log_prob", "score_sq", "step_sq", "output_sq", "score_sq[w]", "step_sq[w]",
                                "output_sq[w]"]
     only = predicted_variances(a, 40, 10, 0.5, dim=3, group="w")
     assert only["params_variance"] == pytest.approx(tail_variance(40, 0, 10, 0.5) * a["step_sq[w]"].mean() / 3)
@@ -156,6 +166,8 @@ def test_bad_input_is_named():
         draw_steps(*args, theta, *state, n_draws=0)
     with pytest.raises(ValueError, match="group 'g'"):
         draw_steps(*args, theta, *state, n_draws=2, groups={"g": torch.tensor([4])})
+    with pytest.raises(ValueError, match="integer indices"):
+        draw_steps(*args, theta, *state, n_draws=2, groups={"g": torch.ones(4, dtype=torch.float64)})
     with pytest.raises(ValueError, match="boolean mask"):
         draw_steps(*args, theta, *state, n_draws=2, groups={"g": torch.tensor([True, False])})
     with pytest.raises(ValueError, match="x_eval"):
@@ -166,10 +178,24 @@ def test_bad_input_is_named():
         predicted_variances(draw_steps(*args, theta, *state, n_draws=1), 40, 10, 0.5, 4)
 
 
+def test_a_state_with_one_p_per_chain_is_refused():
+    """An EMA run's state has one P per chain: applying it to a batch of scores would pair chain i's P
+    with score i, so it is refused, and one chain's state is accepted."""
+    net, x, _ = _linear_problem()
+    run = run_smp(net, "gaussian", x, preconditioner="ema-diag", tau=0.1, n_steps=3, n_chains=5, seed=0,
+                  progress=False)
+    with pytest.raises(ValueError, match="one P per chain"):
+        draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, run.precond_state, n_draws=5, batch=5)
+    one = type(run.precond_state)(*(tuple(t[2:3] for t in part) for part in run.precond_state))
+    draws = draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, one, n_draws=6, batch=4)
+    assert len(draws) == 6
+
+
 def test_top_share():
     assert top_share([1.0, 1.0, 2.0, 6.0], 0.25) == pytest.approx(0.6)
     assert top_share([1.0, 1.0, 2.0, 6.0], 0.5) == pytest.approx(0.8)
     assert top_share([3.0, 1.0], 0.01) == pytest.approx(0.75)  # at least one value
+    assert top_share([1.0] * 100, 0.07) == pytest.approx(0.07)  # 7 values, not 8 from 7.000000000000001
     assert math.isnan(top_share([0.0, 0.0], 0.5))
     with pytest.raises(ValueError, match="fraction"):
         top_share([1.0], 0.0)
