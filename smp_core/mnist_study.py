@@ -116,15 +116,23 @@ def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None,
                   enabled=use_cache)
 
 
-def fisher_zero_mask(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
-    """Where the diagonal of the empirical Fisher at ``theta0`` over the validation set is exactly zero
-    (a ``(d,)`` boolean tensor on the CPU)."""
+def validation_fisher_diagonal(theta0: torch.Tensor, data: dict, device: torch.device | None = None
+                               ) -> torch.Tensor:
+    """The diagonal of the empirical Fisher at ``theta0`` over the validation set (the fixed and periodic
+    preconditioners' data, Section 3.3.3: the mean squared score of the observed labels), as a ``(d,)``
+    tensor on the CPU."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
     xv, yv = (t.to(device) for t in data["val"])
-    (diag,) = estimate_fisher(model, _categorical(), theta0.to(device), xv, yv, kind="empirical",
+    (diag,) = estimate_fisher(model, _categorical(), theta0.to(device)[None], xv, yv, kind="empirical",
                               structure="diag")
-    return (diag.reshape(-1) == 0).cpu()
+    return diag.reshape(-1).cpu()
+
+
+def fisher_zero_mask(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
+    """Where the diagonal of the empirical Fisher at ``theta0`` over the validation set is exactly zero
+    (a ``(d,)`` boolean tensor on the CPU)."""
+    return validation_fisher_diagonal(theta0, data, device) == 0
 
 
 def fisher_zero_fraction(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> float:
@@ -941,10 +949,7 @@ def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torc
     set (the fixed preconditioners' data) is below ``ridge`` or not (boolean masks)."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
-    xv, yv = (t.to(device) for t in data["val"])
-    (diag,) = estimate_fisher(model, _categorical(), theta0.to(device)[None], xv, yv, kind="empirical",
-                              structure="diag")
-    below = (diag.reshape(-1) < ridge).cpu()
+    below = validation_fisher_diagonal(theta0, data, device) < ridge
     groups = {f"layer {i + 1}": layer.positions() for i, layer in enumerate(kronecker_layers(model))}
     groups.update({"diag Fisher below ridge": below, "diag Fisher at or above ridge": ~below})
     return groups
@@ -972,14 +977,16 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
     xv, yv = (t.to(device) for t in data["val"])
     x_eval = data["test"][0][: cfg["step_law_eval"]].to(device)
     theta = theta_map.to(device)
-    frames = []
+    frames, groups = [], {}  # the groups are computed once, and only if some variant is not cached
     for variant in STEP_LAW_VARIANTS:
         def compute(variant=variant):
+            if not groups:
+                groups.update(step_law_groups(theta_map, data, cfg["ridge"], device))
             precond = variant_preconditioner(cfg, variant)
             state = precond.init(theta[None], lambda t: estimate_fisher(net, _categorical(), t, xv, yv,
                                                                         kind="empirical", structure=precond.structure))
             return draw_steps(net, "categorical", x, theta, precond, state, n_draws=cfg["step_law_draws"],
-                              groups=step_law_groups(theta_map, data, cfg["ridge"], device), x_eval=x_eval,
+                              groups=groups, x_eval=x_eval,
                               seed=step_law_seed(cfg), batch=STEP_LAW_BATCH, progress=progress)
 
         draws = cached("mnist_kfac", step_law_key(cfg, variant, device), compute, root=cache_root,

@@ -567,3 +567,23 @@ def test_linearised_against_actual_is_exact_for_a_small_move():
         table["actual mean (f - f_0)^2"].to_numpy(), rel=0.02)
     assert table.set_index("chain").loc[2, "largest move"] == pytest.approx(
         float((thetas[2] - theta0).abs().max()), rel=1e-6)
+
+
+def test_validation_fisher_diagonal_is_the_mean_squared_score_of_the_observed_labels():
+    data = _tiny_mnist(3)
+    torch.manual_seed(1)
+    net = ms.lenet5()
+    theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    xv, yv = data["val"]
+    expected = torch.zeros_like(theta0)
+    for x, y in zip(xv, yv, strict=True):  # one example at a time, plain autograd
+        net.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[None]), y[None]).backward()
+        expected += torch.cat([p.grad.reshape(-1) for p in net.parameters()]) ** 2
+    expected /= len(yv)
+    diag = ms.validation_fisher_diagonal(theta0, data, torch.device("cpu"))
+    assert diag.shape == theta0.shape and diag.device.type == "cpu"
+    assert diag.double().numpy() == pytest.approx(expected.double().numpy(), rel=1e-4, abs=1e-12)
+    zero = ms.fisher_zero_mask(theta0, data, torch.device("cpu"))
+    assert zero.dtype == torch.bool and torch.equal(zero, diag == 0)
+    assert ms.fisher_zero_fraction(theta0, data, torch.device("cpu")) == pytest.approx(zero.double().mean().item())
