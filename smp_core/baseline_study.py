@@ -14,7 +14,11 @@ methods used in practice. On the toy example NUTS gives the local Bayesian poste
 * the toy chapter's ``NUTS``, ``NUTS-mean``, ``SMP-none`` and ``SMP-ema-block`` on the same replicates
   (the same seeds, so the same chains), and the same two SMP variants with the same chain seeds started
   from the MAP instead of NUTS-mean (``SMP-<variant> from MAP``), which separates the start point from
-  the recursion's own spread.
+  the recursion's own spread;
+* ``NUTS, second chain`` (:data:`SECOND_NUTS`): NUTS again on the same data from the same start with
+  other random numbers. It is not a method but the reference's own Monte Carlo noise: its distance
+  from ``NUTS`` is what a method that sampled the posterior exactly, with as many draws, would show
+  (:func:`beyond_nuts_noise`).
 
 Agreement with NUTS is measured on the figure grid, which covers the input square uniformly as the test
 inputs do: the mean absolute difference of the predictive probability (the total variation between two
@@ -36,15 +40,18 @@ from .baselines import fit_laplace, linearised_logits
 from .models import toy_mlp
 from .toy import make_grid, make_toy_data
 
-STUDY_VERSION = 4  # bump when a change to this module changes its results (invalidates the cache)
+STUDY_VERSION = 5  # bump when a change to this module changes its results (invalidates the cache)
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
+SECOND_NUTS = "NUTS, second chain"
+NOT_RANKED = ("NUTS", "NUTS-mean", "MAP", SECOND_NUTS)  # the reference, point estimates, the reference again
 
 
 def baseline_seeds(base_seed: int, replicate: int) -> dict[str, int]:
     """Seeds of the baselines of one replicate, apart from :func:`smp_core.toy_study.replicate_seeds`
-    (which uses offsets 0 to 2 and 10 onwards): Laplace draws, and member ``j`` of the ensemble adds ``j``."""
+    (which uses offsets 0 to 2 and 10 onwards): Laplace draws, member ``j`` of the ensemble adds ``j``,
+    and the second NUTS chain."""
     s = base_seed + 1000 * replicate
-    return {"laplace": s + 100, "ensemble": s + 200}
+    return {"laplace": s + 100, "ensemble": s + 200, "nuts_second": s + 300}
 
 
 def laplace_rows(structures) -> dict[str, tuple[str, str]]:
@@ -64,8 +71,12 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     Seconds: a Laplace row counts the MAP fit, its own GGN and draws (not the evaluation); the rows of
     one structure share its draws (``Laplace-dense`` and ``Laplace-dense-nn`` differ only in the
     predictive). The ensemble counts its members' fits.
+
+    The row :data:`SECOND_NUTS` is a second NUTS chain with the first's settings, data and start (the
+    same MAP, so relabelled towards the same basin) and the seed ``nuts_second``; its diagnostics
+    and NUTS-mean check are in ``run["second_nuts"]``.
     """
-    from .nuts import find_map
+    from .nuts import check_nuts_mean, find_map, run_nuts
 
     run = ts.run_replicate(cfg, replicate, variants=cfg["smp_variants"], progress=progress)
     seeds = {**run["seeds"], **baseline_seeds(cfg["seed"], replicate)}
@@ -78,6 +89,17 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
 
     def evaluate(samples, logits_of=None):
         return ts.evaluate(samples, x_test, y_test, grid, shape, cfg["n_bins"], logits_of=logits_of)
+
+    second = run_nuts(x_np, y_np, seed=seeds["nuts_second"], num_warmup=cfg["nuts_warmup"],
+                      num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
+                      init=run["nuts_init"], x_eval=x_test.numpy())
+    run["evals"] = {"NUTS": run["evals"].pop("NUTS"),  # the tables list it right below NUTS
+                    SECOND_NUTS: evaluate(torch.as_tensor(second.samples, dtype=torch.float32)), **run["evals"]}
+    run["elapsed"] = {"NUTS": run["elapsed"].pop("NUTS"), SECOND_NUTS: second.diagnostics.wall_time_s,
+                      **run["elapsed"]}
+    run["second_nuts"] = {"diagnostics": second.diagnostics.summary(),
+                          "nuts_mean_check": check_nuts_mean(second.samples, x_np, y_np, raise_error=False),
+                          "distance_between_means": float(np.linalg.norm(second.mean - run["theta_hat"]))}
 
     started = time.perf_counter()
     fit = find_map(x_np, y_np, seed=0, starts=run["theta_hat"][None], prior_scale=prior_scale)
@@ -157,7 +179,8 @@ def paired_lead(differences) -> float:
 def findings(agree: pd.DataFrame, scores: pd.DataFrame, agree_replicates: pd.DataFrame | None = None,
              scores_replicates: pd.DataFrame | None = None, smp: str = "SMP-ema-block") -> pd.DataFrame:
     """Judged on the replicate means: per criterion, the best method other than NUTS and where ``smp``
-    ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, are left out), as text
+    ranks among the methods that have a spread (NUTS-mean and MAP, point estimates, and the second NUTS
+    chain, the reference's own noise, are left out), as text
     ("–" where it has none), so that the table prints as it is stored.
 
     The criteria are ours, fixed before the runs: closest predictive to NUTS (``tv_to_nuts``), epistemic
@@ -167,7 +190,7 @@ def findings(agree: pd.DataFrame, scores: pd.DataFrame, agree_replicates: pd.Dat
     its standard error, and the lead counts as resolved from 2 standard errors on (one replicate: not
     resolved).
     """
-    methods = [m for m in agree.index if m not in ("NUTS", "NUTS-mean", "MAP")]
+    methods = [m for m in agree.index if m not in NOT_RANKED]
 
     def criteria(a, s):
         return {
@@ -206,3 +229,37 @@ def findings(agree: pd.DataFrame, scores: pd.DataFrame, agree_replicates: pd.Dat
             row.update({"runner-up": other, "lead (se)": round(lead, 1), "resolved": "yes" if lead >= 2 else "no"})
         rows.append(row)
     return pd.DataFrame(rows).set_index("criterion")
+
+
+def beyond_nuts_noise(agree_replicates: pd.DataFrame, reference: str = SECOND_NUTS) -> pd.DataFrame:
+    """How far each method is from NUTS beyond what NUTS's own Monte Carlo noise puts between two chains.
+
+    ``agree_replicates``: :func:`summarise`'s ``agreement_replicates`` (index ``(replicate, method)``),
+    with a ``reference`` row (the second NUTS chain). Per method and criterion, the distance from NUTS
+    (``tv_to_nuts``; ``1 - mi_surface_corr``; ``|log mi_over_nuts|``) minus the reference's on the same
+    replicate, as the mean over the replicates (``excess``) and that mean over its standard error
+    (``excess (se)``, :func:`paired_lead`). An excess below 2 standard errors means the replicates cannot
+    tell the method from a second run of NUTS by that criterion. NUTS itself is left out; a criterion a
+    method has no value for (a point estimate has no MI surface) is NaN.
+    """
+    distance = pd.DataFrame({
+        "mean |p - p_NUTS|": agree_replicates["tv_to_nuts"],
+        "1 - MI surface correlation": 1 - agree_replicates["mi_surface_corr"],
+        "|log MI ratio|": np.log(agree_replicates["mi_over_nuts"].astype(np.float64)).abs(),
+    }).replace(np.inf, np.nan)  # a point estimate has no MI: no ratio to judge
+    methods = [m for m in agree_replicates.index.unique(level="method") if m not in ("NUTS", reference)]
+    if reference not in agree_replicates.index.unique(level="method"):
+        raise KeyError(f"no {reference!r} rows in the agreement table: run the study with the second NUTS chain")
+    ref = distance.xs(reference, level="method")
+    rows = {}
+    for method in methods:
+        row = {}
+        for criterion in distance.columns:
+            excess = (distance[criterion].xs(method, level="method") - ref[criterion]).dropna()
+            row[(criterion, "excess")] = float(excess.mean()) if len(excess) else float("nan")
+            row[(criterion, "excess (se)")] = paired_lead(excess.to_numpy())
+        rows[method] = row
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.columns = pd.MultiIndex.from_tuples(out.columns)
+    out.index.name = "method"
+    return out

@@ -148,6 +148,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
         "replicate": replicate, "seeds": seeds, "evals": evals, "elapsed": elapsed, "diverged": diverged,
         "nuts_diagnostics": nuts.diagnostics.summary(), "nuts_mean_check": sanity,
         "train": (x.numpy(), y.numpy()), "grid": (gx.numpy(), gy.numpy()), "theta_hat": theta_hat.numpy(),
+        "nuts_init": nuts.init,
         "r_ratio": residual_variance_ratio(cfg["n_train"], cfg["n_steps"]),
         "threads": torch.get_num_threads(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

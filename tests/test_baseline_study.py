@@ -103,7 +103,7 @@ def tiny_run():
 
 def test_a_tiny_run_has_every_row(tiny_run):
     cfg, run = tiny_run
-    expected = ["NUTS", "NUTS-mean", "SMP-none", "SMP-ema-block", "MAP", "SMP-none from MAP",
+    expected = ["NUTS", bs.SECOND_NUTS, "NUTS-mean", "SMP-none", "SMP-ema-block", "MAP", "SMP-none from MAP",
                 "SMP-ema-block from MAP", "Laplace-diag", "Laplace-block", "Laplace-kfac", "Laplace-dense",
                 "Laplace-dense-nn", "Ensemble"]
     assert list(run["evals"]) == expected
@@ -125,6 +125,18 @@ def test_a_tiny_run_has_every_row(tiny_run):
     # another start (equal scores would mean the MAP was ignored and NUTS-mean used again)
     assert run["evals"]["SMP-none from MAP"].scores != run["evals"]["SMP-none"].scores
     assert set(run["diverged"]) == {"SMP-none", "SMP-ema-block", "SMP-none from MAP", "SMP-ema-block from MAP"}
+    # the second NUTS chain: the first's start, other random numbers, so other draws of the same posterior
+    second = run["evals"][bs.SECOND_NUTS]
+    assert second.scores != run["evals"]["NUTS"].scores
+    assert run["second_nuts"]["diagnostics"]["num_divergences"] >= 0
+    from smp_core.nuts import HIDDEN_UNIT_PERMUTATIONS, permute_hidden_units
+
+    theta_hat = run["theta_hat"].astype(np.float64)  # the same basin: nearer NUTS-mean than any relabelling of it
+    to_relabelled = min(np.linalg.norm(permute_hidden_units(theta_hat, p1, p2) - theta_hat)
+                        for p1, p2 in HIDDEN_UNIT_PERMUTATIONS[1:])
+    assert 0 < run["second_nuts"]["distance_between_means"] < to_relabelled / 2
+    assert tables["agreement_mean"].loc[bs.SECOND_NUTS, "tv_to_nuts"] > 0
+    assert bs.SECOND_NUTS not in bs.findings(tables["agreement_mean"], tables["scores_mean"])["best"].to_list()
 
 
 def test_smp_rows_are_the_toy_chapters_chains(tiny_run):
@@ -135,3 +147,32 @@ def test_smp_rows_are_the_toy_chapters_chains(tiny_run):
                                              "ema-block"], progress=False)
     for name in ("SMP-none", "SMP-ema-block"):
         assert toy["evals"][name].scores == run["evals"][name].scores
+
+
+def test_beyond_nuts_noise_subtracts_the_second_chain_replicate_by_replicate():
+    rows = []
+    tv = {"NUTS": [0, 0, 0], bs.SECOND_NUTS: [0.010, 0.012, 0.014], "close": [0.011, 0.011, 0.016],
+          "far": [0.030, 0.031, 0.035], "MAP": [0.02, 0.02, 0.02]}
+    corr = {"NUTS": [1, 1, 1], bs.SECOND_NUTS: [0.9, 0.8, 0.9], "close": [0.9, 0.8, 0.9], "far": [0.5, 0.4, 0.6],
+            "MAP": [np.nan] * 3}
+    ratio = {"NUTS": [1, 1, 1], bs.SECOND_NUTS: [1.1, 0.9, 1.0], "close": [1.2, 1.1, 0.8], "far": [3.0, 4.0, 5.0],
+             "MAP": [0.0] * 3}
+    for r in range(3):
+        for m in tv:
+            rows.append({"replicate": r, "method": m, "tv_to_nuts": tv[m][r], "mi_surface_corr": corr[m][r],
+                         "mi_over_nuts": ratio[m][r]})
+    reps = pd.DataFrame(rows).set_index(["replicate", "method"])
+    table = bs.beyond_nuts_noise(reps)
+    assert list(table.index) == ["close", "far", "MAP"]  # neither NUTS nor its second chain
+    tv_far = np.array(tv["far"]) - np.array(tv[bs.SECOND_NUTS])
+    assert table.loc["far", ("mean |p - p_NUTS|", "excess")] == pytest.approx(tv_far.mean())
+    assert table.loc["far", ("mean |p - p_NUTS|", "excess (se)")] == pytest.approx(
+        tv_far.mean() / (tv_far.std(ddof=1) / np.sqrt(3)))
+    assert table.loc["close", ("1 - MI surface correlation", "excess")] == pytest.approx(0.0)
+    log_close = np.abs(np.log(ratio["close"])) - np.abs(np.log(ratio[bs.SECOND_NUTS]))
+    assert table.loc["close", ("|log MI ratio|", "excess")] == pytest.approx(log_close.mean())
+    assert table.loc["MAP", ("mean |p - p_NUTS|", "excess")] == pytest.approx(0.008)
+    assert np.isnan(table.loc["MAP", ("|log MI ratio|", "excess")])  # a point estimate has no MI to compare
+    assert np.isnan(table.loc["MAP", ("1 - MI surface correlation", "excess (se)")])
+    with pytest.raises(KeyError, match="second NUTS chain"):
+        bs.beyond_nuts_noise(reps.drop(bs.SECOND_NUTS, level="method"))
