@@ -1,10 +1,10 @@
 """Every run size of the book in one table: scales ``ci``, ``laptop`` and ``paper``.
 
 * ``ci``: the whole test suite, notebooks included, in minutes on 2 CPU cores.
-* ``laptop``: the default book on a 2-core machine in about three hours (65 min measured on a fresh clone
-  before the KFAC chapters, whose own runs took 11 min (toy) and about 60 min (MNIST), and the Gaussian-tail
-  chapters, 19 min (toy) and about 21 min (MNIST, its runs cached by the MNIST chapter), and the toy baselines
-  chapter, 7 min).
+* ``laptop``: the default book on a 2-core machine in about five hours: 65 min measured on a fresh clone
+  before the later chapters, plus their own measured runs (``book/how_to_run.md``): KFAC 11 min (toy) and
+  about 45 min (MNIST), the Gaussian tail 19 min (toy) and about 22 min (MNIST, its runs cached by the MNIST
+  chapter), the baselines about 10 min (toy) and 26 min (MNIST), the MNIST MAP seeds about 90 min.
 * ``paper``: the paper's settings (Sections 3.2 and 3.3).
 
 Settings the paper states are marked with a comment; the rest are our choices, stated in the book.

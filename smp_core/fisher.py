@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col
+from .likelihoods import check_output_dim, check_responses
+from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col, check_deterministic
 from .preconditioners import KroneckerLayer, Stat, Structure
 
 
@@ -78,6 +79,18 @@ def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: 
     return tuple(t / n for t in total)
 
 
+def _check_model_and_labels(model: ChainModel, likelihood, y: torch.Tensor | None) -> None:
+    """No training-mode dropout or batch norm, an output size the likelihood can use and, for the
+    empirical Fisher, valid observed labels (a wrong one gives a finite, wrong Fisher)."""
+    check_deterministic(model)
+    out_dim = getattr(model, "out_dim", None)
+    if out_dim is not None:
+        if y is not None:
+            check_responses(likelihood, y, out_dim)
+        else:
+            check_output_dim(likelihood, out_dim)
+
+
 def estimate_fisher(
     model: ChainModel,
     likelihood,
@@ -118,6 +131,7 @@ def estimate_fisher(
         raise ValueError(f"x has {n} rows but y has {y.shape[0]}")
     if not torch.isfinite(x).all():
         raise ValueError("the Fisher data x contains NaN or infinite values")
+    _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     if structure.name == "kfac":
         return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,
                                 max_elements=max_elements)
@@ -283,6 +297,7 @@ def kronecker_fisher(
         raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
     if not x.is_floating_point():
         raise ValueError("the kfac Fisher needs floating-point inputs x")
+    _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     n, n_chains = x.shape[0], theta.shape[0]
     batch_size = max(1, min(batch_size, max_elements // _elements_per_example(model, layers, theta[0], x[:2])))
     factors = []
@@ -390,6 +405,7 @@ def diagonal_fisher_by_layers(
         raise ValueError(f"unknown Fisher kind {kind!r}; choose 'model' (model-expected) or 'empirical'")
     if kind == "empirical" and y is None:
         raise ValueError("the empirical Fisher needs labels y")
+    _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     layers = _layers_covering(model)
     if layers is None or not x.is_floating_point():
         return None

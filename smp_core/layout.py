@@ -83,3 +83,22 @@ class ParamLayout:
             for name, p in module.named_parameters():
                 p.copy_(params[name])
         return module
+
+
+def group_indices(name: str, group, dim: int) -> torch.Tensor:
+    """The flat indices (a ``long`` tensor on the CPU) of one named group of parameters: a slice, integer
+    indices or a boolean mask of ``dim`` entries. Raises a ``ValueError`` naming the group for a float
+    tensor (a 0/1 mask in floats would be read as the indices 0 and 1), a mask of the wrong length,
+    no indices, or indices outside ``[0, dim)``."""
+    idx = torch.arange(dim)[group] if isinstance(group, slice) else torch.as_tensor(group).reshape(-1).cpu()
+    if idx.numel() and (idx.is_floating_point() or idx.is_complex()):  # (an empty list comes as float32)
+        raise ValueError(f"group {name!r} must be integer indices, a slice or a boolean mask, got {idx.dtype}")
+    if idx.dtype == torch.bool:
+        if idx.numel() != dim:
+            raise ValueError(f"group {name!r}: a boolean mask must have {dim} entries, got {idx.numel()}")
+        idx = idx.nonzero().reshape(-1)
+    idx = idx.long()
+    if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= dim:
+        raise ValueError(f"group {name!r} must hold indices in [0, {dim}), got {idx.numel()} of them"
+                         + (f" from {int(idx.min())} to {int(idx.max())}" if idx.numel() else ""))
+    return idx

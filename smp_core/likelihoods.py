@@ -168,6 +168,42 @@ class Gaussian:
         raise TypeError("a Gaussian likelihood has no class probabilities")
 
 
+def check_output_dim(likelihood, out_dim: int) -> None:
+    """Raise a ``ValueError`` if a network with ``out_dim`` outputs cannot carry ``likelihood``: Bernoulli
+    needs one logit, categorical at least two (one logit's softmax is always 1: every residual would be
+    0 and no chain would ever move). Other likelihoods pass."""
+    name = getattr(likelihood, "name", None)
+    if name == "bernoulli" and out_dim != 1:
+        raise ValueError(f"a Bernoulli likelihood needs a network with one output (a logit), this one has {out_dim}; "
+                         "for several classes use 'categorical'")
+    if name == "categorical" and out_dim < 2:
+        raise ValueError(f"a categorical likelihood needs a network with one output per class (at least 2), this "
+                         f"one has {out_dim}; for two classes and one logit use 'bernoulli'")
+
+
+def check_responses(likelihood, y: torch.Tensor, out_dim: int) -> None:
+    """Raise a ``ValueError`` naming the problem unless ``y`` holds valid responses for ``likelihood`` on a
+    network with ``out_dim`` outputs: Bernoulli 0 or 1, categorical integer labels in ``[0, out_dim)``,
+    Gaussian finite values, one row (of ``out_dim`` values) per example. Used for observed labels (the
+    empirical Fisher), where a wrong label would otherwise give a finite, wrong Fisher."""
+    check_output_dim(likelihood, out_dim)
+    name = getattr(likelihood, "name", None)
+    n = y.shape[0] if y.ndim else 0
+    if name in ("bernoulli", "categorical") and y.ndim != 1:
+        raise ValueError(f"{name} labels must have shape (n,), got {tuple(y.shape)}")
+    if name == "bernoulli" and not ((y == 0) | (y == 1)).all():
+        raise ValueError("Bernoulli labels must be 0 or 1")
+    if name == "categorical" and (y.dtype.is_floating_point or y.dtype == torch.bool
+                                  or (n and (y.min() < 0 or y.max() >= out_dim))):
+        found = "" if y.dtype.is_floating_point or not n else f" in [{int(y.min())}, {int(y.max())}]"
+        raise ValueError(f"categorical labels must be integer class labels in [0, {out_dim}), got {y.dtype}{found}")
+    if name == "gaussian":
+        if y.numel() != n * out_dim:
+            raise ValueError(f"Gaussian responses must hold {out_dim} value(s) per example, got shape {tuple(y.shape)}")
+        if not torch.isfinite(y).all():
+            raise ValueError("the Gaussian responses contain NaN or infinite values")
+
+
 def get_likelihood(name: str | Bernoulli | Categorical | Gaussian, **kwargs):
     """A likelihood object from its name (``"bernoulli"``, ``"categorical"``, ``"gaussian"``)."""
     if not isinstance(name, str):

@@ -118,6 +118,26 @@ class ChainModel(Protocol):
         ...
 
 
+def check_deterministic(model) -> None:
+    """Raise a ``ValueError`` if a module in training mode would make the network random or make one
+    input's output depend on the others of its batch: dropout (fresh masks from the global random
+    generator, so scores of a thinned network and runs not reproducible from their seed), batch
+    normalisation (the batch's statistics, and its running averages updated) and ``RReLU``. Call
+    ``module.eval()`` first. Takes a chain model or an ``nn.Module``; a chain model without a module
+    passes."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.dropout import _DropoutNd
+
+    module = model if isinstance(model, nn.Module) else getattr(model, "module", None)
+    if module is None:
+        return
+    found = sorted({type(m).__name__ for m in module.modules()
+                    if m.training and isinstance(m, _DropoutNd | _BatchNorm | nn.RReLU)})
+    if found:
+        raise ValueError(f"the network has {', '.join(found)} layers in training mode, which draw random masks or "
+                         "use the batch's statistics: call module.eval() before SMP, the Fisher or predictions")
+
+
 def predict(model: ChainModel, theta: torch.Tensor, x: torch.Tensor, batch_size: int = 8192) -> torch.Tensor:
     """Network outputs of every sample at shared inputs: ``(S, n, m)`` for ``theta`` ``(S, d)``, ``x`` ``(n, ...)``.
 
@@ -125,6 +145,7 @@ def predict(model: ChainModel, theta: torch.Tensor, x: torch.Tensor, batch_size:
     works for every module and uses its ordinary batched kernels.
     """
     theta = _check_theta(theta, model.layout.dim)
+    check_deterministic(model)
     module = model.module
     out = []
     with torch.no_grad():

@@ -460,7 +460,9 @@ def check_nuts_mean(samples, x, y, max_accuracy_drop: float = 0.05, max_brier_in
     identical ... slightly more confident"); a chain that mixed across symmetric modes gives a
     mean that predicts far worse. Raises ``RuntimeError`` (unless ``raise_error=False``) when
     the mean's accuracy is more than ``max_accuracy_drop`` below the ensemble's or its Brier
-    score more than ``max_brier_increase`` above it. Returns the four metrics.
+    score more than ``max_brier_increase`` above it. The Brier score here is the one-class
+    ``mean (p - y)^2`` of the toy tables (:func:`smp_core.toy_study.one_class_brier`), half the
+    two-class score of :func:`smp_core.metrics.brier`. Returns the four metrics.
     """
     samples = np.atleast_2d(np.asarray(samples, dtype=np.float64))
     y = np.asarray(y, dtype=np.float64).reshape(-1)

@@ -27,6 +27,7 @@ tensors, so the EMA is a map over the tuple. A :class:`Preconditioner` is the sm
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -380,33 +381,68 @@ def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
                 values[i], vectors[i], failed[i] = value.to(m.dtype), vector.to(m.dtype), False
                 break
     return values, vectors, failed
-    finite = torch.isfinite(m).all((-2, -1))
-    eye = torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
-    for i in retry.nonzero().ravel().tolist():
-        ok = bool(finite[i])
-        if ok:
-            try:
-                value, vector = torch.linalg.eigh(m[i].double())
-                ok = bool(torch.isfinite(value).all() and torch.isfinite(vector).all())
-            except torch.linalg.LinAlgError:
-                ok = False
-        if ok:
-            values[i], vectors[i] = value.to(m.dtype), vector.to(m.dtype)
-        else:
-            values[i], vectors[i], failed[i] = 1.0, eye, True
-    return values, vectors, failed
+
+
+def _cholesky_per_element(ridged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cholesky_ex`` of a batch ``(C, n, n)`` and the ``(C,)`` mask of the elements it failed on."""
+    chol, info = torch.linalg.cholesky_ex(ridged)
+    return chol, info != 0
+
+
+def _psd_inverse_float64(m: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``(m_+ + ridge I)^{-1}`` in float64 for one ``(n, n)`` matrix, ``m_+`` its symmetric part with the
+    negative eigenvalues set to 0 (as the kfac structure treats its factors); NaN if ``m`` is not
+    finite or the eigensolver fails."""
+    m = m.double()
+    if not bool(torch.isfinite(m).all()):
+        return torch.full_like(m, float("nan"))
+    try:
+        values, vectors = torch.linalg.eigh(0.5 * (m + m.T))
+    except torch.linalg.LinAlgError:
+        return torch.full_like(m, float("nan"))
+    return (vectors / (values.clamp_min(0) + ridge)) @ vectors.T
+
+
+def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: torch.Tensor, apply) -> torch.Tensor:
+    """Redo the elements of a batched solve or inverse whose Cholesky factorisation failed.
+
+    ``P = F + ridge I`` is positive definite for a positive semi-definite ``F`` and ``ridge > 0``, but a
+    float32 statistic whose largest eigenvalues dwarf the ridge can, by rounding, have negative
+    eigenvalues larger than the ridge; Cholesky then fails, returns a finite, wrong factor and the
+    solve a finite, wrong answer, with no error. Each failed element ``i`` is redone in float64 from
+    its eigendecomposition with the negative eigenvalues set to 0 (:func:`_psd_inverse_float64`):
+    ``apply(inverse, i)`` gives its result. A non-finite element gives NaN, which the recursion reports
+    as that chain's divergence. A shared ``P`` (``C = 1``) applies to every row of ``result``.
+    """
+    for i in failed.nonzero().ravel().tolist():
+        rows = slice(None) if m.shape[0] == 1 else slice(i, i + 1)
+        result[rows] = apply(_psd_inverse_float64(m[i], ridge), i).to(result.dtype)
+    return result
 
 
 def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:
-    chol, _ = torch.linalg.cholesky_ex(_ridged(m, ridge))
-    return torch.cholesky_inverse(chol)
+    """``(m + ridge I)^{-1}`` for a batch ``(C, n, n)`` of symmetric positive semi-definite matrices;
+    an element whose Cholesky factorisation fails is redone by :func:`_redo_failed`."""
+    chol, failed = _cholesky_per_element(_ridged(m, ridge))
+    result = torch.cholesky_inverse(chol)
+    if bool(failed.any()):
+        result = _redo_failed(m, ridge, failed, result, lambda inverse, i: inverse)
+    return result
 
 
 def _spd_solve(m: torch.Tensor, ridge: float, v: torch.Tensor) -> torch.Tensor:
-    # A failed factorisation (a chain that already diverged) gives NaN, which the recursion
-    # detects and reports for that chain; it never raises for the whole batch.
-    chol, _ = torch.linalg.cholesky_ex(_ridged(m, ridge))
-    return torch.cholesky_solve(v.unsqueeze(-1), chol).squeeze(-1)
+    """``(m + ridge I)^{-1} v`` row by row: ``m`` ``(C, n, n)`` with ``C = 1`` (shared) or one per row of ``v``
+    ``(S, n)``. An element whose Cholesky factorisation fails is redone by :func:`_redo_failed` (NaN for
+    a chain that already diverged); it never raises for the whole batch."""
+    chol, failed = _cholesky_per_element(_ridged(m, ridge))
+    result = torch.cholesky_solve(v.unsqueeze(-1), chol).squeeze(-1)
+    if bool(failed.any()):
+        def apply(inverse, i):
+            rows = v if m.shape[0] == 1 else v[i : i + 1]
+            return rows.double() @ inverse  # symmetric
+
+        result = _redo_failed(m, ridge, failed, result, apply)
+    return result
 
 
 def _batched_matvec(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -612,8 +648,8 @@ def build_preconditioner(
         strategy = "fixed" if strategy is None else strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
-    if ridge < 0:
-        raise ValueError(f"the ridge lambda must be >= 0, got {ridge}")
+    if not (isinstance(ridge, int | float) and math.isfinite(ridge) and ridge >= 0):
+        raise ValueError(f"the ridge lambda must be a finite number >= 0, got {ridge!r}")
     if not 0 < beta < 1:
         raise ValueError(f"the EMA weight beta must lie in (0, 1), got {beta}")
     if int(period) < 1:

@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import json
 import math
+import numbers
 import os
 import time
 import warnings
@@ -37,9 +38,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .fisher import estimate_fisher, kronecker_layers
-from .likelihoods import get_likelihood
+from .likelihoods import check_output_dim, get_likelihood
 from .memory import retain_freed_memory
-from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model
+from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name
 
 
@@ -133,6 +134,18 @@ def _as_generator(seed: int | torch.Generator, device: torch.device) -> torch.Ge
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
+def _check_run_settings(n_obs, check_every, divergence_threshold) -> None:
+    """``n_obs`` an integer >= 0 (``gamma_k = tau / (N + k)`` must be positive from k = 1), ``check_every`` a
+    positive integer, ``divergence_threshold`` a positive finite number (NaN would switch the check off)."""
+    if n_obs is not None and not (isinstance(n_obs, numbers.Integral) and not isinstance(n_obs, bool) and n_obs >= 0):
+        raise ValueError(f"n_obs (N in gamma_k = tau / (N + k)) must be an integer >= 0, got {n_obs!r}")
+    if not (isinstance(check_every, numbers.Integral) and not isinstance(check_every, bool) and check_every >= 1):
+        raise ValueError(f"check_every (steps between divergence checks) must be an integer >= 1, got {check_every!r}")
+    if not (isinstance(divergence_threshold, int | float) and math.isfinite(divergence_threshold)
+            and divergence_threshold > 0):
+        raise ValueError(f"divergence_threshold must be a positive finite number, got {divergence_threshold!r}")
+
+
 def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor, n_chains: int,
                   tau: float, n_steps: int) -> torch.Tensor:
     if not (isinstance(tau, int | float) and math.isfinite(tau) and tau > 0):
@@ -152,6 +165,16 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
         raise ValueError("theta0 contains NaN or infinite values")
     check_training_inputs(model, x_train)
     return theta0.contiguous().clone()
+
+
+def check_model_for(model: ChainModel, likelihood) -> None:
+    """Raise a ``ValueError`` naming the problem if the network cannot be sampled with ``likelihood``:
+    dropout or batch norm in training mode (:func:`smp_core.models.check_deterministic`) or an output size
+    the likelihood cannot use (:func:`smp_core.likelihoods.check_output_dim`)."""
+    check_deterministic(model)
+    out_dim = getattr(model, "out_dim", None)
+    if out_dim is not None:
+        check_output_dim(likelihood, out_dim)
 
 
 def check_training_inputs(model: ChainModel, x_train: torch.Tensor) -> None:
@@ -341,6 +364,7 @@ def advance_smp(
     Blocks draw their random numbers in another order than the step-by-step loop, so the two give
     different (equally valid) samples from the same seed.
     """
+    _check_run_settings(n_obs, check_every, divergence_threshold)
     theta, theta0, gen = state.theta, state.theta0, state.generator
     n_data, n_chains = x_train.shape[0], theta.shape[0]
     alive = (state.diverged_step < 0).unsqueeze(1)
@@ -460,10 +484,28 @@ def _config_key(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _save_checkpoint(path: Path, state: SMPState, key: str, started: float) -> None:
+def _sha(t: torch.Tensor | None) -> str | None:
+    return None if t is None else hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _inputs_fingerprint(net: ChainModel, likelihood, fisher_x: torch.Tensor, fisher_y: torch.Tensor | None
+                        ) -> dict[str, str]:
+    """What a checkpoint's key leaves out, kept beside it to refuse resuming another run: the network
+    (its modules' types and settings as ``repr`` shows them, so a GELU network is not a Tanh one with the
+    same parameter count), the likelihood's parameters (a Gaussian's ``sigma``) and the Fisher data."""
+    module = getattr(net, "module", None)
+    network = repr(module) + "|" + ",".join(f"{type(m).__module__}.{type(m).__qualname__}"
+                                            for m in (module.modules() if module is not None else ()))
+    lik = json.dumps({"name": likelihood.name, **{k: v for k, v in vars(likelihood).items()
+                                                 if isinstance(v, int | float | str)}}, sort_keys=True)
+    return {"network": hashlib.sha256(network.encode()).hexdigest(), "likelihood": lik,
+            "fisher_data": f"{_sha(fisher_x)}/{_sha(fisher_y)}"}
+
+
+def _save_checkpoint(path: Path, state: SMPState, key: str, inputs: dict[str, str], started: float) -> None:
     payload = {
         "elapsed": state.elapsed_before + time.perf_counter() - started,
-        "key": key, "theta": state.theta.cpu(), "theta0": state.theta0.cpu(),
+        "key": key, "inputs": inputs, "theta": state.theta.cpu(), "theta0": state.theta0.cpu(),
         "stat": [t.cpu() for t in state.precond.stat], "factor": [t.cpu() for t in state.precond.factor],
         "step": state.step, "diverged_step": state.diverged_step.cpu(),
         "generator": state.generator.get_state(), "trace": state.trace, "trace_steps": state.trace_steps,
@@ -473,13 +515,23 @@ def _save_checkpoint(path: Path, state: SMPState, key: str, started: float) -> N
     os.replace(tmp, path)
 
 
-def _load_checkpoint(path: Path, key: str, device: torch.device) -> SMPState | None:
+def _load_checkpoint(path: Path, key: str, inputs: dict[str, str], device: torch.device) -> SMPState | None:
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if payload.get("key") != key:
         raise ValueError(f"the checkpoint {path} belongs to a run with other settings; delete it or choose "
                          "another checkpoint path (nothing was overwritten). A run made step by step before "
                          "step blocks became the default (on a GPU, and on a CPU with the compiled kernel of "
                          "smp_core.fused) resumes with cuda_graph=False")
+    saved = payload.get("inputs")
+    if saved is None:
+        warnings.warn(f"the checkpoint {path} was written before checkpoints recorded the network, the "
+                      "likelihood's parameters and the Fisher data: resuming it with only the settings, theta0 "
+                      "and x_train checked", stacklevel=3)
+    else:
+        differ = [name for name in inputs if saved.get(name) != inputs[name]]
+        if differ:
+            raise ValueError(f"the checkpoint {path} belongs to a run with another {' and '.join(differ)}; delete "
+                             "it or choose another checkpoint path (nothing was overwritten)")
     gen = torch.Generator(device=device)
     gen.set_state(payload["generator"])
     return SMPState(
@@ -542,7 +594,10 @@ def run_smp(
         check_every: steps between divergence checks (and progress updates).
         divergence_threshold: a chain whose parameters leave ``theta0`` by more than this (max-norm),
             or become non-finite, is frozen and reported as diverged.
-        checkpoint: a file to save the state to every ``checkpoint_every`` steps and to resume from.
+        checkpoint: a file to save the state to every ``checkpoint_every`` steps and to resume from. It
+            is resumed only by a call with the same settings, ``theta0``, ``x_train``, network (its
+            modules as ``repr`` shows them), likelihood parameters and Fisher data; otherwise a
+            ``ValueError`` names what differs, and the file is left as it is.
         progress: show a tqdm progress bar.
         cuda_graph: run blocks of steps as replays of CUDA graphs (the step of a small network on a
             GPU is bound by kernel launches, not arithmetic). ``None`` (default): on a CUDA device,
@@ -562,6 +617,7 @@ def run_smp(
         An :class:`SMPResult`.
     """
     started = time.perf_counter()
+    check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
     net = as_chain_model(model, input_shape)
     lik = get_likelihood(likelihood)
     if theta0 is None:
@@ -571,6 +627,8 @@ def run_smp(
         retain_freed_memory()  # no page faults from re-allocating each step's activations (smp_core.memory)
     x_train = x_train.to(device=device, dtype=dtype)
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
+    _check_run_settings(n_obs, check_every, divergence_threshold)
+    check_model_for(net, lik)
     if isinstance(preconditioner, str):
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(
@@ -608,7 +666,8 @@ def run_smp(
         "x": hashlib.sha256(x_train.cpu().numpy().tobytes()).hexdigest(),
     })
     path = Path(checkpoint) if checkpoint is not None else None
-    state = _load_checkpoint(path, key, device) if path is not None and path.exists() else None
+    inputs = _inputs_fingerprint(net, lik, fx, fy) if path is not None else {}
+    state = _load_checkpoint(path, key, inputs, device) if path is not None and path.exists() else None
     if state is not None and state.step > n_steps:
         raise ValueError(f"the checkpoint {path} is at step {state.step}, beyond n_steps = {n_steps}")
     with torch.no_grad():
@@ -623,7 +682,7 @@ def run_smp(
             bar.set_postfix(diverged=int((s.diverged_step >= 0).sum()), refresh=False)
             if path is not None and checkpoint_every and (s.step // checkpoint_every
                                                            != last["step"] // checkpoint_every):
-                _save_checkpoint(path, s, key, started)
+                _save_checkpoint(path, s, key, inputs, started)
             last["step"] = s.step
 
         try:
@@ -633,7 +692,7 @@ def run_smp(
         finally:
             bar.close()
         if path is not None:
-            _save_checkpoint(path, state, key, started)
+            _save_checkpoint(path, state, key, inputs, started)
     diverged = state.diverged_step >= 0
     theta = state.theta.clone()
     theta[diverged] = float("nan")

@@ -35,10 +35,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .layout import group_indices
 from .likelihoods import get_likelihood
-from .models import ChainModel, as_chain_model
+from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import _as_generator, check_training_inputs
+from .recursion import _as_generator, check_model_for, check_training_inputs
 from .tail import tail_variance
 
 
@@ -46,17 +47,7 @@ def _group_masks(groups: Mapping[str, torch.Tensor | slice] | None, dim: int,
                  device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     masks = {}
     for name, g in (groups or {}).items():
-        idx = torch.arange(dim)[g] if isinstance(g, slice) else torch.as_tensor(g).reshape(-1)
-        if idx.is_floating_point() or idx.is_complex():
-            raise ValueError(f"group {name!r} must be integer indices, a slice or a boolean mask, got {idx.dtype}")
-        if idx.dtype == torch.bool:
-            if idx.numel() != dim:
-                raise ValueError(f"group {name!r}: a boolean mask must have {dim} entries, got {idx.numel()}")
-            idx = idx.nonzero().reshape(-1)
-        idx = idx.long()
-        if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= dim:
-            raise ValueError(f"group {name!r} must hold indices in [0, {dim}), got {idx.numel()} of them"
-                             + (f" from {int(idx.min())} to {int(idx.max())}" if idx.numel() else ""))
+        idx = group_indices(name, g, dim)
         mask = torch.zeros(dim, dtype=dtype, device=device)
         mask[idx.to(device)] = 1.0
         masks[name] = mask
@@ -109,6 +100,7 @@ def draw_steps(
         (``mean_{x, c} (J_x u)_c^2``), and per group ``score_sq[<group>]``, ``step_sq[<group>]`` and
         ``output_sq[<group>]`` (``u`` set to zero outside the group).
     """
+    check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
     net = as_chain_model(model, input_shape)
     lik = get_likelihood(likelihood)
     dim = net.layout.dim
@@ -122,6 +114,7 @@ def draw_steps(
     device, dtype = theta.device, theta.dtype
     x_train = x_train.to(device=device, dtype=dtype)
     check_training_inputs(net, x_train)
+    check_model_for(net, lik)
     masks = _group_masks(groups, dim, device, dtype)
     parts = (*tuple(getattr(precond_state, "stat", ()) or ()), *tuple(getattr(precond_state, "factor", ()) or ()))
     per_chain = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] != 1]

@@ -35,15 +35,16 @@ changing ``P``; the notebook ``toy_tail`` measures the difference against the re
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from .likelihoods import get_likelihood
-from .models import ChainModel, as_chain_model
+from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _accepts_out, _as_generator, check_training_inputs
+from .recursion import SMPResult, _accepts_out, _as_generator, check_model_for, check_training_inputs
 
 
 def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
@@ -55,7 +56,7 @@ def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float =
     """
     from scipy.special import polygamma
 
-    if not (isinstance(n_obs, int) and n_obs >= 0):
+    if not (isinstance(n_obs, numbers.Integral) and not isinstance(n_obs, bool) and n_obs >= 0):
         raise ValueError(f"N must be a non-negative integer, got {n_obs!r}")
     if not (isinstance(k_from, int) and k_from >= 0):
         raise ValueError(f"the step the tail starts from must be a non-negative integer, got {k_from!r}")
@@ -108,6 +109,7 @@ def gaussian_tail(
     Returns:
         ``(S, d)``: ``theta + sqrt(v) P^{-1} M^{-1/2} sum_j eps_j s_j`` (module docstring).
     """
+    check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
     net = as_chain_model(model, input_shape)
     lik = get_likelihood(likelihood)
     dim = net.layout.dim
@@ -117,7 +119,8 @@ def gaussian_tail(
         raise ValueError(f"n_scores must be an integer >= 1, got {n_scores!r}")
     x_train = x_train.to(device=theta.device, dtype=theta.dtype)
     check_training_inputs(net, x_train)
-    n_obs = x_train.shape[0] if n_obs is None else int(n_obs)
+    check_model_for(net, lik)
+    n_obs = x_train.shape[0] if n_obs is None else n_obs  # tail_variance checks it
     variance = tail_variance(n_obs, k_from, k_to, tau)
     alive = torch.isfinite(theta).all(1)
     if not bool(alive.any()):
@@ -156,6 +159,7 @@ def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likeliho
                          "smp_core.tail existed, e.g. from an old cache): rerun it, or call gaussian_tail "
                          "with the preconditioner and its state")
     cfg = result.config
+    check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
     net = as_chain_model(model, input_shape)
     precond = result.preconditioner or _rebuild_preconditioner(net, cfg)
     return gaussian_tail(net, likelihood, x_train, result.theta, precond, result.precond_state,

@@ -220,8 +220,10 @@ def claims(mean: pd.DataFrame, std: pd.DataFrame, var_mean: pd.DataFrame, elapse
         "among SMP variants with accuracy >= NUTS - 0.005 and MI >= NUTS MI / 2, ema-block has the lowest NLL "
         "(partly: it qualifies but another is better)",
         verdict,
-        f"qualifying: {', '.join(informative) or 'none'}; best by NLL: {best}; ema-block acc "
-        f"{m.loc[eb, 'accuracy']:.4f} (NUTS {nuts_acc:.4f}), MI {m.loc[eb, 'mutual_info']:.4f} (NUTS {nuts_mi:.4f})")
+        f"qualifying: {', '.join(informative) or 'none'}; best by NLL: {best}"
+        + (f" (ECE {m.loc[best, 'ece']:.4f}, NUTS {m.loc['NUTS', 'ece']:.4f})" if best else "")
+        + f"; ema-block acc {m.loc[eb, 'accuracy']:.4f} (the bar: NUTS {nuts_acc:.4f} - 0.005), "
+        f"MI {m.loc[eb, 'mutual_info']:.4f} (NUTS {nuts_mi:.4f})")
 
     diag = ["SMP-fixed-diag", "SMP-periodic-diag"]
     mis = [m.loc[i, "mutual_info"] for i in diag]

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from .layout import group_indices
 from .preconditioners import Preconditioner, PreconditionerState
 from .recursion import _accepts_out
 
@@ -97,7 +98,7 @@ def watch(precond: Preconditioner, theta0: torch.Tensor, steps: Iterable[int], *
         precond: the preconditioner of the run to watch.
         theta0: ``(d,)`` or ``(S, d)`` start of the run (``move`` is measured from it).
         steps: the steps ``k`` to record (``1 <= k``).
-        groups: name -> indices (or a slice) of the parameter vector; default :func:`default_groups`.
+        groups: name -> indices, a slice or a boolean mask of the parameter vector; default :func:`default_groups`.
             With the ``kfac`` default the groups are the kfac layers, which ``ridge_share`` needs.
         capture_at: steps ``k`` at which to keep the preconditioner's state before and after ``update``.
 
@@ -116,11 +117,7 @@ def watch(precond: Preconditioner, theta0: torch.Tensor, steps: Iterable[int], *
         groups = default_groups(precond)
     index = {}
     for name, g in groups.items():
-        idx = torch.arange(dim)[g] if isinstance(g, slice) else torch.as_tensor(g, dtype=torch.long).reshape(-1)
-        if idx.numel() == 0 or int(idx.min()) < 0 or int(idx.max()) >= dim:
-            raise ValueError(f"group {name!r} must hold indices in [0, {dim}), got {idx.numel()} of them"
-                             + (f" from {int(idx.min())} to {int(idx.max())}" if idx.numel() else ""))
-        index[name] = idx.to(theta0.device)
+        index[name] = group_indices(name, g, dim).to(theta0.device)
     # ridge_share needs the groups to be the kfac layers, in order
     layer_groups = default_groups(precond) if precond.structure.name == "kfac" else {}
     kfac_layers = bool(layer_groups) and list(index) == list(layer_groups) and all(

@@ -207,8 +207,6 @@ def test_diagonal_empirical_fisher_by_layers_equals_the_per_example_gradients(mo
     # so few numbers allowed per pass that the examples go one at a time: the same result
     (small,) = diagonal_empirical_fisher_by_layers(model, lik, theta, x, y, max_elements=1)
     assert torch.allclose(small, expected, rtol=1e-5, atol=1e-9)
-    if chains > 1 and isinstance(lik, Gaussian):
-        return  # the virtual-rows path takes one label per example (a different matter)
     (general,) = fisher_module.estimate_fisher(model, lik, theta, x, y, kind="empirical", structure="diag")
     assert torch.allclose(general, expected, rtol=1e-5, atol=1e-9)
 
@@ -434,3 +432,25 @@ def test_model_expected_diagonal_by_layers_equals_the_general_path(lik, outputs,
         diagonal_fisher_by_layers(model, lik, theta, x, kind="empirical")
     with pytest.raises(ValueError, match="unknown Fisher kind"):
         diagonal_fisher_by_layers(model, lik, theta, x, kind="observed")
+
+
+@pytest.mark.parametrize("structure", ["diag", "dense", "kfac"])
+def test_the_empirical_fisher_refuses_labels_its_likelihood_cannot_have(structure):
+    """A label in {-1, +1} for a Bernoulli, or 1.7 for a categorical, gave a finite, wrong Fisher."""
+    x = torch.rand(12, 2)
+    binary = as_chain_model(toy_mlp())
+    theta = binary.layout.flatten(binary.module)
+    with pytest.raises(ValueError, match="0 or 1"):
+        estimate_fisher(binary, Bernoulli(), theta, x, torch.tensor([1.0, -1.0]).repeat(6),
+                        kind="empirical", structure=structure)
+    three = as_chain_model(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)))
+    theta3 = three.layout.flatten(three.module)
+    with pytest.raises(ValueError, match="integer class labels"):
+        estimate_fisher(three, Categorical(), theta3, x, torch.full((12,), 1.7), kind="empirical",
+                        structure=structure)
+    with pytest.raises(ValueError, match="one output per class"):
+        estimate_fisher(binary, Categorical(), theta, x, kind="model", structure=structure)
+    dropout = as_chain_model(nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Dropout(0.2), nn.Linear(4, 3)))
+    with pytest.raises(ValueError, match="Dropout layers in training mode"):
+        estimate_fisher(dropout, Categorical(), dropout.layout.flatten(dropout.module), x, kind="model",
+                        structure=structure)

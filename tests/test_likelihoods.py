@@ -125,3 +125,29 @@ def test_gaussian_log_prob_keeps_float64():
     got = get_likelihood("gaussian", sigma=0.7).log_prob(out, y)
     expected = torch.distributions.Normal(out[:, 0], 0.7).log_prob(y)
     torch.testing.assert_close(got, expected, rtol=1e-14, atol=1e-14)
+
+
+def test_responses_and_output_sizes_are_checked():
+    from smp_core.likelihoods import check_output_dim, check_responses
+
+    bern, cat, gauss = Bernoulli(), Categorical(), Gaussian(0.5)
+    check_responses(bern, torch.tensor([0.0, 1.0, 1.0]), 1)
+    check_responses(cat, torch.tensor([0, 2, 1]), 3)
+    check_responses(gauss, torch.randn(4, 2), 2)
+    bad = [
+        (bern, torch.tensor([-1.0, 1.0]), 1, "0 or 1"),  # labels in {-1, +1}
+        (bern, torch.tensor([5.0, 5.0]), 1, "0 or 1"),
+        (bern, torch.tensor([[0.0], [1.0]]), 1, "shape \\(n,\\)"),
+        (cat, torch.tensor([1.7, 0.0]), 3, "integer class labels in \\[0, 3\\), got torch.float32"),
+        (cat, torch.tensor([0, 3]), 3, "got torch.int64 in \\[0, 3\\]"),
+        (cat, torch.tensor([-1, 0]), 3, "integer class labels"),
+        (gauss, torch.randn(4, 3), 2, "2 value\\(s\\) per example"),
+        (gauss, torch.tensor([[0.0, float("nan")]]), 2, "NaN"),
+        (bern, torch.tensor([0.0, 1.0]), 2, "Bernoulli likelihood needs a network with one output"),
+        (cat, torch.tensor([0, 0]), 1, "categorical likelihood needs a network with one output per class"),
+    ]
+    for lik, y, out_dim, match in bad:
+        with pytest.raises(ValueError, match=match):
+            check_responses(lik, y, out_dim)
+    check_output_dim(gauss, 1)
+    check_output_dim(object(), 1)  # a user's likelihood without a built-in name is not judged

@@ -211,3 +211,19 @@ def test_subclasses_of_layers_with_parameters_take_the_general_path(module, shap
     x = torch.randn(3, *shape, generator=generator)
     out, _ = model.forward(theta, x)
     assert torch.allclose(out, module(x), atol=1e-6)
+
+
+def test_training_mode_randomness_is_refused_by_predict():
+    from smp_core.models import check_deterministic, predict
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Dropout(0.3), nn.Linear(4, 2))
+    model = as_chain_model(net)
+    theta = model.layout.flatten(net)[None]
+    with pytest.raises(ValueError, match="Dropout layers in training mode.*call module.eval"):
+        predict(model, theta, torch.rand(5, 3))
+    net.eval()
+    check_deterministic(model)
+    assert predict(model, theta, torch.rand(5, 3)).shape == (1, 5, 2)
+    check_deterministic(nn.Sequential(nn.Linear(3, 1)))  # training mode without such layers is fine
+    with pytest.raises(ValueError, match="BatchNorm2d, RReLU"):
+        check_deterministic(nn.Sequential(nn.BatchNorm2d(2), nn.RReLU()))

@@ -519,3 +519,29 @@ def test_ema_refresh_solves_with_the_last_factorisation(structure, generator):
 def test_ema_refresh_rejects_what_it_cannot_mean(refresh, structure, strategy, match):
     with pytest.raises(ValueError, match=match):
         build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS, layers=LAYERS, ema_refresh=refresh)
+
+
+def test_a_failed_float32_cholesky_is_redone_not_left_finite_and_wrong(generator):
+    """A rank-5 float32 statistic with eigenvalues near 6e5 has, by rounding, negative eigenvalues far
+    larger than the ridge: float32 Cholesky fails, and its factor used to give a finite answer about 100
+    times off, with no error. The solve and the factorisation now take the statistic's positive part in
+    float64, as the kfac structure treats its factors; a non-finite chain gets NaN, alone."""
+    n, ridge = 60, 1e-4
+    a = torch.randn(n, 5, generator=generator) * 300
+    stat = (a @ a.T)[None]  # float32
+    ridged = stat + ridge * torch.eye(n)
+    assert int(torch.linalg.cholesky_ex(ridged)[1]) != 0  # the case at hand
+    values, vectors = torch.linalg.eigh(stat[0].double())
+    reference = (vectors / (values.clamp_min(0) + ridge)) @ vectors.T  # (F_+ + ridge I)^-1
+    v = torch.randn(3, n, generator=generator)
+    struct = Structure("dense", n)
+    for out in (struct.solve((stat,), ridge, v), struct.apply(struct.factorize((stat,), ridge), v)):
+        torch.testing.assert_close(out.double(), v.double() @ reference, rtol=1e-4, atol=0)
+    # per chain: chain 1 not finite, chain 0 as alone
+    both = torch.stack([stat[0], torch.full((n, n), float("nan"))])
+    out = struct.solve((both,), ridge, v[:2])
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
+    torch.testing.assert_close(out[0].double(), v[0].double() @ reference, rtol=1e-4, atol=0)
+    # and a matrix Cholesky takes is solved exactly as before
+    good = torch.eye(n)[None] * 2
+    torch.testing.assert_close(struct.solve((good,), ridge, v), v / (2 + ridge))

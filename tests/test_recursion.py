@@ -13,7 +13,7 @@ from smp_core.models import as_chain_model, toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import DivergenceError, advance_smp, init_smp, residual_variance_ratio, run_smp
 
-Z_MAX = 4.5  # two-sided p = 7e-6 per test: family-wise false alarm < 1e-3 over the ~100 z-tests here
+Z_MAX = 4.5  # two-sided p = 7e-6 per z-score: family-wise false alarm < 2e-3 over the ~260 z-scores here
 
 
 def _linear_gaussian(generator, n=8, sigma=0.5):
@@ -473,6 +473,13 @@ def test_residual_variance_ratio():
         (dict(preconditioner="fixed-kron"), "unknown preconditioner structure"),
         (dict(theta0=torch.zeros(19)), "d = 20 parameters"),
         (dict(theta0=torch.full((20,), float("nan"))), "theta0 contains NaN"),
+        (dict(check_every=0), "check_every"),  # would loop for ever
+        (dict(n_obs=-10), "n_obs"),  # gamma_k = tau / (N + k) negative for k < 10
+        (dict(n_obs=2.5), "n_obs"),
+        (dict(divergence_threshold=float("nan")), "divergence_threshold"),  # would switch the check off
+        (dict(divergence_threshold=0.0), "divergence_threshold"),
+        (dict(preconditioner="fixed-diag", ridge=float("inf")), "ridge"),  # P^-1 = 0: no chain would move
+        (dict(preconditioner="fixed-diag", ridge=float("nan")), "ridge"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, match):
@@ -489,3 +496,56 @@ def test_bad_data_gets_a_clear_error():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_smp(toy_mlp(), "bernoulli", torch.zeros(10, 2), n_steps=5, n_chains=3, progress=False)
+
+
+def test_a_network_the_likelihood_cannot_use_is_refused():
+    x = torch.rand(10, 2)
+    two_outputs = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 2))
+    # one logit's softmax is 1: every residual 0, every chain left at theta0 as if the posterior had no spread
+    with pytest.raises(ValueError, match="categorical likelihood needs a network with one output per class"):
+        run_smp(toy_mlp(), "categorical", x, n_steps=5, n_chains=2, progress=False)
+    with pytest.raises(ValueError, match="Bernoulli likelihood needs a network with one output"):
+        run_smp(two_outputs, "bernoulli", x, n_steps=5, n_chains=2, progress=False)
+
+
+def test_training_mode_dropout_and_batch_norm_are_refused():
+    x = torch.rand(10, 2)
+    for layer in (nn.Dropout(0.5), nn.BatchNorm1d(3)):
+        net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), layer, nn.Linear(3, 1))
+        with pytest.raises(ValueError, match=f"{type(layer).__name__} layers in training mode.*eval"):
+            run_smp(net, "bernoulli", x, n_steps=5, n_chains=2, progress=False)
+        a = run_smp(net.eval(), "bernoulli", x, n_steps=20, n_chains=3, seed=1, progress=False)
+        b = run_smp(net, "bernoulli", x, n_steps=20, n_chains=3, seed=1, progress=False)
+        assert torch.equal(a.theta, b.theta)  # in eval mode: reproducible from the seed
+
+
+def test_a_checkpoint_of_another_network_or_fisher_data_is_refused(tmp_path):
+    x = torch.rand(30, 2) * 2 - 1
+    y = (x[:, 0] > 0).float()
+    kw = dict(preconditioner="fixed-diag", fisher="empirical", tau=0.1, n_chains=4, seed=3, check_every=10,
+              progress=False)
+    gelu = toy_mlp()
+    tanh = nn.Sequential(*[nn.Tanh() if isinstance(m, nn.GELU) else m for m in gelu])  # the same parameters
+    path = tmp_path / "run.pt"
+    run_smp(gelu, "bernoulli", x, n_steps=20, checkpoint=path, fisher_data=(x, y), **kw)
+    saved = path.read_bytes()
+    with pytest.raises(ValueError, match="another network"):
+        run_smp(tanh, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **kw)
+    with pytest.raises(ValueError, match="another fisher_data"):
+        run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, 1 - y), **kw)
+    assert path.read_bytes() == saved  # nothing overwritten
+    resumed = run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **kw)
+    assert torch.equal(resumed.theta, run_smp(gelu, "bernoulli", x, n_steps=40, fisher_data=(x, y), **kw).theta)
+    # a checkpoint written before the fingerprint existed is resumed, with a warning that says what went unchecked
+    payload = torch.load(path, weights_only=False)
+    del payload["inputs"]
+    torch.save(payload, path)
+    with pytest.warns(UserWarning, match="only the settings, theta0 and x_train checked"):
+        run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **kw)
+    gaussian = tmp_path / "gaussian.pt"
+    net = nn.Sequential(nn.Linear(2, 1))
+    run_smp(net, get_likelihood("gaussian", sigma=1.0), x, n_steps=10, checkpoint=gaussian, n_chains=2,
+            progress=False)
+    with pytest.raises(ValueError, match="another likelihood"):
+        run_smp(net, get_likelihood("gaussian", sigma=2.0), x, n_steps=20, checkpoint=gaussian, n_chains=2,
+                progress=False)

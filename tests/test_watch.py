@@ -136,3 +136,18 @@ def test_bad_arguments_name_the_problem():
         watch(precond, theta0[:3], steps=[1])
     with pytest.raises(ValueError, match="group 'w'"):
         watch(precond, theta0, steps=[1], groups={"w": torch.tensor([0, 99])})
+
+
+def test_a_boolean_mask_group_is_the_same_as_its_indices():
+    net, x, theta0 = _toy()
+    mask = torch.zeros(20, dtype=torch.bool)
+    mask[3:9] = True  # read as indices 0 and 1 before group_indices
+    kwargs = dict(tau=0.3, n_steps=10, n_chains=3, seed=2, progress=False, check_every=10)
+    tables = []
+    for group in (mask, torch.arange(3, 9)):
+        wrapped, record = watch(_build(net, "fixed-diag"), theta0, steps=range(1, 11), groups={"g": group})
+        run_smp(net, "bernoulli", x, preconditioner=wrapped, **kwargs)
+        tables.append(record.table())
+    assert tables[0].equals(tables[1])
+    with pytest.raises(ValueError, match="integer indices, a slice or a boolean mask"):
+        watch(_build(net, "fixed-diag"), theta0, steps=[1], groups={"g": mask.float()})
