@@ -118,9 +118,9 @@ def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None,
 
 def validation_fisher_diagonal(theta0: torch.Tensor, data: dict, device: torch.device | None = None
                                ) -> torch.Tensor:
-    """The diagonal of the empirical Fisher at ``theta0`` over the validation set (the fixed and periodic
-    preconditioners' data, Section 3.3.3: the mean squared score of the observed labels), as a ``(d,)``
-    tensor on the CPU."""
+    """The diagonal of the empirical Fisher at ``theta0`` over the whole validation set (the fixed
+    preconditioners' data; the periodic strategy uses its first ``n_fisher_periodic`` images), Section
+    3.3.3: the mean squared score of the observed labels, as a ``(d,)`` tensor on the CPU."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
     xv, yv = (t.to(device) for t in data["val"])

@@ -411,8 +411,12 @@ def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: to
     eigenvalues larger than the ridge; Cholesky then fails, returns a finite, wrong factor and the
     solve a finite, wrong answer, with no error. Each failed element ``i`` is redone in float64 from
     its eigendecomposition with the negative eigenvalues set to 0 (:func:`_psd_inverse_float64`):
-    ``apply(inverse, i)`` gives its result. A non-finite element gives NaN, which the recursion reports
-    as that chain's divergence. A shared ``P`` (``C = 1``) applies to every row of ``result``.
+    ``apply(inverse, i)`` gives its result. That is the exact inverse of the nearest positive
+    semi-definite matrix to the statistic *as stored*; what float32 rounding took from the statistic
+    (its smallest eigenvalues) it cannot give back, so with such a statistic run the chains in float64
+    (``theta0`` in float64). A non-finite element, or a singular positive part with ``ridge = 0``,
+    gives NaN or infinity, which the recursion reports as that chain's divergence. A shared ``P``
+    (``C = 1``) applies to every row of ``result``.
     """
     for i in failed.nonzero().ravel().tolist():
         rows = slice(None) if m.shape[0] == 1 else slice(i, i + 1)
@@ -433,7 +437,8 @@ def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:
 def _spd_solve(m: torch.Tensor, ridge: float, v: torch.Tensor) -> torch.Tensor:
     """``(m + ridge I)^{-1} v`` row by row: ``m`` ``(C, n, n)`` with ``C = 1`` (shared) or one per row of ``v``
     ``(S, n)``. An element whose Cholesky factorisation fails is redone by :func:`_redo_failed` (NaN for
-    a chain that already diverged); it never raises for the whole batch."""
+    a chain that already diverged); it never raises for the whole batch. (Checking for a failure costs
+    one host synchronisation per call on a GPU.)"""
     chol, failed = _cholesky_per_element(_ridged(m, ridge))
     result = torch.cholesky_solve(v.unsqueeze(-1), chol).squeeze(-1)
     if bool(failed.any()):
@@ -648,8 +653,13 @@ def build_preconditioner(
         strategy = "fixed" if strategy is None else strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
-    if not (isinstance(ridge, int | float) and math.isfinite(ridge) and ridge >= 0):
+    try:
+        ridge_value = float(ridge)  # a numpy scalar or a 0-d tensor too
+    except (TypeError, ValueError, RuntimeError):
+        ridge_value = float("nan")
+    if isinstance(ridge, bool) or not (math.isfinite(ridge_value) and ridge_value >= 0):
         raise ValueError(f"the ridge lambda must be a finite number >= 0, got {ridge!r}")
+    ridge = ridge_value
     if not 0 < beta < 1:
         raise ValueError(f"the EMA weight beta must lie in (0, 1), got {beta}")
     if int(period) < 1:

@@ -134,16 +134,26 @@ def _as_generator(seed: int | torch.Generator, device: torch.device) -> torch.Ge
     return torch.Generator(device=device).manual_seed(int(seed))
 
 
-def _check_run_settings(n_obs, check_every, divergence_threshold) -> None:
-    """``n_obs`` an integer >= 0 (``gamma_k = tau / (N + k)`` must be positive from k = 1), ``check_every`` a
-    positive integer, ``divergence_threshold`` a positive finite number (NaN would switch the check off)."""
-    if n_obs is not None and not (isinstance(n_obs, numbers.Integral) and not isinstance(n_obs, bool) and n_obs >= 0):
-        raise ValueError(f"n_obs (N in gamma_k = tau / (N + k)) must be an integer >= 0, got {n_obs!r}")
-    if not (isinstance(check_every, numbers.Integral) and not isinstance(check_every, bool) and check_every >= 1):
-        raise ValueError(f"check_every (steps between divergence checks) must be an integer >= 1, got {check_every!r}")
-    if not (isinstance(divergence_threshold, int | float) and math.isfinite(divergence_threshold)
-            and divergence_threshold > 0):
-        raise ValueError(f"divergence_threshold must be a positive finite number, got {divergence_threshold!r}")
+def _as_count(name: str, value, minimum: int) -> int:
+    """``value`` as an ``int`` if it is a whole number ``>= minimum`` (a numpy integer or a float such as
+    ``500.0`` included); otherwise a ``ValueError`` that names it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value).is_integer() \
+            or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _check_run_settings(n_obs, check_every, divergence_threshold) -> tuple[int, int]:
+    """``n_obs`` (N in ``gamma_k = tau / (N + k)``, positive from k = 1) a whole number >= 0,
+    ``check_every`` one >= 1 (0 would never advance), ``divergence_threshold`` a positive number (NaN
+    would switch the check off; infinity keeps only the check for non-finite parameters). Returns
+    ``n_obs`` and ``check_every`` as ints."""
+    n_obs = _as_count("n_obs (N in gamma_k = tau / (N + k))", n_obs, 0)
+    check_every = _as_count("check_every (steps between divergence checks)", check_every, 1)
+    if isinstance(divergence_threshold, bool) or not isinstance(divergence_threshold, numbers.Real) \
+            or not divergence_threshold > 0:
+        raise ValueError(f"divergence_threshold must be a positive number, got {divergence_threshold!r}")
+    return n_obs, check_every
 
 
 def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor, n_chains: int,
@@ -364,7 +374,7 @@ def advance_smp(
     Blocks draw their random numbers in another order than the step-by-step loop, so the two give
     different (equally valid) samples from the same seed.
     """
-    _check_run_settings(n_obs, check_every, divergence_threshold)
+    n_obs, check_every = _check_run_settings(n_obs, check_every, divergence_threshold)
     theta, theta0, gen = state.theta, state.theta0, state.generator
     n_data, n_chains = x_train.shape[0], theta.shape[0]
     alive = (state.diverged_step < 0).unsqueeze(1)
@@ -627,7 +637,8 @@ def run_smp(
         retain_freed_memory()  # no page faults from re-allocating each step's activations (smp_core.memory)
     x_train = x_train.to(device=device, dtype=dtype)
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
-    _check_run_settings(n_obs, check_every, divergence_threshold)
+    n_obs, check_every = _check_run_settings(x_train.shape[0] if n_obs is None else n_obs, check_every,
+                                             divergence_threshold)
     check_model_for(net, lik)
     if isinstance(preconditioner, str):
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
@@ -636,7 +647,6 @@ def run_smp(
             beta=beta, period=period, ema_init=ema_init, ema_refresh=ema_refresh)
     else:
         precond = preconditioner
-    n_obs = x_train.shape[0] if n_obs is None else int(n_obs)
     if fisher_data is None:
         fisher_data = (x_train, None)
     fx = fisher_data[0].to(device=device, dtype=dtype)

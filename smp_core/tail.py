@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from .likelihoods import get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _accepts_out, _as_generator, check_model_for, check_training_inputs
+from .recursion import SMPResult, _accepts_out, _as_count, _as_generator, check_model_for, check_training_inputs
 
 
 def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
@@ -120,7 +120,7 @@ def gaussian_tail(
     x_train = x_train.to(device=theta.device, dtype=theta.dtype)
     check_training_inputs(net, x_train)
     check_model_for(net, lik)
-    n_obs = x_train.shape[0] if n_obs is None else n_obs  # tail_variance checks it
+    n_obs = _as_count("n_obs (N in gamma_k = tau / (N + k))", x_train.shape[0] if n_obs is None else n_obs, 0)
     variance = tail_variance(n_obs, k_from, k_to, tau)
     alive = torch.isfinite(theta).all(1)
     if not bool(alive.any()):

@@ -176,3 +176,17 @@ def test_beyond_nuts_noise_subtracts_the_second_chain_replicate_by_replicate():
     assert np.isnan(table.loc["MAP", ("1 - MI surface correlation", "excess (se)")])
     with pytest.raises(KeyError, match="second NUTS chain"):
         bs.beyond_nuts_noise(reps.drop(bs.SECOND_NUTS, level="method"))
+
+
+def test_relabel_towards_undoes_a_common_permutation_of_the_hidden_units():
+    from smp_core.nuts import HIDDEN_UNIT_PERMUTATIONS, permute_hidden_units
+
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=20) * 2
+    draws = reference + 0.1 * rng.normal(size=(200, 20))
+    permuted = permute_hidden_units(draws, *HIDDEN_UNIT_PERMUTATIONS[7])  # another copy of the same basin
+    back, labelling, distance = bs.relabel_towards(permuted, reference)
+    assert labelling != 0 and distance == pytest.approx(np.linalg.norm(draws.mean(0) - reference))
+    np.testing.assert_allclose(back, draws)
+    same, labelling, _ = bs.relabel_towards(draws, reference)
+    assert labelling == 0 and np.array_equal(same, draws)

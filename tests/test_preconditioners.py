@@ -524,8 +524,10 @@ def test_ema_refresh_rejects_what_it_cannot_mean(refresh, structure, strategy, m
 def test_a_failed_float32_cholesky_is_redone_not_left_finite_and_wrong(generator):
     """A rank-5 float32 statistic with eigenvalues near 6e5 has, by rounding, negative eigenvalues far
     larger than the ridge: float32 Cholesky fails, and its factor used to give a finite answer about 100
-    times off, with no error. The solve and the factorisation now take the statistic's positive part in
-    float64, as the kfac structure treats its factors; a non-finite chain gets NaN, alone."""
+    times off, with no error. The solve and the factorisation now invert the stored statistic's
+    positive part in float64 exactly, as the kfac structure treats its factors (the reference below is
+    that recipe computed independently; what rounding took from the statistic no recipe recovers);
+    a non-finite chain gets NaN, alone."""
     n, ridge = 60, 1e-4
     a = torch.randn(n, 5, generator=generator) * 300
     stat = (a @ a.T)[None]  # float32

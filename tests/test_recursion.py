@@ -478,6 +478,7 @@ def test_residual_variance_ratio():
         (dict(n_obs=2.5), "n_obs"),
         (dict(divergence_threshold=float("nan")), "divergence_threshold"),  # would switch the check off
         (dict(divergence_threshold=0.0), "divergence_threshold"),
+        (dict(n_obs=None, check_every=2.5), "check_every"),
         (dict(preconditioner="fixed-diag", ridge=float("inf")), "ridge"),  # P^-1 = 0: no chain would move
         (dict(preconditioner="fixed-diag", ridge=float("nan")), "ridge"),
     ],
@@ -514,9 +515,16 @@ def test_training_mode_dropout_and_batch_norm_are_refused():
         net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), layer, nn.Linear(3, 1))
         with pytest.raises(ValueError, match=f"{type(layer).__name__} layers in training mode.*eval"):
             run_smp(net, "bernoulli", x, n_steps=5, n_chains=2, progress=False)
-        a = run_smp(net.eval(), "bernoulli", x, n_steps=20, n_chains=3, seed=1, progress=False)
-        b = run_smp(net, "bernoulli", x, n_steps=20, n_chains=3, seed=1, progress=False)
-        assert torch.equal(a.theta, b.theta)  # in eval mode: reproducible from the seed
+        net.eval()
+        with pytest.raises(ValueError, match="training mode"):
+            net[2].train()  # one layer switched back is enough to refuse
+            run_smp(net, "bernoulli", x, n_steps=5, n_chains=2, progress=False)
+        net.eval()
+        kw = dict(n_steps=20, n_chains=3, seed=1, progress=False, cuda_graph=False)  # step by step: one order of draws
+        evaluated = run_smp(net, "bernoulli", x, **kw)
+        if isinstance(layer, nn.Dropout):  # in eval mode dropout is the identity: the run without it
+            plain = nn.Sequential(net[0], net[1], net[3])
+            torch.testing.assert_close(evaluated.theta, run_smp(plain, "bernoulli", x, **kw).theta)
 
 
 def test_a_checkpoint_of_another_network_or_fisher_data_is_refused(tmp_path):
@@ -549,3 +557,16 @@ def test_a_checkpoint_of_another_network_or_fisher_data_is_refused(tmp_path):
     with pytest.raises(ValueError, match="another likelihood"):
         run_smp(net, get_likelihood("gaussian", sigma=2.0), x, n_steps=20, checkpoint=gaussian, n_chains=2,
                 progress=False)
+
+
+def test_whole_numbers_of_any_type_are_taken_for_counts():
+    import numpy as np
+
+    x, net = torch.rand(10, 2), toy_mlp()
+    kw = dict(n_steps=20, n_chains=2, seed=4, progress=False)
+    reference = run_smp(net, "bernoulli", x, n_obs=10, check_every=5, **kw)
+    for n_obs, check_every in ((np.int64(10), np.int32(5)), (10.0, 5.0)):
+        same = run_smp(net, "bernoulli", x, n_obs=n_obs, check_every=check_every, **kw)
+        assert torch.equal(same.theta, reference.theta) and same.config["n_obs"] == 10
+    run_smp(toy_mlp(), "bernoulli", x, preconditioner="fixed-diag", ridge=np.float32(1e-3), **kw)
+    run_smp(toy_mlp(), "bernoulli", x, divergence_threshold=float("inf"), **kw)  # only non-finite chains stop
