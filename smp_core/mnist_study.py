@@ -6,6 +6,7 @@ Runs on CUDA when a GPU is present and on the CPU otherwise, with no code change
 from __future__ import annotations
 
 import inspect
+import math
 import tempfile
 import time
 from collections import Counter
@@ -926,20 +927,23 @@ STEP_LAW_VARIANTS = ("none", "fixed-diag", "fixed-kfac")
 STEP_LAW_BATCH = 100  # scores per batch of draw_steps
 
 
-def step_law_key(cfg: dict[str, Any], variant: str, device: torch.device) -> dict[str, Any]:
-    """The cache key of :func:`step_law_at_map` for one variant: the MAP's key, the ridge, the draws, the
-    evaluation images, the batch and the device type (both set the order of the random numbers) and
-    the seed."""
+def step_law_key(cfg: dict[str, Any], variant: str, device: torch.device, draw_set: int = 0) -> dict[str, Any]:
+    """The cache key of :func:`step_law_at_map` for one variant and set of draws: the MAP's key, the ridge,
+    the draws, the evaluation images, the batch and the device type (both set the order of the random
+    numbers) and the seed."""
     return {**map_key(cfg), "part": f"step law {variant}", "ridge": cfg["ridge"],
             "step_law_draws": cfg["step_law_draws"], "step_law_eval": cfg["step_law_eval"],
-            "step_law_batch": STEP_LAW_BATCH, "device": torch.device(device).type, "seed": step_law_seed(cfg),
-            "study_version": STUDY_VERSION}
+            "step_law_batch": STEP_LAW_BATCH, "device": torch.device(device).type,
+            "seed": step_law_seed(cfg, draw_set), "study_version": STUDY_VERSION}
 
 
-def step_law_seed(cfg: dict[str, Any]) -> int:
-    """The seed of the drawn steps (``seed + 700``), the same for every variant: each preconditioner is
-    applied to the same scores, so that the variants' draws are paired."""
-    return cfg["seed"] + 700
+def step_law_seed(cfg: dict[str, Any], draw_set: int = 0) -> int:
+    """The seed of set ``draw_set`` of drawn steps (``seed + 700 + draw_set``), the same for every variant:
+    each preconditioner is applied to the same scores, so that the variants' draws are paired. Sets
+    ``0, 1, ...`` are independent draws of the same law."""
+    if not (isinstance(draw_set, int) and 0 <= draw_set < 100):
+        raise ValueError(f"draw_set must be an integer in [0, 100), got {draw_set!r}")
+    return cfg["seed"] + 700 + draw_set
 
 
 def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torch.device | None = None
@@ -956,7 +960,8 @@ def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torc
 
 
 def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
-                    use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+                    use_cache: bool = True, progress: bool = True, cache_root: str = ".cache",
+                    draw_set: int = 0) -> pd.DataFrame:
     """The law of one step at the MAP for the fixed diagonal and fixed KFAC preconditioners, and none.
 
     For each of :data:`STEP_LAW_VARIANTS`, the preconditioner a run of that variant starts with (the
@@ -965,7 +970,8 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
     them (:func:`smp_core.step_law.draw_steps`; the same scores for every variant,
     :func:`step_law_seed`), with their linearised change of the logits on the first
     ``cfg["step_law_eval"]`` test images, in total and per group of :func:`step_law_groups`. Cached
-    under ``<cache_root>/mnist_kfac/`` by :func:`step_law_key`. Returns the draws of every variant, with
+    under ``<cache_root>/mnist_kfac/`` by :func:`step_law_key`. ``draw_set`` ``1, 2, ...`` draws another,
+    independent set of the same size (:func:`step_law_seed`). Returns the draws of every variant, with
     columns ``variant``, ``training_label`` (the drawn image's label in the training set; the label the
     score uses is drawn from the model, and ``log_prob`` is its log-probability) and those of ``draw_steps``.
     """
@@ -987,9 +993,9 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
                                                                         kind="empirical", structure=precond.structure))
             return draw_steps(net, "categorical", x, theta, precond, state, n_draws=cfg["step_law_draws"],
                               groups=groups, x_eval=x_eval,
-                              seed=step_law_seed(cfg), batch=STEP_LAW_BATCH, progress=progress)
+                              seed=step_law_seed(cfg, draw_set), batch=STEP_LAW_BATCH, progress=progress)
 
-        draws = cached("mnist_kfac", step_law_key(cfg, variant, device), compute, root=cache_root,
+        draws = cached("mnist_kfac", step_law_key(cfg, variant, device, draw_set), compute, root=cache_root,
                        enabled=use_cache)
         labels = data["train"][1].numpy()[draws["row"].to_numpy()]
         frames.append(draws.assign(variant=variant, training_label=labels).reset_index())
@@ -1021,6 +1027,34 @@ def step_law_prediction(draws: pd.DataFrame, cfg: dict[str, Any], observed: pd.D
         row["largest chain's share of the observed logit variance"] = obs.get("largest_chain_share", float("nan"))
         rows.append(row)
     return pd.DataFrame(rows).set_index("method")
+
+
+def step_law_sets(sets: dict[str, pd.DataFrame], cfg: dict[str, Any], observed: pd.DataFrame) -> pd.DataFrame:
+    """The predictions of :func:`step_law_prediction` from independent sets of draws (``name -> draws`` of
+    :func:`step_law_at_map` with different ``draw_set``), and from all of them pooled, beside the runs.
+
+    Rows ``(method, set)``; columns per variance: the prediction, its standard error, observed over
+    predicted. For two sets, the rows ``"difference (se)"`` give the second set's prediction minus the
+    first's over the standard error of that difference (the two sets are independent): were the
+    standard errors right, about normal; heavy tails make them too small, and these say by how much.
+    """
+    pooled = pd.concat(list(sets.values()), ignore_index=True)
+    tables = {name: step_law_prediction(d, cfg, observed) for name, d in {**sets, "pooled": pooled}.items()}
+    rows = []
+    for method in tables["pooled"].index:
+        for name, table in tables.items():
+            rows.append({"method": method, "set": name,
+                         **{f"{c}: {k}": table.loc[method, f"{c}: {k}"]
+                            for c in ("params_variance", "logits_variance")
+                            for k in ("predicted", "predicted se", "observed / predicted")}})
+        if len(sets) == 2:
+            first, second = (tables[name].loc[method] for name in sets)
+            row = {"method": method, "set": "difference (se)"}
+            for c in ("params_variance", "logits_variance"):
+                se = math.hypot(first[f"{c}: predicted se"], second[f"{c}: predicted se"])
+                row[f"{c}: predicted"] = (second[f"{c}: predicted"] - first[f"{c}: predicted"]) / se
+            rows.append(row)
+    return pd.DataFrame(rows).set_index(["method", "set"])
 
 
 def step_law_tails(draws: pd.DataFrame, fractions=(0.01, 0.001)) -> pd.DataFrame:

@@ -528,6 +528,24 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     observed = pd.DataFrame({"params_variance": [2e-6], "logits_variance": [0.5], "largest_chain_share": [0.3]},
                             index=["SMP-fixed-diag"])
     pred = ms.step_law_prediction(draws, cfg, observed)
+    # a second, independent set of draws: other scores, its own cache files, the same pairing
+    again = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path),
+                               draw_set=1)
+    assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 6
+    assert not again["score_sq"].equals(draws["score_sq"])
+    sets = ms.step_law_sets({"a": draws, "b": again}, cfg, observed)
+    assert list(sets.loc["SMP-fixed-diag"].index) == ["a", "b", "pooled", "difference (se)"]
+    pooled = ms.step_law_prediction(pd.concat([draws, again], ignore_index=True), cfg, observed)
+    for name, table in (("a", pred), ("pooled", pooled)):
+        assert sets.loc[("SMP-fixed-kfac", name), "params_variance: predicted"] == pytest.approx(
+            table.loc["SMP-fixed-kfac", "params_variance: predicted"])
+    b = ms.step_law_prediction(again, cfg, observed).loc["SMP-none"]
+    expected = (b["logits_variance: predicted"] - pred.loc["SMP-none", "logits_variance: predicted"]) / math.hypot(
+        b["logits_variance: predicted se"], pred.loc["SMP-none", "logits_variance: predicted se"])
+    assert sets.loc[("SMP-none", "difference (se)"), "logits_variance: predicted"] == pytest.approx(expected)
+    assert ms.step_law_seed(cfg, 1) == ms.step_law_seed(cfg) + 1
+    with pytest.raises(ValueError, match="draw_set"):
+        ms.step_law_seed(cfg, -1)
     assert list(pred.index) == [f"SMP-{v}" for v in ms.STEP_LAW_VARIANTS]
     for v, tau in (("none", 1.0), ("fixed-diag", 0.05), ("fixed-kfac", 0.05)):  # each variant's own tau
         expected = tail_variance(40, 0, cfg["n_steps"], tau) * by[v]["step_sq"].mean() / theta0.numel()
