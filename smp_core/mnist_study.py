@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 import tempfile
 import time
 from collections import Counter
@@ -941,9 +942,9 @@ def step_law_seed(cfg: dict[str, Any], draw_set: int = 0) -> int:
     """The seed of set ``draw_set`` of drawn steps (``seed + 700 + draw_set``), the same for every variant:
     each preconditioner is applied to the same scores, so that the variants' draws are paired. Sets
     ``0, 1, ...`` are independent draws of the same law."""
-    if not (isinstance(draw_set, int) and 0 <= draw_set < 100):
+    if isinstance(draw_set, bool) or not (isinstance(draw_set, numbers.Integral) and 0 <= draw_set < 100):
         raise ValueError(f"draw_set must be an integer in [0, 100), got {draw_set!r}")
-    return cfg["seed"] + 700 + draw_set
+    return cfg["seed"] + 700 + int(draw_set)
 
 
 def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torch.device | None = None
@@ -1035,9 +1036,13 @@ def step_law_sets(sets: dict[str, pd.DataFrame], cfg: dict[str, Any], observed: 
 
     Rows ``(method, set)``; columns per variance: the prediction, its standard error, observed over
     predicted. For two sets, the rows ``"difference (se)"`` give the second set's prediction minus the
-    first's over the standard error of that difference (the two sets are independent): were the
-    standard errors right, about normal; heavy tails make them too small, and these say by how much.
+    first's over the standard error of that difference (the two sets are independent), stored in the
+    ``: predicted`` columns: were the standard errors right, about normal. The variants' draws are
+    paired, so these move together: a gross error in the standard errors shows, how much heavy tails
+    make them too small does not.
     """
+    if "pooled" in sets:
+        raise ValueError("'pooled' names the pooled rows: give the sets other names")
     pooled = pd.concat(list(sets.values()), ignore_index=True)
     tables = {name: step_law_prediction(d, cfg, observed) for name, d in {**sets, "pooled": pooled}.items()}
     rows = []

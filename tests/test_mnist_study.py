@@ -546,6 +546,11 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     assert ms.step_law_seed(cfg, 1) == ms.step_law_seed(cfg) + 1
     with pytest.raises(ValueError, match="draw_set"):
         ms.step_law_seed(cfg, -1)
+    with pytest.raises(ValueError, match="draw_set"):
+        ms.step_law_seed(cfg, True)
+    assert ms.step_law_seed(cfg, np.int64(1)) == ms.step_law_seed(cfg, 1)
+    with pytest.raises(ValueError, match="pooled"):
+        ms.step_law_sets({"pooled": draws, "b": again}, cfg, observed)
     assert list(pred.index) == [f"SMP-{v}" for v in ms.STEP_LAW_VARIANTS]
     for v, tau in (("none", 1.0), ("fixed-diag", 0.05), ("fixed-kfac", 0.05)):  # each variant's own tau
         expected = tail_variance(40, 0, cfg["n_steps"], tau) * by[v]["step_sq"].mean() / theta0.numel()
