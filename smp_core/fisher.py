@@ -84,11 +84,10 @@ def _check_model_and_labels(model: ChainModel, likelihood, y: torch.Tensor | Non
     empirical Fisher, valid observed labels (a wrong one gives a finite, wrong Fisher)."""
     check_deterministic(model)
     out_dim = getattr(model, "out_dim", None)
-    if out_dim is not None:
-        if y is not None:
-            check_responses(likelihood, y, out_dim)
-        else:
-            check_output_dim(likelihood, out_dim)
+    if out_dim is not None and y is not None:
+        check_responses(likelihood, y, out_dim)
+    else:
+        check_output_dim(likelihood, out_dim)
 
 
 def estimate_fisher(

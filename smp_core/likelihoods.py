@@ -168,10 +168,13 @@ class Gaussian:
         raise TypeError("a Gaussian likelihood has no class probabilities")
 
 
-def check_output_dim(likelihood, out_dim: int) -> None:
+def check_output_dim(likelihood, out_dim: int | None) -> None:
     """Raise a ``ValueError`` if a network with ``out_dim`` outputs cannot carry ``likelihood``: Bernoulli
     needs one logit, categorical at least two (one logit's softmax is always 1: every residual would be
-    0 and no chain would ever move). Other likelihoods pass."""
+    0 and no chain would ever move). Other likelihoods, and an unknown ``out_dim`` (``None``: a user's
+    chain model without one), pass."""
+    if out_dim is None:
+        return
     name = getattr(likelihood, "name", None)
     if name == "bernoulli" and out_dim != 1:
         raise ValueError(f"a Bernoulli likelihood needs a network with one output (a logit), this one has {out_dim}; "

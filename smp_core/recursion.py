@@ -177,16 +177,6 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
     return theta0.contiguous().clone()
 
 
-def check_model_for(model: ChainModel, likelihood) -> None:
-    """Raise a ``ValueError`` naming the problem if the network cannot be sampled with ``likelihood``:
-    dropout or batch norm in training mode (:func:`smp_core.models.check_deterministic`) or an output size
-    the likelihood cannot use (:func:`smp_core.likelihoods.check_output_dim`)."""
-    check_deterministic(model)
-    out_dim = getattr(model, "out_dim", None)
-    if out_dim is not None:
-        check_output_dim(likelihood, out_dim)
-
-
 def check_training_inputs(model: ChainModel, x_train: torch.Tensor) -> None:
     """Raise a ``ValueError`` naming the problem unless ``x_train`` is ``(N >= 1, *input_shape)`` and finite."""
     if x_train.ndim < 1 or x_train.shape[0] < 1:
@@ -639,7 +629,7 @@ def run_smp(
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
     n_obs, check_every = _check_run_settings(x_train.shape[0] if n_obs is None else n_obs, check_every,
                                              divergence_threshold)
-    check_model_for(net, lik)
+    check_output_dim(lik, getattr(net, "out_dim", None))  # (determinism was checked before wrapping)
     if isinstance(preconditioner, str):
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(

@@ -36,10 +36,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .layout import group_indices
-from .likelihoods import get_likelihood
+from .likelihoods import check_output_dim, get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import _as_generator, check_model_for, check_training_inputs
+from .recursion import _as_generator, check_training_inputs
 from .tail import tail_variance
 
 
@@ -114,7 +114,7 @@ def draw_steps(
     device, dtype = theta.device, theta.dtype
     x_train = x_train.to(device=device, dtype=dtype)
     check_training_inputs(net, x_train)
-    check_model_for(net, lik)
+    check_output_dim(lik, getattr(net, "out_dim", None))  # (determinism was checked before wrapping)
     masks = _group_masks(groups, dim, device, dtype)
     parts = (*tuple(getattr(precond_state, "stat", ()) or ()), *tuple(getattr(precond_state, "factor", ()) or ()))
     per_chain = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] != 1]

@@ -41,10 +41,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .likelihoods import get_likelihood
+from .likelihoods import check_output_dim, get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _accepts_out, _as_count, _as_generator, check_model_for, check_training_inputs
+from .recursion import SMPResult, _accepts_out, _as_count, _as_generator, check_training_inputs
 
 
 def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
@@ -119,7 +119,7 @@ def gaussian_tail(
         raise ValueError(f"n_scores must be an integer >= 1, got {n_scores!r}")
     x_train = x_train.to(device=theta.device, dtype=theta.dtype)
     check_training_inputs(net, x_train)
-    check_model_for(net, lik)
+    check_output_dim(lik, getattr(net, "out_dim", None))  # (determinism was checked before wrapping)
     n_obs = _as_count("n_obs (N in gamma_k = tau / (N + k))", x_train.shape[0] if n_obs is None else n_obs, 0)
     variance = tail_variance(n_obs, k_from, k_to, tau)
     alive = torch.isfinite(theta).all(1)
