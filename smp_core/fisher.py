@@ -62,14 +62,15 @@ def fisher_vectors(
 _MIN_VIRTUAL_BATCH = 32
 
 
-def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: Structure) -> Stat:
+def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: Structure,
+                               dtype: torch.dtype) -> Stat:
     """The same statistic, one example at a time with one row per chain (no copies of ``theta``)."""
     n_chains, n = theta.shape[0], x.shape[0]
     total: list[torch.Tensor] | None = None
     for i in range(n):
         xi = x[i : i + 1].expand(n_chains, *x.shape[1:])
         yi = None if y is None else y[i : i + 1].expand(n_chains)
-        v = fisher_vectors(model, likelihood, theta, xi, yi, kind)  # (C, r, d)
+        v = fisher_vectors(model, likelihood, theta, xi, yi, kind).to(dtype)  # (C, r, d)
         if structure.name == "diag" and total is not None:
             for c in range(v.shape[1]):
                 total[0].addcmul_(v[:, c], v[:, c])
@@ -101,6 +102,7 @@ def estimate_fisher(
     structure: Structure | str = "dense",
     max_rows: int = 2**16,
     max_elements: int = 2**26,
+    dtype: torch.dtype | None = None,
 ) -> Stat:
     """Fisher statistic ``(1/n) sum_i sum_c v_ic v_ic^T`` at each row of ``theta``, restricted to a structure.
 
@@ -115,6 +117,13 @@ def estimate_fisher(
             (one block per parameter tensor), ``"dense"``, ``"kfac"`` (:func:`kronecker_fisher`).
         max_rows: at most this many (chain, example) rows per backward pass.
         max_elements: at most this many elements in the per-example gradients of one pass.
+        dtype: the statistic's dtype (default: ``theta``'s). The per-example vectors are cast to it
+            before their outer products are formed and summed, so ``torch.float64`` keeps what a
+            float32 sum would round away (``statistic_dtype`` of
+            :func:`~smp_core.preconditioners.build_preconditioner`); the gradients themselves are
+            computed in ``theta``'s dtype. (The empirical diagonal, when it takes
+            :func:`diagonal_empirical_fisher_by_layers`, sums its squares in ``theta``'s dtype and is
+            cast: a sum of squares cannot turn negative by rounding.)
 
     Returns:
         The statistic as a tuple of tensors (see :mod:`smp_core.preconditioners`).
@@ -133,7 +142,8 @@ def estimate_fisher(
     _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     if structure.name == "kfac":
         return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,
-                                max_elements=max_elements)
+                                max_elements=max_elements, dtype=dtype)
+    dtype = theta.dtype if dtype is None else dtype
     n_chains, dim = theta.shape
     per_row = dim * (model.out_dim if kind == "model" else 1)
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
@@ -141,9 +151,9 @@ def estimate_fisher(
     if kind == "empirical" and structure.name == "diag" and y is not None and (example_by_example or n_chains == 1):
         stat = diagonal_empirical_fisher_by_layers(model, likelihood, theta, x, y, max_elements=max_elements)
         if stat is not None:
-            return stat
+            return tuple(t.to(dtype) for t in stat)
     if example_by_example:
-        return _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure)
+        return _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure, dtype)
     total: list[torch.Tensor] | None = None
     for start in range(0, n, batch):
         xb = x[start : start + batch]
@@ -153,7 +163,7 @@ def estimate_fisher(
         yb = None if y is None else y[start : start + batch]
         rows_y = None if yb is None else yb.repeat(n_chains, *([1] * (yb.ndim - 1)))  # (C*b, ...) like rows_x
         v = fisher_vectors(model, likelihood, rows_theta, rows_x, rows_y, kind)  # (C*b, r, d)
-        part = structure.outer_sum(v.reshape(n_chains, -1, dim))
+        part = structure.outer_sum(v.reshape(n_chains, -1, dim).to(dtype))
         total = list(part) if total is None else [t.add_(p) for t, p in zip(total, part, strict=True)]
     return tuple(t / n for t in total)
 
@@ -264,6 +274,7 @@ def _recorded_forward(module: nn.Module, layers, params: dict[str, torch.Tensor]
 def kronecker_fisher(
     model: ChainModel, likelihood, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor | None = None,
     kind: str = "model", structure: Structure | None = None, batch_size: int = 512, max_elements: int = 2**26,
+    dtype: torch.dtype | None = None,
 ) -> Stat:
     """The KFAC factors ``(A_1, G_1, A_2, G_2, ...)`` of the Fisher at every row of ``theta`` (``kfac`` structure).
 
@@ -284,6 +295,9 @@ def kronecker_fisher(
     its factors. The result is then a coarser approximation, still positive semi-definite: SMP stays
     a martingale with any positive definite ``P_k`` that is ``F_{k-1}``-measurable, so only the spread
     of the posterior, not its validity, depends on how well ``G (x) A`` approximates the Fisher.
+
+    ``dtype``: the factors' dtype (default: ``theta``'s); each batch's inputs and output gradients
+    are cast to it before their products are summed.
     """
     theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
     layers = _kronecker_modules(model)
@@ -299,10 +313,11 @@ def kronecker_fisher(
     _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     n, n_chains = x.shape[0], theta.shape[0]
     batch_size = max(1, min(batch_size, max_elements // _elements_per_example(model, layers, theta[0], x[:2])))
+    dtype = theta.dtype if dtype is None else dtype
     factors = []
     for k in found:
-        factors.append(theta.new_zeros(n_chains, k.n_cols, k.n_cols))
-        factors.append(theta.new_zeros(n_chains, k.n_out, k.n_out))
+        factors.append(theta.new_zeros(n_chains, k.n_cols, k.n_cols, dtype=dtype))
+        factors.append(theta.new_zeros(n_chains, k.n_out, k.n_out, dtype=dtype))
     # copies of the buffers: a layer that updates its running statistics leaves the module alone
     buffers = {name: buffer.clone() for name, buffer in model.module.named_buffers()}
     for chain, row in enumerate(theta):
@@ -332,6 +347,7 @@ def kronecker_fisher(
                     a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
                 if bias is not None:
                     a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+                a = a.to(dtype)
                 factors[2 * i][chain].add_(a.T @ a, alpha=1.0 / positions)
             for c, cotangent in enumerate(cotangents):
                 deltas = torch.autograd.grad(out, outputs, cotangent, retain_graph=c < len(cotangents) - 1,
@@ -340,6 +356,7 @@ def kronecker_fisher(
                     if delta is None:
                         continue  # the layer does not reach the output
                     g = delta if delta.ndim == 2 else delta.flatten(2).transpose(1, 2).reshape(-1, delta.shape[1])
+                    g = g.to(dtype)
                     factors[2 * i + 1][chain] += g.T @ g
     return tuple(f / n for f in factors)
 

@@ -28,6 +28,7 @@ tensors, so the EMA is a map over the tuple. A :class:`Preconditioner` is the sm
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -413,14 +414,24 @@ def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: to
     its eigendecomposition with the negative eigenvalues set to 0 (:func:`_psd_inverse_float64`):
     ``apply(inverse, i)`` gives its result. That is the exact inverse of the nearest positive
     semi-definite matrix to the statistic *as stored*; what float32 rounding took from the statistic
-    (its smallest eigenvalues) it cannot give back, so with such a statistic run the chains in float64
-    (``theta0`` in float64). A non-finite element, or a singular positive part with ``ridge = 0``,
-    gives NaN or infinity, which the recursion reports as that chain's divergence. A shared ``P``
+    (its smallest eigenvalues) it cannot give back: it warns, and with such a statistic keep the
+    statistic in float64 (``statistic_dtype`` of :func:`build_preconditioner`) or run the chains in
+    float64. A non-finite element, or a singular positive part with ``ridge = 0``, gives NaN or
+    infinity, which the recursion reports as that chain's divergence (no warning). A shared ``P``
     (``C = 1``) applies to every row of ``result``.
     """
+    rounded = []
     for i in failed.nonzero().ravel().tolist():
         rows = slice(None) if m.shape[0] == 1 else slice(i, i + 1)
         result[rows] = apply(_psd_inverse_float64(m[i], ridge), i).to(result.dtype)
+        if m.dtype != torch.float64 and bool(torch.isfinite(m[i]).all()):
+            rounded.append(i)
+    if rounded:
+        warnings.warn(f"a {m.dtype} Fisher statistic of size {m.shape[-1]} was indefinite by more than the ridge "
+                      f"{ridge:g} for {len(rounded)} of {m.shape[0]} element(s) (rounding: its largest eigenvalues "
+                      "dwarf the ridge); solved with its positive part in float64. To keep what rounding loses, "
+                      "build the preconditioner with statistic_dtype=torch.float64 (run_smp takes it too) or a "
+                      "larger ridge", RuntimeWarning, stacklevel=2)
     return result
 
 
@@ -570,6 +581,10 @@ class Preconditioner:
       (``periodic``), ``None`` (the default) when it may change it at any step. With an
       element-wise rule, a known value lets the recursion run blocks of steps without calling
       ``update`` in between (CUDA graphs).
+    * ``statistic_dtype`` (optional): the dtype in which the statistic and its factorisation are kept,
+      ``None`` for the chains' own; ``solve`` then returns ``P^{-1} v`` in ``v``'s dtype. A ``curvature``
+      should compute its Fisher in that dtype (``run_smp`` passes it to
+      :func:`smp_core.fisher.estimate_fisher`); ``init`` casts whatever it gets.
     """
 
     name: str
@@ -584,6 +599,7 @@ class Preconditioner:
     hyper: dict[str, Any] = field(default_factory=dict)
     elementwise: ElementwiseRule | None = None
     update_every: int | None = None
+    statistic_dtype: torch.dtype | None = None
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
@@ -618,6 +634,7 @@ def build_preconditioner(
     period: int = 500,
     ema_init: str = "fisher",
     ema_refresh: int = 1,
+    statistic_dtype: torch.dtype | str | None = None,
 ) -> Preconditioner:
     """Compose a structure with a temporal strategy (Section 3.1.1).
 
@@ -643,6 +660,15 @@ def build_preconditioner(
             is still known before the step that uses it, so the martingale property holds; it saves
             the per-step eigendecompositions that make ``ema-kfac`` slow for LeNet-5's large layers
             (KFAC's usual practice of refreshing its inverses every few steps).
+        statistic_dtype: beyond the paper, for ``block``, ``dense`` and ``kfac``: keep the statistic
+            (the Fisher, or the EMA's running sum) and its factorisation in this dtype (e.g.
+            ``torch.float64``) while the chains run in theirs; ``None`` (the default): the chains'
+            dtype. In float32 a statistic loses eigenvalues below about ``1e-7`` times its largest
+            to rounding; where that exceeds the ridge (a large block or dense statistic of
+            few scores, as an EMA keeps) ``P`` can come out indefinite and its small directions
+            wrong (the solve then warns, see :func:`_redo_failed`). In float64 that loss is
+            ``1e-16`` times the largest. The cost: float64 products for the update and the solve
+            (``benchmarks/bench_statistic_dtype.py``).
 
     Returns:
         A :class:`Preconditioner`.
@@ -669,6 +695,7 @@ def build_preconditioner(
     if int(ema_refresh) != ema_refresh or ema_refresh < 1:
         raise ValueError(f"ema_refresh must be a positive integer (steps between factorisations), got {ema_refresh}")
     ema_refresh = int(ema_refresh)
+    statistic_dtype = _as_statistic_dtype(statistic_dtype, structure)
     if ema_refresh > 1 and not ema_refresh_applies(name_of(structure, strategy)):
         raise ValueError(f"ema_refresh = {ema_refresh} applies to the EMA of block, dense and kfac only, not to "
                          f"'{strategy}-{structure}'" + (": the diagonal EMA's solve is element-wise and exact at "
@@ -677,6 +704,18 @@ def build_preconditioner(
                        tuple(layers) if structure == "kfac" else ())
     name = name_of(structure, strategy)
     hyper = {"ridge": ridge}
+    if statistic_dtype is not None:  # (recorded only when set: earlier configs and checkpoints keep their keys)
+        hyper["statistic_dtype"] = str(statistic_dtype).removeprefix("torch.")
+
+    def kept(stat: Stat) -> Stat:
+        """The statistic in ``statistic_dtype``."""
+        return stat if statistic_dtype is None else tuple(m.to(statistic_dtype) for m in stat)
+
+    def in_own_dtype(solve: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``solve``, taking and returning ``v`` in its own dtype whatever the statistic's."""
+        if statistic_dtype is None:
+            return solve
+        return lambda state, v, out=None: solve(state, v.to(statistic_dtype)).to(v.dtype)
 
     if structure == "none":
         return Preconditioner(
@@ -690,45 +729,50 @@ def build_preconditioner(
     # fixed and periodic diag keep 1 / (F + ridge) as their factor
     stored_inverse = STORED_INVERSE_RULE if structure == "diag" else None
 
+    apply_factor = in_own_dtype(lambda state, v, out=None: struct.apply(state.factor, v, out))
+
     if strategy == "fixed":
         def init(theta0, curvature):
-            stat = _require(curvature, name)(_shared_theta(theta0))
+            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
             return PreconditionerState(stat, struct.factorize(stat, ridge))
 
         return Preconditioner(
             name, struct, strategy, ridge, init=init,
             update=lambda state, k, theta, score, curvature: state,
-            solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
-            needs_curvature=True, hyper=hyper, elementwise=stored_inverse, update_every=0,
+            solve=apply_factor, needs_curvature=True, hyper=hyper, elementwise=stored_inverse, update_every=0,
+            statistic_dtype=statistic_dtype,
         )
 
     if strategy == "periodic":
         def init(theta0, curvature):
-            stat = _require(curvature, name)(_shared_theta(theta0))
+            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
             return PreconditionerState(stat, struct.factorize(stat, ridge))
 
         def update(state, k, theta, score, curvature):
             if k % period != 0:
                 return state
-            stat = _require(curvature, name)(theta)
+            stat = kept(_require(curvature, name)(theta))
             return PreconditionerState(stat, struct.factorize(stat, ridge))
 
         return Preconditioner(
-            name, struct, strategy, ridge, init=init, update=update,
-            solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
+            name, struct, strategy, ridge, init=init, update=update, solve=apply_factor,
             needs_curvature=True, hyper={**hyper, "period": int(period)}, elementwise=stored_inverse,
-            update_every=int(period),
+            update_every=int(period), statistic_dtype=statistic_dtype,
         )
 
     # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.
     def init(theta0, curvature):
         n_chains = theta0.shape[0]
         if ema_init == "identity":
-            stat = struct.identity(n_chains, theta0.dtype, theta0.device)
+            stat = struct.identity(n_chains, statistic_dtype or theta0.dtype, theta0.device)
         else:
-            stat = _require(curvature, name)(_shared_theta(theta0))
+            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
             stat = tuple(m.expand(n_chains, *m.shape[1:]).clone() for m in stat)
         return PreconditionerState(stat, ())
+
+    def folded(stat: Stat, score: torch.Tensor) -> Stat:
+        """The EMA's statistic after folding in ``score`` (in place), in the statistic's dtype."""
+        return struct.ema_update_(stat, score if statistic_dtype is None else score.to(statistic_dtype), beta)
 
     hyper = {**hyper, "beta": beta, "ema_init": ema_init}
     if ema_refresh > 1:
@@ -738,24 +782,41 @@ def build_preconditioner(
             return PreconditionerState(stat, struct.factorize(stat, ridge))
 
         def update_refreshed(state, k, theta, score, curvature):
-            stat = struct.ema_update_(state.stat, score, beta)
+            stat = folded(state.stat, score)
             return PreconditionerState(stat, struct.factorize(stat, ridge) if k % ema_refresh == 0 else state.factor)
 
         return Preconditioner(
-            name, struct, strategy, ridge, init=init_refreshed, update=update_refreshed,
-            solve=lambda state, v, out=None: struct.apply(state.factor, v, out),
+            name, struct, strategy, ridge, init=init_refreshed, update=update_refreshed, solve=apply_factor,
             needs_curvature=ema_init == "fisher", hyper={**hyper, "ema_refresh": ema_refresh},
+            statistic_dtype=statistic_dtype,
         )
 
     def update(state, k, theta, score, curvature):
-        return PreconditionerState(struct.ema_update_(state.stat, score, beta), ())
+        return PreconditionerState(folded(state.stat, score), ())
 
     return Preconditioner(
         name, struct, strategy, ridge, init=init, update=update,
-        solve=lambda state, v, out=None: struct.solve(state.stat, ridge, v, out),
+        solve=in_own_dtype(lambda state, v, out=None: struct.solve(state.stat, ridge, v, out)),
         needs_curvature=ema_init == "fisher", hyper=hyper,
         elementwise=ema_diagonal_rule(beta, ridge) if structure == "diag" else None,
+        statistic_dtype=statistic_dtype,
     )
+
+
+def _as_statistic_dtype(dtype: torch.dtype | str | None, structure: str) -> torch.dtype | None:
+    """``statistic_dtype`` checked: ``None``, or a floating dtype (a name such as ``"float64"`` too) for a
+    ``block``, ``dense`` or ``kfac`` structure."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "float64": torch.float64}.get(dtype.removeprefix("torch."), dtype)
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"statistic_dtype must be torch.float32, torch.float64 or None, got {dtype!r}")
+    if structure not in ("block", "dense", "kfac"):
+        raise ValueError(f"statistic_dtype applies to the block, dense and kfac structures, not to {structure!r}"
+                         + (": a diagonal statistic is a sum of squares, which rounding cannot make negative, "
+                            "and its element-wise step runs in the chains' dtype" if structure == "diag" else ""))
+    return dtype
 
 
 def name_of(structure: str, strategy: str | None) -> str:

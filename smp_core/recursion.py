@@ -562,6 +562,7 @@ def run_smp(
     period: int = 500,
     ema_init: str = "fisher",
     ema_refresh: int = 1,
+    statistic_dtype: torch.dtype | str | None = None,
     input_shape: tuple[int, ...] | None = None,
     trace_every: int | None = None,
     check_every: int = 50,
@@ -587,8 +588,10 @@ def run_smp(
         fisher: ``"model"`` (model-expected) or ``"empirical"`` Fisher for fixed / periodic / EMA start.
         fisher_data: ``(x, y)`` for the Fisher (default: ``(x_train, None)``; ``y`` is needed for the
             empirical Fisher).
-        ridge, beta, period, ema_init, ema_refresh: see
-            :func:`~smp_core.preconditioners.build_preconditioner`.
+        ridge, beta, period, ema_init, ema_refresh, statistic_dtype: see
+            :func:`~smp_core.preconditioners.build_preconditioner` (``statistic_dtype=torch.float64``
+            keeps a block, dense or kfac statistic, the Fisher included, in float64 while the chains
+            run in float32).
         input_shape: one input's shape, for modules other than MLPs.
         trace_every: keep ``theta_k`` every so many steps (on the CPU).
         check_every: steps between divergence checks (and progress updates).
@@ -634,7 +637,10 @@ def run_smp(
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(
             preconditioner, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, ridge=ridge,
-            beta=beta, period=period, ema_init=ema_init, ema_refresh=ema_refresh)
+            beta=beta, period=period, ema_init=ema_init, ema_refresh=ema_refresh, statistic_dtype=statistic_dtype)
+    elif statistic_dtype is not None:
+        raise ValueError("statistic_dtype is given to run_smp with a Preconditioner object: build the preconditioner "
+                         "with build_preconditioner(..., statistic_dtype=...) instead")
     else:
         precond = preconditioner
     if fisher_data is None:
@@ -645,7 +651,8 @@ def run_smp(
         raise ValueError("the empirical Fisher needs labels: pass fisher_data=(x, y)")
 
     def curvature(theta: torch.Tensor):
-        return estimate_fisher(net, lik, theta, fx, fy, kind=fisher, structure=precond.structure)
+        return estimate_fisher(net, lik, theta, fx, fy, kind=fisher, structure=precond.structure,
+                               dtype=getattr(precond, "statistic_dtype", None))
 
     config = {
         "preconditioner": precond.name, "tau": float(tau), "n_steps": n_steps, "n_chains": n_chains,

@@ -1,6 +1,7 @@
 """Contract suite run over every structure x temporal strategy."""
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -537,13 +538,108 @@ def test_a_failed_float32_cholesky_is_redone_not_left_finite_and_wrong(generator
     reference = (vectors / (values.clamp_min(0) + ridge)) @ vectors.T  # (F_+ + ridge I)^-1
     v = torch.randn(3, n, generator=generator)
     struct = Structure("dense", n)
-    for out in (struct.solve((stat,), ridge, v), struct.apply(struct.factorize((stat,), ridge), v)):
+    with pytest.warns(RuntimeWarning, match="statistic_dtype=torch.float64"):
+        solved = struct.solve((stat,), ridge, v)
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        factorised = struct.apply(struct.factorize((stat,), ridge), v)
+    for out in (solved, factorised):
         torch.testing.assert_close(out.double(), v.double() @ reference, rtol=1e-4, atol=0)
     # per chain: chain 1 not finite, chain 0 as alone
     both = torch.stack([stat[0], torch.full((n, n), float("nan"))])
-    out = struct.solve((both,), ridge, v[:2])
+    with pytest.warns(RuntimeWarning, match="for 1 of 2 element"):  # the rounded chain, not the diverged one
+        out = struct.solve((both,), ridge, v[:2])
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
     torch.testing.assert_close(out[0].double(), v[0].double() @ reference, rtol=1e-4, atol=0)
+    with warnings.catch_warnings():  # a diverged chain alone is the recursion's to report, not rounding
+        warnings.simplefilter("error")
+        assert torch.isnan(struct.solve((both[1:],), ridge, v[:1])).all()
     # and a matrix Cholesky takes is solved exactly as before
     good = torch.eye(n)[None] * 2
     torch.testing.assert_close(struct.solve((good,), ridge, v), v / (2 + ridge))
+
+
+def _ema_of_mixed_scales(dtype_of_statistic, n_steps=400, dim=24, ridge=1e-4):
+    """An EMA dense preconditioner (from the identity) fed float32 scores of two scales: along
+    ``u = (1, ..., 1) / sqrt(d)`` near 1e4, orthogonal to it near 1e-1 per coordinate. Every entry of
+    the statistic is then about 1e8 / d, which float32 rounds by about 0.2 at each update: far above the
+    ridge and the small directions' eigenvalues (about 1e-2). Float64 rounds it by about 1e-9. Returns
+    the preconditioner, its state, its solve of a vector orthogonal to ``u`` and the exact answer (the
+    same EMA of the same float32 scores in float64, solved in float64)."""
+    generator = torch.Generator().manual_seed(3)
+    u = torch.ones(dim) / dim**0.5
+    precond = build_preconditioner("dense", "ema", dim=dim, ridge=ridge, beta=0.98, ema_init="identity",
+                                   statistic_dtype=dtype_of_statistic)
+    theta0 = torch.zeros(1, dim)
+    state = precond.init(theta0, None)
+    exact = torch.eye(dim, dtype=torch.float64)[None]
+    for k in range(1, n_steps + 1):
+        small = 0.1 * torch.randn(1, dim, generator=generator)
+        small -= (small @ u)[:, None] * u
+        score = 1e4 * torch.randn(1, 1, generator=generator) * u + small  # float32, as the chains'
+        state = precond.update(state, k, theta0, score, None)
+        s64 = score.double()
+        exact = 0.98 * exact + 0.02 * s64[:, :, None] * s64[:, None, :]
+    v = torch.zeros(1, dim)
+    v[0, 0], v[0, 1] = 1.0, -1.0  # orthogonal to u
+    exact_solve = torch.linalg.solve(exact + ridge * torch.eye(dim, dtype=torch.float64), v.double()[..., None])
+    return precond, state, precond.solve(state, v), exact_solve[..., 0]
+
+
+def test_a_float64_statistic_keeps_the_small_directions_that_float32_rounds_away():
+    """statistic_dtype=float64: the EMA statistic and its solve in float64 while the chains (scores,
+    parameters, the returned step) stay float32; its solve agrees with the exact one (norm-wise). The
+    same run with the chains' float32 statistic misses it by a wide margin (the reason for the option;
+    this part checks that the case at hand is one rounding spoils)."""
+    precond, state, solved, exact = _ema_of_mixed_scales(torch.float64)
+    assert state.stat[0].dtype == torch.float64 and solved.dtype == torch.float32
+    assert precond.hyper["statistic_dtype"] == "float64" and precond.statistic_dtype == torch.float64
+    # norm-wise: the statistic's condition number is about 1e10, so even float64 solves agree to about 1e-6
+    assert float((solved.double() - exact).norm() / exact.norm()) < 1e-4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the float32 statistic may be indefinite: it warns
+        _, state32, solved32, _ = _ema_of_mixed_scales(None)
+    assert state32.stat[0].dtype == torch.float32
+    assert float((solved32.double() - exact).norm() / exact.norm()) > 0.1
+
+
+@pytest.mark.parametrize("structure, strategy", [("block", "fixed"), ("dense", "periodic"), ("kfac", "ema"),
+                                                 ("kfac", "fixed"), ("block", "ema")])
+def test_statistic_dtype_changes_the_precision_not_the_preconditioner(generator, structure, strategy):
+    """With a well-conditioned statistic, a float64 one gives the float32 one's solves to float32
+    precision, in the input's dtype, for every strategy (the factorised and the direct solves, ema_refresh too)."""
+    vectors = _vectors(generator, 1).float()
+    stat = (vectors.transpose(1, 2) @ vectors / vectors.shape[1] + 0.5 * torch.eye(DIM),)
+    if structure == "kfac":
+        stat = tuple(m for layer in LAYERS for m in (torch.eye(layer.n_cols)[None] * 0.7, torch.eye(layer.n_out)[None]))
+    elif structure == "block":
+        stat = tuple(stat[0][:, b, b] for b in BLOCKS)
+    theta0 = torch.zeros(2, DIM)
+    score = torch.randn(2, DIM, generator=generator)
+    v = torch.randn(2, DIM, generator=generator)
+    for refresh in (1, 3) if strategy == "ema" else (1,):
+        out = {}
+        for dtype in (None, torch.float64):
+            precond = build_preconditioner(structure, strategy, dim=DIM, blocks=BLOCKS, layers=LAYERS, ridge=RIDGE,
+                                           period=2, ema_refresh=refresh, statistic_dtype=dtype)
+            state = precond.init(theta0, lambda theta: tuple(m.clone() for m in stat))
+            assert all(m.dtype == (dtype or torch.float32) for m in state.stat)
+            state = precond.update(state, 2, theta0, score, lambda theta: tuple(m.clone() for m in stat))
+            out[dtype] = precond.solve(state, v)
+            assert out[dtype].dtype == torch.float32
+        torch.testing.assert_close(out[torch.float64], out[None], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("structure, dtype, match", [
+    ("diag", torch.float64, "sum of squares"), ("none", torch.float64, "not to 'none'"),
+    ("dense", torch.float16, "float32, torch.float64 or None"), ("dense", "double precision", "or None"),
+    ("block", 64, "or None"),
+])
+def test_statistic_dtype_rejects_what_it_cannot_mean(structure, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        build_preconditioner(structure, "ema", dim=DIM, blocks=BLOCKS, statistic_dtype=dtype)
+
+
+def test_statistic_dtype_takes_a_name():
+    precond = build_preconditioner("dense", "fixed", dim=DIM, statistic_dtype="float64")
+    assert precond.statistic_dtype == torch.float64
+    assert "statistic_dtype" not in build_preconditioner("dense", "fixed", dim=DIM).hyper  # old keys unchanged

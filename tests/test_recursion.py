@@ -570,3 +570,38 @@ def test_whole_numbers_of_any_type_are_taken_for_counts():
         assert torch.equal(same.theta, reference.theta) and same.config["n_obs"] == 10
     run_smp(toy_mlp(), "bernoulli", x, preconditioner="fixed-diag", ridge=np.float32(1e-3), **kw)
     run_smp(toy_mlp(), "bernoulli", x, divergence_threshold=float("inf"), **kw)  # only non-finite chains stop
+
+
+@pytest.mark.parametrize("name", ["fixed-dense", "ema-block", "periodic-kfac"])
+def test_a_float64_statistic_runs_float32_chains_and_resumes(name, tmp_path):
+    """``statistic_dtype=torch.float64``: the chains stay float32, the statistic (the Fisher included)
+    is float64 and recorded in the config; with a ridge large enough that P^{-1} does not amplify
+    rounding (with 1e-4, this Fisher's null space makes the steps up to 1e4 times the score, and the
+    two runs part by more than rounding within 30 steps), the samples are the float32 statistic's up
+    to rounding (same seed). A checkpoint resumes it, and a checkpoint of the float32 run is not taken
+    for it."""
+    net = toy_mlp()
+    x = torch.rand(40, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    kw = dict(preconditioner=name, tau=0.05, n_chains=8, seed=4, period=10, check_every=10, ridge=0.1,
+              progress=False)
+    plain = run_smp(net, "bernoulli", x, n_steps=30, **kw)
+    double = run_smp(net, "bernoulli", x, n_steps=30, statistic_dtype=torch.float64, **kw)
+    assert double.theta.dtype == torch.float32
+    assert all(m.dtype == torch.float64 for m in double.precond_state.stat)
+    assert double.config["statistic_dtype"] == "float64" and "statistic_dtype" not in plain.config
+    torch.testing.assert_close(double.theta, plain.theta, rtol=1e-4, atol=1e-5)
+    path = tmp_path / "run.pt"
+    run_smp(net, "bernoulli", x, n_steps=20, statistic_dtype="float64", checkpoint=path, checkpoint_every=10, **kw)
+    resumed = run_smp(net, "bernoulli", x, n_steps=30, statistic_dtype="float64", checkpoint=path, **kw)
+    assert torch.equal(resumed.theta, double.theta)
+    assert all(m.dtype == torch.float64 for m in resumed.precond_state.stat)
+    with pytest.raises(ValueError, match="other settings"):
+        run_smp(net, "bernoulli", x, n_steps=30, checkpoint=path, **kw)
+
+
+def test_statistic_dtype_with_a_preconditioner_object_is_refused():
+    net = toy_mlp()
+    precond = preconditioner_from_name("fixed-dense", dim=as_chain_model(net).layout.dim)
+    with pytest.raises(ValueError, match="build_preconditioner"):
+        run_smp(net, "bernoulli", torch.zeros(5, 2), preconditioner=precond, statistic_dtype=torch.float64,
+                n_steps=2, n_chains=2, progress=False)
