@@ -175,6 +175,7 @@ def _rebuild_preconditioner(net: ChainModel, cfg: dict) -> Preconditioner:
     name = cfg["preconditioner"]
     if net.layout.dim != cfg["d"]:
         raise ValueError(f"the run had d = {cfg['d']} parameters, this model has {net.layout.dim}")
-    hyper = {key: cfg[key] for key in ("ridge", "beta", "period", "ema_init", "ema_refresh") if key in cfg}
+    hyper = {key: cfg[key] for key in ("ridge", "beta", "period", "ema_init", "ema_refresh", "statistic_dtype")
+             if key in cfg}
     layers = kronecker_layers(net) if name.endswith("-kfac") else ()
     return preconditioner_from_name(name, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, **hyper)

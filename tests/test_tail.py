@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
+import smp_core.tail as tail_module
 from smp_core import run_smp
-from smp_core.models import toy_mlp
+from smp_core.models import as_chain_model, toy_mlp
 from smp_core.recursion import residual_variance_ratio
 from smp_core.tail import add_gaussian_tail, gaussian_tail, tail_variance
 
@@ -144,14 +145,16 @@ def test_hybrid_has_the_recursions_covariance_at_k():
     assert z_short.abs().max() > 10
 
 
-def test_a_result_loaded_from_disk_rebuilds_its_preconditioner():
+@pytest.mark.parametrize("statistic_dtype", [None, torch.float64])
+def test_a_result_loaded_from_disk_rebuilds_its_preconditioner(statistic_dtype):
     """torch.save drops the preconditioner's closures; the tail rebuilds it from the config and gives
-    the same draw as the original (ema-block on the toy MLP, a per-chain state)."""
+    the same draw as the original (ema-block on the toy MLP, a per-chain state; with a float64
+    statistic too, which the rebuilt preconditioner must keep)."""
     torch.manual_seed(0)
     x = torch.rand(30, 2) * 2 - 1
     net = toy_mlp()
     res = run_smp(net, "bernoulli", x, preconditioner="ema-block", tau=0.3, n_steps=20, n_chains=6, seed=0,
-                  progress=False)
+                  statistic_dtype=statistic_dtype, progress=False)
     buffer = io.BytesIO()
     torch.save(res, buffer)
     buffer.seek(0)
@@ -160,6 +163,10 @@ def test_a_result_loaded_from_disk_rebuilds_its_preconditioner():
     direct = add_gaussian_tail(res, net, "bernoulli", x, n_scores=30, seed=9)
     rebuilt = add_gaussian_tail(loaded, net, "bernoulli", x, n_scores=30, seed=9)
     torch.testing.assert_close(rebuilt, direct)
+    assert rebuilt.dtype == torch.float32
+    if statistic_dtype is not None:
+        rebuilt_precond = tail_module._rebuild_preconditioner(as_chain_model(net), loaded.config)
+        assert rebuilt_precond.statistic_dtype == statistic_dtype
     loaded.precond_state = None
     with pytest.raises(ValueError, match="preconditioner state"):
         add_gaussian_tail(loaded, net, "bernoulli", x)
