@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 from .likelihoods import check_output_dim, check_responses
 from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col, check_deterministic
-from .preconditioners import KroneckerLayer, Stat, Structure
+from .preconditioners import KroneckerLayer, Stat, Structure, statistic_dtype_of
 
 
 def fisher_vectors(
@@ -123,13 +123,16 @@ def estimate_fisher(
             :func:`~smp_core.preconditioners.build_preconditioner`); the gradients themselves are
             computed in ``theta``'s dtype. (The empirical diagonal, when it takes
             :func:`diagonal_empirical_fisher_by_layers`, sums its squares in ``theta``'s dtype and is
-            cast: a sum of squares cannot turn negative by rounding.)
+            cast: a sum of squares cannot turn negative by rounding.) The float64 copies of the
+            per-example vectors take memory beside them: ``max_elements`` counts elements, not bytes,
+            so a pass holds about three times the bytes of a float32 one.
 
     Returns:
         The statistic as a tuple of tensors (see :mod:`smp_core.preconditioners`).
     """
     if theta.ndim == 1:
         theta = theta.unsqueeze(0)
+    dtype = statistic_dtype_of(dtype, "the Fisher's dtype")
     if isinstance(structure, str):
         structure = structure_for(model, structure)
     n = x.shape[0]
@@ -300,6 +303,7 @@ def kronecker_fisher(
     are cast to it before their products are summed.
     """
     theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
+    dtype = statistic_dtype_of(dtype, "the Fisher's dtype")
     layers = _kronecker_modules(model)
     found = tuple(kron for *_, kron in layers)
     if structure is not None and tuple(structure.layers) != found:

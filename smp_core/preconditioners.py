@@ -417,22 +417,26 @@ def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: to
     (its smallest eigenvalues) it cannot give back: it warns, and with such a statistic keep the
     statistic in float64 (``statistic_dtype`` of :func:`build_preconditioner`) or run the chains in
     float64. A non-finite element, or a singular positive part with ``ridge = 0``, gives NaN or
-    infinity, which the recursion reports as that chain's divergence (no warning). A shared ``P``
-    (``C = 1``) applies to every row of ``result``.
+    infinity, which the recursion reports as that chain's divergence (no warning). A finite float32
+    element redone with a ridge warns (:data:`ROUNDED_STATISTIC_WARNING`; a chain that is diverging
+    but still finite can warn too). A shared ``P`` (``C = 1``) applies to every row of ``result``.
     """
-    rounded = []
+    rounded = False
     for i in failed.nonzero().ravel().tolist():
         rows = slice(None) if m.shape[0] == 1 else slice(i, i + 1)
         result[rows] = apply(_psd_inverse_float64(m[i], ridge), i).to(result.dtype)
-        if m.dtype != torch.float64 and bool(torch.isfinite(m[i]).all()):
-            rounded.append(i)
-    if rounded:
-        warnings.warn(f"a {m.dtype} Fisher statistic of size {m.shape[-1]} was indefinite by more than the ridge "
-                      f"{ridge:g} for {len(rounded)} of {m.shape[0]} element(s) (rounding: its largest eigenvalues "
-                      "dwarf the ridge); solved with its positive part in float64. To keep what rounding loses, "
-                      "build the preconditioner with statistic_dtype=torch.float64 (run_smp takes it too) or a "
-                      "larger ridge", RuntimeWarning, stacklevel=2)
+        # rounding, not a singular statistic with no ridge or a chain that diverged already
+        rounded |= m.dtype != torch.float64 and ridge > 0 and bool(torch.isfinite(result[rows]).all())
+    if rounded:  # one text for every case, so that the warnings filter shows it once, not once per count
+        warnings.warn(ROUNDED_STATISTIC_WARNING, RuntimeWarning, stacklevel=2)
     return result
+
+
+ROUNDED_STATISTIC_WARNING = (
+    "a float32 Fisher statistic came out indefinite by more than the ridge (rounding: its largest eigenvalues "
+    "dwarf the ridge, or a chain is diverging); it was solved with its positive part in float64. To keep what "
+    "rounding loses, build the preconditioner with statistic_dtype=torch.float64 (run_smp takes it too) or use a "
+    "larger ridge")
 
 
 def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -662,12 +666,16 @@ def build_preconditioner(
             (KFAC's usual practice of refreshing its inverses every few steps).
         statistic_dtype: beyond the paper, for ``block``, ``dense`` and ``kfac``: keep the statistic
             (the Fisher, or the EMA's running sum) and its factorisation in this dtype (e.g.
-            ``torch.float64``) while the chains run in theirs; ``None`` (the default): the chains'
-            dtype. In float32 a statistic loses eigenvalues below about ``1e-7`` times its largest
-            to rounding; where that exceeds the ridge (a large block or dense statistic of
-            few scores, as an EMA keeps) ``P`` can come out indefinite and its small directions
-            wrong (the solve then warns, see :func:`_redo_failed`). In float64 that loss is
-            ``1e-16`` times the largest. The cost: float64 products for the update and the solve
+            ``torch.float64``; or its name) while the chains run in theirs; ``None`` (the default):
+            the chains' dtype. In float32 a statistic loses eigenvalues below about ``1e-7`` times its
+            largest to rounding; where that nears the ridge (a large block or dense statistic of few
+            scores, as an EMA keeps) ``P^{-1}`` is wrong in the small directions, and where it exceeds
+            the ridge a ``block`` or ``dense`` ``P`` can come out indefinite: its Cholesky
+            factorisation fails, and the factorisation or solve warns (see :func:`_redo_failed`).
+            ``kfac`` factorises through eigendecompositions that set negative eigenvalues to 0: it
+            never warns, and loses the small directions silently. In float64 the loss is ``1e-16``
+            times the largest eigenvalue. The cost: float64 products for the update and the solve,
+            and float64 copies of the per-example vectors while the Fisher is summed
             (``benchmarks/bench_statistic_dtype.py``).
 
     Returns:
@@ -803,15 +811,24 @@ def build_preconditioner(
     )
 
 
-def _as_statistic_dtype(dtype: torch.dtype | str | None, structure: str) -> torch.dtype | None:
-    """``statistic_dtype`` checked: ``None``, or a floating dtype (a name such as ``"float64"`` too) for a
-    ``block``, ``dense`` or ``kfac`` structure."""
+def statistic_dtype_of(dtype: torch.dtype | str | None, name: str = "statistic_dtype") -> torch.dtype | None:
+    """``None``, ``torch.float32`` or ``torch.float64`` (or the name of one, ``"float64"``), checked; a
+    ``ValueError`` naming ``name`` otherwise."""
     if dtype is None:
         return None
     if isinstance(dtype, str):
         dtype = {"float32": torch.float32, "float64": torch.float64}.get(dtype.removeprefix("torch."), dtype)
     if not isinstance(dtype, torch.dtype) or dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"statistic_dtype must be torch.float32, torch.float64 or None, got {dtype!r}")
+        raise ValueError(f"{name} must be torch.float32, torch.float64 or None, got {dtype!r}")
+    return dtype
+
+
+def _as_statistic_dtype(dtype: torch.dtype | str | None, structure: str) -> torch.dtype | None:
+    """``statistic_dtype`` checked (:func:`statistic_dtype_of`), for a ``block``, ``dense`` or ``kfac``
+    structure only."""
+    dtype = statistic_dtype_of(dtype)
+    if dtype is None:
+        return None
     if structure not in ("block", "dense", "kfac"):
         raise ValueError(f"statistic_dtype applies to the block, dense and kfac structures, not to {structure!r}"
                          + (": a diagonal statistic is a sum of squares, which rounding cannot make negative, "

@@ -41,7 +41,7 @@ from .fisher import estimate_fisher, kronecker_layers
 from .likelihoods import check_output_dim, get_likelihood
 from .memory import retain_freed_memory
 from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model, check_deterministic
-from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name
+from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name, statistic_dtype_of
 
 
 class DivergenceError(RuntimeError):
@@ -633,6 +633,12 @@ def run_smp(
     n_obs, check_every = _check_run_settings(x_train.shape[0] if n_obs is None else n_obs, check_every,
                                              divergence_threshold)
     check_output_dim(lik, getattr(net, "out_dim", None))  # (determinism was checked before wrapping)
+    statistic_dtype = statistic_dtype_of(statistic_dtype)
+    if statistic_dtype == dtype:
+        statistic_dtype = None  # the chains' own: the default, with the default's config and checkpoints
+    elif statistic_dtype is not None and torch.finfo(statistic_dtype).eps > torch.finfo(dtype).eps:
+        raise ValueError(f"statistic_dtype {statistic_dtype} is coarser than the chains' {dtype}: it would round "
+                         "away what the chains keep (leave it out to use theirs)")
     if isinstance(preconditioner, str):
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(

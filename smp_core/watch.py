@@ -70,7 +70,8 @@ def _kfac_ridge_share(precond: Preconditioner, state: PreconditionerState, v: to
     factor = state.factor
     for i, layer in enumerate(precond.structure.layers):
         u_a, u_g, scale = factor[3 * i], factor[3 * i + 1], factor[3 * i + 2]
-        coeff = (u_g.transpose(1, 2) @ layer.matrix(v) @ u_a) * scale  # the step in the eigenbasis
+        # the step in the eigenbasis (in the factor's dtype: float64 with statistic_dtype)
+        coeff = (u_g.transpose(1, 2) @ layer.matrix(v.to(u_a.dtype)) @ u_a) * scale
         energy = coeff.square()
         at_ridge = scale > 1.0 / (2.0 * ridge)  # products < ridge
         total = energy.sum((1, 2))

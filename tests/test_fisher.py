@@ -484,3 +484,29 @@ def test_a_float64_statistic_sums_the_float32_vectors_in_float64(structure, kind
     reference = Structure(structure, model.layout.dim, model.layout.block_slices).outer_sum(vectors)
     for a, b in zip(reference, double, strict=True):
         torch.testing.assert_close(b, a / 20, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("kind", ["model", "empirical"])
+def test_kfac_factors_in_float64_are_sums_of_float64_products(kind, generator):
+    """kronecker_fisher(dtype=float64) casts each batch's inputs and output gradients before their
+    products: the first layer's A is the float64 mean of [x, 1] [x, 1]^T, and the last layer's G (its
+    output is the network's) the float64 mean of the likelihood's float32 cotangents squared, to
+    float64 precision (a float32 product added into a float64 factor is off by about 1e-7)."""
+    torch.manual_seed(0)
+    net = toy_mlp()
+    model = as_chain_model(net)
+    theta = model.layout.flatten(net)[None]
+    x = torch.rand(50, 2, generator=generator) * 2 - 1
+    y = torch.randint(0, 2, (50,), generator=generator).float()
+    lik = Bernoulli()
+    factors = estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac", dtype=torch.float64)
+    ones = torch.cat([x, torch.ones(50, 1)], dim=1).double()
+    torch.testing.assert_close(factors[0][0], ones.T @ ones / 50, rtol=1e-13, atol=1e-15)
+    out = net(x).detach()
+    cotangent = lik.residual(out, y) if kind == "empirical" else lik.fisher_factor(out)[..., 0]
+    g = cotangent.reshape(50, -1).double()
+    torch.testing.assert_close(factors[-1][0], g.T @ g / 50, rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="Fisher's dtype"):
+        estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac", dtype="float16")
+    assert estimate_fisher(model, lik, theta, x, y, kind=kind, structure="dense", dtype="float64")[0].dtype \
+        == torch.float64

@@ -546,7 +546,7 @@ def test_a_failed_float32_cholesky_is_redone_not_left_finite_and_wrong(generator
         torch.testing.assert_close(out.double(), v.double() @ reference, rtol=1e-4, atol=0)
     # per chain: chain 1 not finite, chain 0 as alone
     both = torch.stack([stat[0], torch.full((n, n), float("nan"))])
-    with pytest.warns(RuntimeWarning, match="for 1 of 2 element"):  # the rounded chain, not the diverged one
+    with pytest.warns(RuntimeWarning, match="indefinite"):  # for the rounded chain (the NaN one alone: below)
         out = struct.solve((both,), ridge, v[:2])
     assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all()
     torch.testing.assert_close(out[0].double(), v[0].double() @ reference, rtol=1e-4, atol=0)
@@ -643,3 +643,22 @@ def test_statistic_dtype_takes_a_name():
     precond = build_preconditioner("dense", "fixed", dim=DIM, statistic_dtype="float64")
     assert precond.statistic_dtype == torch.float64
     assert "statistic_dtype" not in build_preconditioner("dense", "fixed", dim=DIM).hyper  # old keys unchanged
+
+
+def test_the_rounding_warning_is_one_text_and_not_for_a_singular_statistic_without_a_ridge(generator):
+    """The warning's text does not change with the counts (the warnings filter then shows it once per
+    place, not once per count); a singular float32 statistic with ridge 0 gives infinity or NaN and no
+    warning (no dtype would help it), and neither does a float64 statistic."""
+    a = torch.randn(40, 5, generator=generator) * 300
+    rank5 = (a @ a.T)[None]
+    v = torch.randn(2, 40, generator=generator)
+    struct = Structure("dense", 40)
+    for stat in (rank5, torch.cat([rank5, 2 * rank5])):
+        with pytest.warns(RuntimeWarning) as caught:
+            struct.solve((stat,), 1e-4, v[: stat.shape[0]])
+        assert [str(w.message) for w in caught] == [preconditioners_module.ROUNDED_STATISTIC_WARNING]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = struct.solve((rank5,), 0.0, v[:1])
+        assert not torch.isfinite(out).all()
+        struct.solve((rank5.double(),), 1e-4, v[:1].double())

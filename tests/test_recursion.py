@@ -605,3 +605,26 @@ def test_statistic_dtype_with_a_preconditioner_object_is_refused():
     with pytest.raises(ValueError, match="build_preconditioner"):
         run_smp(net, "bernoulli", torch.zeros(5, 2), preconditioner=precond, statistic_dtype=torch.float64,
                 n_steps=2, n_chains=2, progress=False)
+
+
+def test_run_smp_sums_the_fisher_in_the_statistic_dtype_and_takes_the_chains_own_as_the_default(monkeypatch):
+    """The Fisher itself is summed in float64 (not summed in float32 and cast: estimate_fisher is asked
+    for dtype=float64); the chains' own dtype named explicitly is the default (same config, so the
+    same checkpoints); a statistic coarser than the chains is refused."""
+    import smp_core.recursion as recursion_module
+
+    asked = []
+    real = recursion_module.estimate_fisher
+    monkeypatch.setattr(recursion_module, "estimate_fisher",
+                        lambda *a, **k: asked.append(k.get("dtype")) or real(*a, **k))
+    net = toy_mlp()
+    x = torch.rand(20, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    kw = dict(preconditioner="fixed-block", tau=0.05, n_steps=3, n_chains=2, seed=0, progress=False)
+    run_smp(net, "bernoulli", x, statistic_dtype=torch.float64, **kw)
+    assert asked == [torch.float64]
+    same = run_smp(net, "bernoulli", x, statistic_dtype="float32", **kw)
+    assert asked[-1] is None and "statistic_dtype" not in same.config
+    with pytest.raises(ValueError, match="coarser than the chains"):
+        run_smp(net.double(), "bernoulli", x.double(), statistic_dtype=torch.float32, **kw)
+    with pytest.raises(ValueError, match="statistic_dtype must be"):
+        run_smp(net, "bernoulli", x, statistic_dtype="float16", **kw)

@@ -151,3 +151,23 @@ def test_a_boolean_mask_group_is_the_same_as_its_indices():
     assert tables[0].equals(tables[1])
     with pytest.raises(ValueError, match="integer indices, a slice or a boolean mask"):
         watch(_build(net, "fixed-diag"), theta0, steps=[1], groups={"g": mask.float()})
+
+
+def test_a_kfac_factor_kept_in_float64_is_watched():
+    """statistic_dtype=float64 keeps the kfac factor in float64 while the scores are float32: the ridge
+    share is computed in the factor's dtype (it raised a dtype error), and the run is unchanged."""
+    torch.manual_seed(0)
+    net = toy_mlp()
+    x = torch.rand(40, 2, generator=torch.Generator().manual_seed(2)) * 2 - 1
+    model = as_chain_model(net)
+    theta0 = model.layout.flatten(net)
+
+    def build():
+        return build_preconditioner("kfac", "fixed", dim=model.layout.dim, layers=kronecker_layers(model), ridge=1e-3,
+                                    statistic_dtype=torch.float64)
+
+    kwargs = dict(tau=0.3, n_steps=5, n_chains=4, seed=1, progress=False)
+    wrapped, record = watch(build(), theta0, steps=[1, 2])
+    watched = run_smp(net, "bernoulli", x, preconditioner=wrapped, **kwargs)
+    assert torch.equal(watched.theta, run_smp(net, "bernoulli", x, preconditioner=build(), **kwargs).theta)
+    assert record.table().ridge_share.between(0, 1).all()
