@@ -685,8 +685,8 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
     ``nn.Sequential`` of the layers it knows, else :class:`SequentialChainModel`, else
     :class:`FunctionalChainModel`.
 
-    ``input_shape`` (one input, no batch dimension) is needed unless the module is an MLP whose
-    first layer is ``Linear``.
+    ``input_shape`` (one input, no batch dimension) is needed unless the module is an ``nn.Linear``
+    or an ``nn.Sequential`` whose first layer is ``Linear``.
     """
     if hasattr(module, "vjp") and hasattr(module, "layout"):
         return module  # already a chain model
@@ -696,7 +696,9 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
         return MLPChainModel(module)
     if input_shape is None:
         first = next(iter(module.modules()))
-        if isinstance(module, nn.Sequential) and isinstance(module[0], nn.Linear):
+        if isinstance(module, nn.Linear):  # a linear model: its input is a vector of in_features
+            input_shape = (module.in_features,)
+        elif isinstance(module, nn.Sequential) and isinstance(module[0], nn.Linear):
             input_shape = (module[0].in_features,)
         else:
             raise ValueError(f"input_shape is needed for a {type(first).__name__} (the shape of one input, "

@@ -169,6 +169,18 @@ def test_chain_model_errors():
         as_chain_model("not a module")
 
 
+def test_a_bare_linear_layer_needs_no_input_shape(generator):
+    """A linear model (one nn.Linear, not in a Sequential) is taken as it is: its inputs are vectors of
+    in_features (it asked for input_shape), and its outputs and scores are the layer's."""
+    layer = nn.Linear(3, 2)
+    model = as_chain_model(layer)
+    assert tuple(model.input_shape) == (3,) and model.layout.dim == 8
+    theta = model.layout.flatten(layer).expand(4, 8).contiguous()
+    x = torch.randn(4, 3, generator=generator)
+    out, _ = model.forward(theta, x)
+    torch.testing.assert_close(out, layer(x))
+
+
 @pytest.mark.parametrize(
     "layer, in_shape",
     [
