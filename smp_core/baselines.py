@@ -113,7 +113,7 @@ class LaplacePosterior:
         ``log p(D | theta*) + log N(theta* | 0, I / alpha) + (d / 2) log 2 pi - (1 / 2) log det Lambda``
         ``= log p(D | theta*) - alpha |theta*|^2 / 2 + (d / 2) log alpha - (1 / 2) log det Lambda``,
 
-        with ``theta*`` = :attr:`mean` and ``log_likelihood`` = ``log p(D | theta*)``, the sum over the
+        with ``theta*`` = ``mean`` and ``log_likelihood`` = ``log p(D | theta*)``, the sum over the
         ``N`` training points (:func:`log_likelihood`). Exact for a linear-Gaussian model at its MAP.
         """
         if not math.isfinite(log_likelihood):

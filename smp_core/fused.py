@@ -15,7 +15,7 @@ The kernel (``smp_core/csrc/fused_sequential.cpp``) is compiled on first use wit
 cached under ``TORCH_EXTENSIONS_DIR`` or ``~/.cache/torch_extensions``). When it cannot be built,
 :func:`fused_unavailable` says why and :func:`~smp_core.models.as_chain_model` keeps the batched
 torch model; ``SMP_CORE_FUSED=0`` turns the kernel off. CUDA tensors always take the batched torch
-path (:class:`SequentialChainModel`), where one kernel per layer over all chains is the fast way.
+path (:class:`~smp_core.models.SequentialChainModel`), where one kernel per layer over all chains is the fast way.
 
 Supported layers: ``Linear``, ``Conv2d`` (groups 1, zero padding, any stride and dilation),
 ``ReLU``, ``Tanh``, ``Sigmoid``, ``Identity``, ``MaxPool2d`` (values only, any window, stride,

@@ -58,7 +58,7 @@ class ParamLayout:
 
     @property
     def block_slices(self) -> tuple[slice, ...]:
-        """The blocks of the block-diagonal preconditioner: one per weight and per bias tensor."""
+        """One slice per weight and per bias tensor, the blocks of the block-diagonal preconditioner."""
         return tuple(slice(e.start, e.stop) for e in self.entries)
 
     def flatten(self, module: nn.Module) -> torch.Tensor:

@@ -9,7 +9,7 @@ fixes the two thresholds with ``mallopt``: blocks up to 32 MB come from the heap
 of freed heap stays mapped for the next step. The process keeps its peak memory instead of
 handing it back between steps; nothing else changes.
 
-:func:`smp_core.run_smp` calls it for runs on the CPU. Set ``SMP_RETAIN_FREED_MEMORY=0`` to
+:func:`~smp_core.recursion.run_smp` calls it for runs on the CPU. Set ``SMP_RETAIN_FREED_MEMORY=0`` to
 leave the allocator alone. On systems without glibc it does nothing.
 """
 

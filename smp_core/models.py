@@ -327,7 +327,7 @@ class SequentialChainModel(_ModuleChainModel):
         (when the rule takes them) or formed a few chains at a time (small enough to stay in cache).
         So every weight, and every state entry the rule uses, is read and written once, with no score
         array written and read back: the step of a large model on a CPU is bound by memory traffic,
-        not by arithmetic. ``ctx`` must come from :meth:`forward` at this ``theta`` and is used up.
+        not by arithmetic. ``ctx`` must come from ``forward`` at this ``theta`` and is used up.
         """
         if rule.covers_update and any(t.shape[0] != theta.shape[0] for t in tensors):
             # one shared row would receive the update of every chain in turn

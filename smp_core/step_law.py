@@ -74,7 +74,7 @@ def draw_steps(
     """``n_draws`` independent steps ``u = P^{-1} s`` at ``theta`` (module docstring), one row each.
 
     Args:
-        model, likelihood, x_train: as for :func:`smp_core.run_smp` (the covariate is drawn from
+        model, likelihood, x_train: as for :func:`~smp_core.recursion.run_smp` (the covariate is drawn from
             ``x_train``, the response from the model at ``theta``).
         theta: ``(d,)``, the point the steps start from.
         preconditioner, precond_state: ``P``; its ``solve`` is applied to each score (a state for
@@ -88,14 +88,15 @@ def draw_steps(
         batch: scores computed together (it sets the order of the random numbers, so the draws of
             a seed depend on it, and on the device); jvp_batch: steps whose output change is
             computed together.
-        input_shape: as for :func:`smp_core.run_smp` (the shape of one input of a CNN, say).
+        input_shape: as for :func:`~smp_core.recursion.run_smp` (the shape of one input of a CNN, say).
         progress: show a tqdm bar.
 
     The output change calls the module as it is: a module with dropout must be in ``eval()`` mode.
 
     Returns:
-        One row per draw: ``row`` (the index of the drawn covariate in ``x_train``), ``log_prob``
-        (``log f_theta(Y | X)`` of the drawn response: very negative for a surprising one), ``score_sq``
+        A table with one row per draw and the columns ``row`` (the index of the drawn covariate in
+        ``x_train``), ``log_prob`` (``log f_theta(Y | X)`` of the drawn response: very negative for a
+        surprising one), ``score_sq``
         (``||s||^2``), ``step_sq`` (``||u||^2``), with ``x_eval`` ``output_sq``
         (``mean_{x, c} (J_x u)_c^2``), and per group ``score_sq[<group>]``, ``step_sq[<group>]`` and
         ``output_sq[<group>]`` (``u`` set to zero outside the group).

@@ -93,7 +93,7 @@ def gaussian_tail(
     """``theta_K`` plus one draw of the Gaussian tail from step ``k_from`` to ``k_to`` per chain.
 
     Args:
-        model, likelihood, x_train: as for :func:`smp_core.run_smp` (covariates are resampled from
+        model, likelihood, x_train: as for :func:`~smp_core.recursion.run_smp` (covariates are resampled from
             ``x_train``, responses drawn from the model at ``theta``).
         theta: ``(S, d)`` parameters at step ``k_from``; rows with NaN (diverged chains) stay NaN.
         preconditioner, precond_state: the preconditioner after step ``K``, the one step ``K + 1``

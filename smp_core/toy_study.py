@@ -88,7 +88,7 @@ def variant_seed(seeds: dict[str, int], variant: str, position: int, seed_offset
 def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, variant: str, seed: int,
                 progress: bool = True):
     """One SMP variant on the toy MLP from ``theta0`` with the study's settings and the paper's ``tau``
-    for its structure (:func:`smp_core.run_smp`)."""
+    for its structure (:func:`~smp_core.recursion.run_smp`)."""
     return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=variant, tau=toy_tau(variant),
                    n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed, ridge=cfg["ridge"],
                    beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"], progress=progress)

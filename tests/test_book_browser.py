@@ -64,8 +64,10 @@ PAGES = (
     "book/generated/mnist_tail.html",
     "book/generated/mnist_kfac.html",
     "book/generated/usage.html",
+    "book/api.html",
 )
-REQUIRED = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html"}
+REQUIRED = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html",
+            "book/api.html"}
 # Pages that must contain typeset math (the others are checked only if they have math).
 MATH_PAGES = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html",
               "book/generated/mnist_growth.html", "book/generated/toy_kfac.html", "book/generated/mnist_kfac.html",
