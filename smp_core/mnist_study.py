@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 
 from . import metrics
 from .config import MNIST_TAU, MNIST_VARIANTS
-from .fisher import estimate_fisher, kronecker_layers
+from .fisher import estimate_fisher, fisher_vectors, kronecker_layers
 from .fused import FusedSequentialChainModel
 from .memory import retain_freed_memory
 from .mnist import mnist_tensors
 from .models import as_chain_model, lenet5, predict
-from .preconditioners import ema_refresh_applies, preconditioner_from_name
+from .preconditioners import build_preconditioner, ema_refresh_applies, preconditioner_from_name
 from .recursion import residual_variance_ratio, run_smp
 from .results import cached, config_key, summarise_replicates, variance_components
 
@@ -922,6 +922,53 @@ def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
                         **{c: float((table[c] * weights).sum()) for c in table.columns if "share" in c},
                         "units with zero G row": int(table["units with zero G row"].sum())}
     return table
+
+
+def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_scores: int = 200,
+                             device: torch.device | None = None) -> pd.DataFrame:
+    """Whether float32 rounding of the Fisher statistic changes the fixed-kfac preconditioner at ``theta0``.
+
+    The chains, and by default their statistic, run in float32. This builds the fixed-kfac
+    preconditioner of the KFAC chapter (the empirical Fisher over the validation set, ``ridge``) twice,
+    with its Kronecker factors summed in float32 and in float64 (``statistic_dtype``, beyond the
+    paper), and gives per layer: the relative difference ``|P32^{-1} s - P64^{-1} s| / |P64^{-1} s|``
+    on the layer's slice for the empirical scores ``s`` of the first ``n_scores`` validation images
+    (median and largest), the smallest eigenvalue of each factor in both dtypes, and the share of the
+    products ``lambda_G lambda_A`` below the ridge (the directions at the ridge) in both.
+    """
+    device = device or default_device()
+    model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
+    layers = kronecker_layers(model)
+    xv, yv = (t.to(device) for t in data["val"])
+    theta = theta0.to(device)[None]
+    n_scores = min(n_scores, xv.shape[0])
+    scores = fisher_vectors(model, _categorical(), theta.expand(n_scores, -1), xv[:n_scores], yv[:n_scores],
+                            "empirical")[:, 0]
+    factors, solved = {}, {}
+    for name, dtype in (("float32", None), ("float64", torch.float64)):
+        factors[name] = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="kfac",
+                                        dtype=dtype)
+        precond = build_preconditioner("kfac", "fixed", dim=model.layout.dim, layers=layers, ridge=ridge,
+                                       statistic_dtype=dtype)
+        state = precond.init(theta, lambda t, name=name: factors[name])
+        solved[name] = precond.solve(state, scores).double().cpu()
+    rows = []
+    for i, layer in enumerate(layers):
+        idx = layer.positions()
+        reference = solved["float64"][:, idx]
+        rel = (solved["float32"][:, idx] - reference).norm(dim=1) / reference.norm(dim=1)
+        row = {"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}",
+               "P^-1 s: relative difference, median": float(rel.median()),
+               "P^-1 s: relative difference, largest": float(rel.max())}
+        for name in factors:
+            a, g = (factors[name][2 * i + j][0].double().cpu() for j in (0, 1))
+            eig_a, eig_g = torch.linalg.eigvalsh(a), torch.linalg.eigvalsh(g)
+            products = eig_g.clamp_min(0)[:, None] * eig_a.clamp_min(0)[None, :]
+            row.update({f"smallest eigenvalue of A ({name})": float(eig_a[0]),
+                        f"smallest eigenvalue of G ({name})": float(eig_g[0]),
+                        f"share below ridge ({name})": float((products < ridge).double().mean())})
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("layer")
 
 
 STEP_LAW_VARIANTS = ("none", "fixed-diag", "fixed-kfac")
