@@ -672,8 +672,9 @@ def build_preconditioner(
             scores, as an EMA keeps) ``P^{-1}`` is wrong in the small directions, and where it exceeds
             the ridge a ``block`` or ``dense`` ``P`` can come out indefinite: its Cholesky
             factorisation fails, and the factorisation or solve warns (see :func:`_redo_failed`).
-            ``kfac`` factorises through eigendecompositions that set negative eigenvalues to 0: it
-            never warns, and loses the small directions silently. In float64 the loss is ``1e-16``
+            ``kfac`` factorises through eigendecompositions that set negative eigenvalues to 0, which
+            lose the small directions without a warning (only its EMA's small layers, solved by a
+            Cholesky factorisation of the block, warn as ``block`` does). In float64 the loss is ``1e-16``
             times the largest eigenvalue. The cost: float64 products for the update and the solve,
             and float64 copies of the per-example vectors while the Fisher is summed
             (``benchmarks/bench_statistic_dtype.py``).
