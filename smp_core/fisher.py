@@ -80,6 +80,15 @@ def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: 
     return tuple(t / n for t in total)
 
 
+def _fisher_dtype(dtype: torch.dtype | str | None, theta: torch.Tensor) -> torch.dtype | None:
+    """The ``dtype`` argument of the Fisher estimates checked: ``None``, float32 or float64, and not
+    coarser than ``theta``'s (a float32 sum of float64 vectors would round away what they hold)."""
+    dtype = statistic_dtype_of(dtype, "dtype")
+    if dtype is not None and theta.is_floating_point() and torch.finfo(dtype).eps > torch.finfo(theta.dtype).eps:
+        raise ValueError(f"dtype {dtype} is coarser than theta's {theta.dtype}: leave it out to use theta's")
+    return dtype
+
+
 def _check_model_and_labels(model: ChainModel, likelihood, y: torch.Tensor | None) -> None:
     """No training-mode dropout or batch norm, an output size the likelihood can use and, for the
     empirical Fisher, valid observed labels (a wrong one gives a finite, wrong Fisher)."""
@@ -132,7 +141,7 @@ def estimate_fisher(
     """
     if theta.ndim == 1:
         theta = theta.unsqueeze(0)
-    dtype = statistic_dtype_of(dtype, "the Fisher's dtype")
+    dtype = _fisher_dtype(dtype, theta)
     if isinstance(structure, str):
         structure = structure_for(model, structure)
     n = x.shape[0]
@@ -303,7 +312,7 @@ def kronecker_fisher(
     are cast to it before their products are summed.
     """
     theta = theta.unsqueeze(0) if theta.ndim == 1 else theta
-    dtype = statistic_dtype_of(dtype, "the Fisher's dtype")
+    dtype = _fisher_dtype(dtype, theta)
     layers = _kronecker_modules(model)
     found = tuple(kron for *_, kron in layers)
     if structure is not None and tuple(structure.layers) != found:

@@ -929,12 +929,14 @@ def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_s
     """Whether float32 rounding of the Fisher statistic changes the fixed-kfac preconditioner at ``theta0``.
 
     The chains, and by default their statistic, run in float32. This builds the fixed-kfac
-    preconditioner of the KFAC chapter (the empirical Fisher over the validation set, ``ridge``) twice,
-    with its Kronecker factors summed in float32 and in float64 (``statistic_dtype``, beyond the
-    paper), and gives per layer: the relative difference ``|P32^{-1} s - P64^{-1} s| / |P64^{-1} s|``
+    preconditioner of the KFAC chapter (the empirical Fisher over the validation set, ``ridge``) twice:
+    its Kronecker factors summed, and eigendecomposed, in float32 and in float64 (``statistic_dtype``,
+    beyond the paper). Per layer: the relative difference ``|P32^{-1} s - P64^{-1} s| / |P64^{-1} s|``
     on the layer's slice for the empirical scores ``s`` of the first ``n_scores`` validation images
-    (median and largest), the smallest eigenvalue of each factor in both dtypes, and the share of the
-    products ``lambda_G lambda_A`` below the ridge (the directions at the ridge) in both.
+    (median and largest); the largest eigenvalue of ``G (x) A`` (float32 rounds the statistic by about
+    ``1e-7`` times it); and, from each preconditioner's own factor, the share of the directions whose
+    eigenvalue product ``lambda_G lambda_A`` lies below the ridge (the directions at the ridge) and the
+    smallest eigenvalues of ``A`` and ``G``.
     """
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
@@ -944,29 +946,33 @@ def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_s
     n_scores = min(n_scores, xv.shape[0])
     scores = fisher_vectors(model, _categorical(), theta.expand(n_scores, -1), xv[:n_scores], yv[:n_scores],
                             "empirical")[:, 0]
-    factors, solved = {}, {}
+    factors, states, solved = {}, {}, {}
     for name, dtype in (("float32", None), ("float64", torch.float64)):
         factors[name] = estimate_fisher(model, _categorical(), theta, xv, yv, kind="empirical", structure="kfac",
                                         dtype=dtype)
         precond = build_preconditioner("kfac", "fixed", dim=model.layout.dim, layers=layers, ridge=ridge,
                                        statistic_dtype=dtype)
-        state = precond.init(theta, lambda t, name=name: factors[name])
-        solved[name] = precond.solve(state, scores).double().cpu()
+        states[name] = precond.init(theta, lambda t, name=name: factors[name])
+        solved[name] = precond.solve(states[name], scores).double().cpu()
     rows = []
     for i, layer in enumerate(layers):
         idx = layer.positions()
         reference = solved["float64"][:, idx]
         rel = (solved["float32"][:, idx] - reference).norm(dim=1) / reference.norm(dim=1)
+        a, g = (factors["float64"][2 * i + j][0].double().cpu() for j in (0, 1))
         row = {"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}",
                "P^-1 s: relative difference, median": float(rel.median()),
-               "P^-1 s: relative difference, largest": float(rel.max())}
+               "P^-1 s: relative difference, largest": float(rel.max()),
+               "largest eigenvalue of G (x) A": float(torch.linalg.eigvalsh(a)[-1] * torch.linalg.eigvalsh(g)[-1])}
+        for name in factors:
+            # the factor (U_A, U_G, 1 / (lambda_G lambda_A^T + ridge)): a product below the ridge has a scale
+            # above 1 / (2 ridge)
+            scale = states[name].factor[3 * i + 2][0].double().cpu()
+            row[f"share below ridge ({name})"] = float((scale > 1.0 / (2.0 * ridge)).double().mean())
         for name in factors:
             a, g = (factors[name][2 * i + j][0].double().cpu() for j in (0, 1))
-            eig_a, eig_g = torch.linalg.eigvalsh(a), torch.linalg.eigvalsh(g)
-            products = eig_g.clamp_min(0)[:, None] * eig_a.clamp_min(0)[None, :]
-            row.update({f"smallest eigenvalue of A ({name})": float(eig_a[0]),
-                        f"smallest eigenvalue of G ({name})": float(eig_g[0]),
-                        f"share below ridge ({name})": float((products < ridge).double().mean())})
+            row[f"smallest eigenvalue of A ({name})"] = float(torch.linalg.eigvalsh(a)[0])
+            row[f"smallest eigenvalue of G ({name})"] = float(torch.linalg.eigvalsh(g)[0])
         rows.append(row)
     return pd.DataFrame(rows).set_index("layer")
 

@@ -673,8 +673,9 @@ def build_preconditioner(
             the ridge a ``block`` or ``dense`` ``P`` can come out indefinite: its Cholesky
             factorisation fails, and the factorisation or solve warns (see :func:`_redo_failed`).
             ``kfac`` factorises through eigendecompositions that set negative eigenvalues to 0, which
-            lose the small directions without a warning (only its EMA's small layers, solved by a
-            Cholesky factorisation of the block, warn as ``block`` does). In float64 the loss is ``1e-16``
+            lose the small directions without a warning (only its EMA with ``ema_refresh = 1`` solves
+            its small layers by a Cholesky factorisation of the block, and warns there as ``block``
+            does). In float64 the loss is ``1e-16``
             times the largest eigenvalue. The cost: float64 products for the update and the solve,
             and float64 copies of the per-example vectors while the Fisher is summed
             (``benchmarks/bench_statistic_dtype.py``).

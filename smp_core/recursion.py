@@ -636,9 +636,6 @@ def run_smp(
     statistic_dtype = statistic_dtype_of(statistic_dtype)
     if statistic_dtype == dtype:
         statistic_dtype = None  # the chains' own: the default, with the default's config and checkpoints
-    elif statistic_dtype is not None and torch.finfo(statistic_dtype).eps > torch.finfo(dtype).eps:
-        raise ValueError(f"statistic_dtype {statistic_dtype} is coarser than the chains' {dtype}: it would round "
-                         "away what the chains keep (leave it out to use theirs)")
     if isinstance(preconditioner, str):
         layers = kronecker_layers(net) if preconditioner.endswith("-kfac") else ()
         precond = preconditioner_from_name(
@@ -649,6 +646,10 @@ def run_smp(
                          "with build_preconditioner(..., statistic_dtype=...) instead")
     else:
         precond = preconditioner
+    kept_in = getattr(precond, "statistic_dtype", None)
+    if kept_in is not None and torch.finfo(kept_in).eps > torch.finfo(dtype).eps:
+        raise ValueError(f"statistic_dtype {kept_in} is coarser than the chains' {dtype}: it would round away what "
+                         "the chains keep (leave it out to use theirs)")
     if fisher_data is None:
         fisher_data = (x_train, None)
     fx = fisher_data[0].to(device=device, dtype=dtype)

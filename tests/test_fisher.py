@@ -506,7 +506,11 @@ def test_kfac_factors_in_float64_are_sums_of_float64_products(kind, generator):
     cotangent = lik.residual(out, y) if kind == "empirical" else lik.fisher_factor(out)[..., 0]
     g = cotangent.reshape(50, -1).double()
     torch.testing.assert_close(factors[-1][0], g.T @ g / 50, rtol=1e-13, atol=1e-15)
-    with pytest.raises(ValueError, match="Fisher's dtype"):
+    with pytest.raises(ValueError, match="dtype must be"):
         estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac", dtype="float16")
+    for structure in ("kfac", "dense"):  # float64 parameters, a float32 sum: refused, not rounded
+        with pytest.raises(ValueError, match="coarser than theta's"):
+            estimate_fisher(as_chain_model(toy_mlp().double()), lik, theta.double(), x.double(), y, kind=kind,
+                            structure=structure, dtype=torch.float32)
     assert estimate_fisher(model, lik, theta, x, y, kind=kind, structure="dense", dtype="float64")[0].dtype \
         == torch.float64

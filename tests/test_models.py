@@ -174,6 +174,7 @@ def test_a_bare_linear_layer_needs_no_input_shape(generator):
     in_features (it asked for input_shape), and its outputs and scores are the layer's."""
     layer = nn.Linear(3, 2)
     model = as_chain_model(layer)
+    assert isinstance(model, FunctionalChainModel)  # the general path (vmap of the module)
     assert tuple(model.input_shape) == (3,) and model.layout.dim == 8
     theta = model.layout.flatten(layer).expand(4, 8).contiguous()
     x = torch.randn(4, 3, generator=generator)

@@ -578,8 +578,8 @@ def test_a_float64_statistic_runs_float32_chains_and_resumes(name, tmp_path):
     is float64 and recorded in the config; with a ridge large enough that P^{-1} does not amplify
     rounding (with 1e-4, this Fisher's null space makes the steps up to 1e4 times the score, and the
     two runs part by more than rounding within 30 steps), the samples are the float32 statistic's up
-    to rounding (same seed). A checkpoint resumes it, and a checkpoint of the float32 run is not taken
-    for it."""
+    to rounding (same seed). A checkpoint resumes it, and a run with the float32 statistic does not
+    take its checkpoint."""
     net = toy_mlp()
     x = torch.rand(40, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
     kw = dict(preconditioner=name, tau=0.05, n_chains=8, seed=4, period=10, check_every=10, ridge=0.1,
@@ -626,5 +626,9 @@ def test_run_smp_sums_the_fisher_in_the_statistic_dtype_and_takes_the_chains_own
     assert asked[-1] is None and "statistic_dtype" not in same.config
     with pytest.raises(ValueError, match="coarser than the chains"):
         run_smp(net.double(), "bernoulli", x.double(), statistic_dtype=torch.float32, **kw)
+    built = preconditioner_from_name("fixed-block", dim=as_chain_model(net).layout.dim,
+                                     blocks=as_chain_model(net).layout.block_slices, statistic_dtype=torch.float32)
+    with pytest.raises(ValueError, match="coarser than the chains"):  # a Preconditioner object too
+        run_smp(net.double(), "bernoulli", x.double(), **{**kw, "preconditioner": built})
     with pytest.raises(ValueError, match="statistic_dtype must be"):
         run_smp(net, "bernoulli", x, statistic_dtype="float16", **kw)

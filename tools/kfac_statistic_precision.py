@@ -3,9 +3,9 @@
 Prints :func:`smp_core.mnist_study.kfac_statistic_precision` at the MNIST MAP (the cache's, trained
 first if missing) with the KFAC chapter's laptop settings: the fixed-kfac preconditioner with its
 Kronecker factors summed in float32 (the default) and in float64 (``statistic_dtype``), per layer
-the relative difference of ``P^{-1} s`` for 200 validation scores, the smallest eigenvalues of the
-factors and the share of the directions below the ridge. The chapter shows the same table. About
-ten seconds on 2 CPU cores::
+the relative difference of ``P^{-1} s`` for 200 validation scores, the largest eigenvalue of
+``G (x) A``, the smallest eigenvalues of the factors and the share of the directions below the
+ridge. The chapter shows the same table::
 
     .venv/bin/python tools/kfac_statistic_precision.py
 """
