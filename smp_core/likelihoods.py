@@ -45,6 +45,7 @@ class Bernoulli:
     out_dim = 1
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``Y ~ Bernoulli(sigmoid(g))`` per row of ``out`` ``(B, 1)``, as 0. or 1. in ``out``'s dtype."""
         u = torch.rand(out.shape[0], generator=generator, device=out.device, dtype=out.dtype)
         return (u < torch.sigmoid(out[:, 0])).to(out.dtype)
 
@@ -64,18 +65,22 @@ class Bernoulli:
         return y.to(out.dtype)
 
     def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``log f(y | x) = y g - log(1 + e^g)`` per row; ``y`` must hold 0 or 1."""
         y = self._check_y(out, y)
         logit = out[:, 0]
         return y * logit - F.softplus(logit)
 
     def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``d log f / d g = y - sigmoid(g)``, shape ``(B, 1)``: the score is ``J^T`` times it (eqs. 2.7-2.8)."""
         return (y.to(out.dtype) - torch.sigmoid(out[:, 0])).unsqueeze(-1)
 
     def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        """``L = sqrt(p (1 - p))``, shape ``(B, 1, 1)``: ``L L^T`` is the output's Fisher ``p (1 - p)``."""
         p = torch.sigmoid(out)
         return torch.sqrt(p * (1 - p)).unsqueeze(-1)
 
     def probs(self, out: torch.Tensor) -> torch.Tensor:
+        """The two class probabilities ``(1 - p, p)`` along a new last axis, for the metrics."""
         p = torch.sigmoid(out[..., 0])
         return torch.stack([1 - p, p], dim=-1)
 
@@ -110,21 +115,25 @@ class Categorical:
             raise ValueError(f"categorical responses must be integer class labels in [0, {out.shape[1]})")
 
     def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``log pi_y = g_y - log sum_j e^{g_j}`` per row; ``y`` must hold integer labels in ``[0, m)``."""
         self._check_y(out, y)
         return torch.log_softmax(out, dim=-1).gather(1, y.long().unsqueeze(-1)).squeeze(-1)
 
     def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``d log f / d g = e_y - pi``, shape ``(B, m)``: the score is ``J^T`` times it (eq. 2.6)."""
         res = -torch.softmax(out, dim=-1)
         res.scatter_add_(1, y.long().unsqueeze(-1), torch.ones_like(res[:, :1]))
         return res
 
     def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        """``L``, shape ``(B, m, m)``, with ``L L^T = diag(pi) - pi pi^T``, the output's Fisher."""
         # Lambda = diag(pi) - pi pi^T = L L^T with column c of L equal to sqrt(pi_c) (e_c - pi).
         pi = torch.softmax(out, dim=-1)
         eye = torch.eye(out.shape[1], dtype=out.dtype, device=out.device)
         return (eye - pi.unsqueeze(-1)) * pi.sqrt().unsqueeze(-2)
 
     def probs(self, out: torch.Tensor) -> torch.Tensor:
+        """The class probabilities ``softmax(g)``, for the metrics."""
         return torch.softmax(out, dim=-1)
 
 
@@ -139,6 +148,7 @@ class Gaussian:
         self.sigma = float(sigma)
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``Y = g + sigma Z`` with standard normals ``Z``, shape ``(B, m)``."""
         noise = torch.randn(out.shape, generator=generator, device=out.device, dtype=out.dtype)
         return out + self.sigma * noise
 
@@ -152,19 +162,23 @@ class Gaussian:
         return out + self.sigma * noise
 
     def log_prob(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``log N(y | g, sigma^2 I)`` per row, summed over the ``m`` outputs."""
         y = y.reshape(out.shape).to(out.dtype)
         z = (y - out) / self.sigma
         # the constant in Python floats: float32 tensors of it would round a float64 log density
         return (-0.5 * z * z - (0.5 * math.log(2 * math.pi) + math.log(self.sigma))).sum(-1)
 
     def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``d log f / d g = (y - g) / sigma^2``, shape ``(B, m)``: the score is ``J^T`` times it."""
         return (y.reshape(out.shape).to(out.dtype) - out) / self.sigma**2
 
     def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
+        """``L = I / sigma``, shape ``(B, m, m)``: the output's Fisher ``I / sigma^2`` (constant)."""
         eye = torch.eye(out.shape[1], dtype=out.dtype, device=out.device) / self.sigma
         return eye.expand(out.shape[0], -1, -1)
 
     def probs(self, out: torch.Tensor) -> torch.Tensor:
+        """Raises ``TypeError``: a regression has no class probabilities."""
         raise TypeError("a Gaussian likelihood has no class probabilities")
 
 
