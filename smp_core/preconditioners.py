@@ -678,7 +678,9 @@ def build_preconditioner(
             does). In float64 the loss is ``1e-16``
             times the largest eigenvalue. The cost: float64 products for the update and the solve,
             and float64 copies of the per-example vectors while the Fisher is summed
-            (``benchmarks/bench_statistic_dtype.py``).
+            (``benchmarks/bench_statistic_dtype.py``). A dtype named here is recorded in ``hyper`` and
+            so in a run's config and checkpoint key, even the chains' own (``run_smp``, which knows the
+            chains' dtype, takes that as the default and records nothing).
 
     Returns:
         A :class:`Preconditioner`.
