@@ -483,6 +483,26 @@ class PreconditionerState(NamedTuple):
     stat: Stat  # current Fisher statistic (without ridge)
     factor: Stat  # factor for apply() (fixed / periodic), () otherwise
 
+    def of_chain(self, chain: int) -> PreconditionerState:
+        """The state of one chain alone: each tensor with one row per chain cut to ``[chain : chain + 1]``,
+        a tensor shared by all chains (leading size 1) kept as it is. For instance the ``P`` a chain
+        ends a run with (``SMPResult.precond_state.of_chain(i)``), for
+        :func:`smp_core.step_law.draw_steps`, which takes one ``P`` for all its draws. A state shared by
+        all chains (every tensor of leading size 1, or none) is every chain's: it comes back as it is."""
+        sizes = {t.shape[0] for t in (*self.stat, *self.factor) if isinstance(t, torch.Tensor) and t.ndim > 0}
+        chains = max(sizes, default=1)
+        if isinstance(chain, bool) or not isinstance(chain, int) or (chains > 1 and not -chains <= chain < chains):
+            raise ValueError(f"chain must be an integer index of one of the state's {chains} chains, got {chain!r}")
+        if chains == 1:
+            return self
+        chain %= chains
+
+        def cut(parts: Stat) -> Stat:
+            return tuple(t[chain : chain + 1] if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] > 1
+                         else t for t in parts)
+
+        return PreconditionerState(cut(self.stat), cut(self.factor))
+
 
 @dataclass(frozen=True)
 class ElementwiseRule:

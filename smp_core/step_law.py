@@ -121,7 +121,7 @@ def draw_steps(
     per_chain = [tuple(t.shape) for t in parts if isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] != 1]
     if per_chain:
         raise ValueError(f"the preconditioner state holds one P per chain (leading sizes {per_chain}): pass one "
-                         "chain's state (each tensor cut to [i:i + 1]) or a state shared by all chains, as the "
+                         "chain's state (state.of_chain(i)) or a state shared by all chains, as the "
                          "fixed strategies build it at a common start")
     outputs = None
     if x_eval is not None:

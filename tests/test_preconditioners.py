@@ -662,3 +662,28 @@ def test_the_rounding_warning_is_one_text_and_not_for_a_singular_statistic_witho
         out = struct.solve((rank5,), 0.0, v[:1])
         assert not torch.isfinite(out).all()
         struct.solve((rank5.double(),), 1e-4, v[:1].double())
+
+
+def test_of_chain_cuts_the_per_chain_tensors_and_keeps_the_shared_ones(generator):
+    """A periodic state after a recomputation at per-chain parameters: its statistic and factor have
+    one row per chain, while a fixed state's are shared (leading size 1). of_chain(i) gives chain i's
+    rows (negative indices count from the end) and leaves shared tensors alone; a bad index is refused."""
+    precond = build_preconditioner("block", "periodic", dim=DIM, blocks=BLOCKS, ridge=RIDGE, period=1)
+    vectors = _vectors(generator, 3)
+
+    def curvature(theta):
+        return precond.structure.outer_sum(vectors[: theta.shape[0]])
+
+    shared = precond.init(torch.zeros(3, DIM, dtype=torch.float64), curvature)  # one start: C = 1
+    assert all(t.shape[0] == 1 for t in shared.stat)
+    assert shared.of_chain(2) is shared  # every chain's
+    state = precond.update(shared, 1, torch.randn(3, DIM, generator=generator, dtype=torch.float64), None, curvature)
+    assert all(t.shape[0] == 3 for t in (*state.stat, *state.factor))
+    one = state.of_chain(-1)
+    for a, b in zip((*one.stat, *one.factor), (*state.stat, *state.factor), strict=True):
+        assert torch.equal(a, b[2:3])
+    v = torch.randn(1, DIM, generator=generator, dtype=torch.float64)
+    torch.testing.assert_close(precond.solve(one, v), precond.solve(state, v.expand(3, DIM))[2:3])
+    for bad in (3, -4, 1.0, True):
+        with pytest.raises(ValueError, match="chain must be an integer index"):
+            state.of_chain(bad)

@@ -186,7 +186,8 @@ def test_a_state_with_one_p_per_chain_is_refused():
                   progress=False)
     with pytest.raises(ValueError, match="one P per chain"):
         draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, run.precond_state, n_draws=5, batch=5)
-    one = type(run.precond_state)(*(tuple(t[2:3] for t in part) for part in run.precond_state))
+    one = run.precond_state.of_chain(2)
+    assert all(torch.equal(a, b[2:3]) for a, b in zip(one.stat, run.precond_state.stat, strict=True))
     draws = draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, one, n_draws=6, batch=4)
     assert len(draws) == 6
 
