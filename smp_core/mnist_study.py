@@ -959,20 +959,22 @@ def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_s
         idx = layer.positions()
         reference = solved["float64"][:, idx]
         rel = (solved["float32"][:, idx] - reference).norm(dim=1) / reference.norm(dim=1)
-        a, g = (factors["float64"][2 * i + j][0].double().cpu() for j in (0, 1))
+        # the eigenvalues of A and G (ascending) of each statistic, computed once
+        spectra = {name: tuple(torch.linalg.eigvalsh(factors[name][2 * i + j][0].double().cpu()) for j in (0, 1))
+                   for name in factors}
+        eig_a, eig_g = spectra["float64"]
         row = {"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}",
                "P^-1 s: relative difference, median": float(rel.median()),
                "P^-1 s: relative difference, largest": float(rel.max()),
-               "largest eigenvalue of G (x) A": float(torch.linalg.eigvalsh(a)[-1] * torch.linalg.eigvalsh(g)[-1])}
+               "largest eigenvalue of G (x) A": float(eig_a[-1] * eig_g[-1])}
         for name in factors:
             # the factor (U_A, U_G, 1 / (lambda_G lambda_A^T + ridge)): a product below the ridge has a scale
             # above 1 / (2 ridge)
             scale = states[name].factor[3 * i + 2][0].double().cpu()
             row[f"share below ridge ({name})"] = float((scale > 1.0 / (2.0 * ridge)).double().mean())
-        for name in factors:
-            a, g = (factors[name][2 * i + j][0].double().cpu() for j in (0, 1))
-            row[f"smallest eigenvalue of A ({name})"] = float(torch.linalg.eigvalsh(a)[0])
-            row[f"smallest eigenvalue of G ({name})"] = float(torch.linalg.eigvalsh(g)[0])
+        for name, (eig_a, eig_g) in spectra.items():
+            row[f"smallest eigenvalue of A ({name})"] = float(eig_a[0])
+            row[f"smallest eigenvalue of G ({name})"] = float(eig_g[0])
         rows.append(row)
     return pd.DataFrame(rows).set_index("layer")
 
