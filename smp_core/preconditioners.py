@@ -385,9 +385,15 @@ def _eigh_per_chain(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 def _cholesky_per_element(ridged: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cholesky_ex`` of a batch ``(C, n, n)`` and the ``(C,)`` mask of the elements it failed on."""
+    """``cholesky_ex`` of a batch ``(C, n, n)`` and the ``(C,)`` mask of the elements it failed on.
+
+    A failed element's factor is replaced by the identity: the partial factor ``cholesky_ex`` leaves
+    can hold an exact zero on its diagonal (a zero pivot), on which ``cholesky_inverse`` raises for the
+    whole batch; the caller redoes the failed elements anyway (:func:`_redo_failed`)."""
     chol, info = torch.linalg.cholesky_ex(ridged)
-    return chol, info != 0
+    failed = info != 0
+    eye = torch.eye(chol.shape[-1], dtype=chol.dtype, device=chol.device)
+    return torch.where(failed[:, None, None], eye, chol), failed
 
 
 def _psd_inverse_float64(m: torch.Tensor, ridge: float) -> torch.Tensor:

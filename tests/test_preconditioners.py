@@ -664,6 +664,29 @@ def test_the_rounding_warning_is_one_text_and_not_for_a_singular_statistic_witho
         struct.solve((rank5.double(),), 1e-4, v[:1].double())
 
 
+def test_a_zero_pivot_is_redone_not_raised_for_the_whole_batch():
+    """A statistic whose ridged matrix has an exact zero pivot ([[1, 1], [1, 1]]: a float32 Fisher with
+    eigenvalues in the thousands rounded to that in the toy regression of the usage chapter): cholesky_ex's
+    partial factor then holds a 0 on its diagonal, on which cholesky_inverse raised for the whole batch
+    (a fixed dense run failed at its start with LinAlgError). Both the factorisation and the direct solve
+    now redo that element from its positive part, leave the good element alone, and warn once."""
+    ridge = 0.5
+    zero_pivot = torch.tensor([[1.0, 1.0], [1.0, 1.0]]) - ridge * torch.eye(2)   # ridged: exactly [[1, 1], [1, 1]]
+    good = torch.tensor([[2.0, 0.5], [0.5, 1.0]])
+    stat = torch.stack([zero_pivot, good])
+    positive_part = torch.tensor([[0.75, 0.75], [0.75, 0.75]], dtype=torch.float64)  # eigenvalues 1.5 and (-0.5 -> 0)
+    expected = torch.stack([torch.linalg.inv(positive_part + ridge * torch.eye(2, dtype=torch.float64)),
+                            torch.linalg.inv(good.double() + ridge * torch.eye(2, dtype=torch.float64))]).float()
+    struct = Structure("dense", 2)
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        (inverse,) = struct.factorize((stat,), ridge)
+    torch.testing.assert_close(inverse, expected)
+    v = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        solved = struct.solve((stat,), ridge, v)
+    torch.testing.assert_close(solved, (expected @ v[:, :, None])[:, :, 0])
+
+
 def test_of_chain_cuts_the_per_chain_tensors_and_keeps_the_shared_ones(generator):
     """A periodic state after a recomputation at per-chain parameters: its statistic and factor have
     one row per chain, while a fixed state's are shared (leading size 1). of_chain(i) gives chain i's
