@@ -21,6 +21,12 @@ Conventions:
 Scalar metrics are returned as Python floats; :func:`all_scores` collects the eight metrics of
 the paper's score tables. :func:`params_variance` and :func:`logits_variance` give the two
 columns of the paper's variance tables (``NaN`` for a point estimate, as printed there).
+
+Regression (beyond the paper, whose examples are classifications): with a Gaussian likelihood of
+known noise ``sigma`` the predictive is the mixture ``(1/S) sum_l N(y; g(x_i, theta^(l)), sigma^2)``;
+``means`` of shape ``(S, N, m)`` (as :func:`smp_core.predict` returns) holds its component means.
+:func:`regression_scores` collects its RMSE, NLL, CRPS, interval coverage and width;
+:func:`pit` gives the values for a regression reliability diagram.
 """
 
 from __future__ import annotations
@@ -35,15 +41,20 @@ __all__ = [
     "CalibrationCurve",
     "NLL_FLOOR",
     "PROB_SUM_TOL",
+    "REGRESSION_SCORE_KEYS",
     "SCORE_KEYS",
     "accuracy",
     "all_scores",
     "binary_probs",
     "brier",
     "calibration_curve",
+    "crps",
     "ece",
     "epistemic_std",
     "expected_entropy",
+    "gaussian_nll",
+    "interval_coverage",
+    "interval_width",
     "jackknife_se",
     "logits_variance",
     "mutual_information",
@@ -51,8 +62,13 @@ __all__ = [
     "n_trimmed",
     "nll",
     "params_variance",
+    "pit",
     "predictive",
     "predictive_entropy",
+    "predictive_mean",
+    "predictive_quantile",
+    "regression_scores",
+    "rmse",
     "trimmed_mutual_information",
 ]
 
@@ -574,6 +590,300 @@ def all_scores(probs: torch.Tensor, labels: torch.Tensor, n_bins: int = 10) -> d
         "exp_entropy": expected_entropy(p),
         "mutual_info": mutual_information(p),
         "epistemic_std": epistemic_std(p),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Regression (beyond the paper): the predictive of a Gaussian likelihood
+# --------------------------------------------------------------------------------------------------
+
+REGRESSION_SCORE_KEYS = ("rmse", "nll", "crps", "coverage", "interval_width")
+"""The keys of :func:`regression_scores`, in order."""
+
+_CRPS_PAIR_CHUNK = 2**22  # pairs (s, t, point) held at once by the CRPS's pairwise term
+
+
+def _check_means(means: torch.Tensor) -> torch.Tensor:
+    """Validates ``(S, N, m)`` network outputs (the Gaussian means) and returns them in float64."""
+    if not isinstance(means, torch.Tensor):
+        raise TypeError(f"means must be a torch.Tensor, got {type(means).__name__}")
+    if means.ndim != 3:
+        raise ValueError(f"means must have shape (S, N, m) (samples x points x outputs, as smp_core.predict "
+                         f"returns), got ndim={means.ndim} shape {tuple(means.shape)}; for a point estimate use "
+                         "means.unsqueeze(0)")
+    if means.numel() == 0:
+        raise ValueError(f"means is empty (shape {tuple(means.shape)})")
+    if not means.dtype.is_floating_point:
+        raise ValueError(f"means must be a floating-point tensor, got dtype {means.dtype}")
+    x = means.detach().to(torch.float64)
+    if not torch.isfinite(x).all():
+        raise ValueError("means contains NaN or infinite values")
+    return x
+
+
+def _check_targets(y: torch.Tensor, n: int, m: int, device: torch.device) -> torch.Tensor:
+    """Validates responses ``(N,)`` (one output) or ``(N, m)`` and returns them as ``(N, m)`` float64."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"y must be a torch.Tensor, got {type(y).__name__}")
+    if tuple(y.shape) == (n,) and m == 1:
+        y = y[:, None]
+    if tuple(y.shape) != (n, m):
+        allowed = f"({n},) or ({n}, 1)" if m == 1 else f"({n}, {m})"
+        raise ValueError(f"y must have shape {allowed} to match means (S, {n}, {m}), got {tuple(y.shape)}")
+    if y.dtype == torch.bool or y.is_complex():
+        raise ValueError(f"y must hold real responses, got dtype {y.dtype}")
+    y = y.detach().to(device=device, dtype=torch.float64)
+    if not torch.isfinite(y).all():
+        raise ValueError("y contains NaN or infinite values")
+    return y
+
+
+def _check_sigma(sigma) -> float:
+    if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or not sigma > 0:
+        raise ValueError(f"sigma (the Gaussian noise standard deviation) must be a positive finite number, "
+                         f"got {sigma!r}")
+    return float(sigma)
+
+
+def _check_level(level, name: str = "level") -> float:
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0 < level < 1:
+        raise ValueError(f"{name} must lie strictly between 0 and 1 (e.g. 0.9 for a 90 % interval), got {level!r}")
+    return float(level)
+
+
+def _univariate(means: torch.Tensor, y: torch.Tensor, sigma, what: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(S, N)`` means and ``(N,)`` responses of a one-output regression, for the univariate scores."""
+    mu = _check_means(means)
+    if mu.shape[2] != 1:
+        raise ValueError(f"{what} is defined for one output per point; means has m={mu.shape[2]} outputs "
+                         "(score each output separately: means[..., j:j+1], y[:, j])")
+    return mu[..., 0], _check_targets(y, mu.shape[1], 1, mu.device)[:, 0], _check_sigma(sigma)
+
+
+def _normal_cdf(z: torch.Tensor) -> torch.Tensor:
+    return 0.5 * torch.erfc(-z / math.sqrt(2.0))
+
+
+def _normal_pdf(z: torch.Tensor) -> torch.Tensor:
+    return torch.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+
+
+def predictive_mean(means: torch.Tensor) -> torch.Tensor:
+    """The regression predictive's mean ``(1/S) sum_l g(x_i, theta^(l))``, ``(N, m)`` float64.
+
+    The Gaussian likelihood's predictive is the mixture ``(1/S) sum_l N(y; g(x_i, theta^(l)),
+    sigma^2 I)``, the regression counterpart of the sample average of Section 3.1.2; its mean does
+    not depend on ``sigma``.
+
+    Args:
+        means: ``(S, N, m)`` network outputs, one row per parameter sample (``smp_core.predict``).
+
+    Raises:
+        ValueError: on a malformed ``means``.
+    """
+    return _check_means(means).mean(dim=0)
+
+
+def rmse(means: torch.Tensor, y: torch.Tensor) -> float:
+    """Root mean squared error of the predictive mean, ``sqrt(1/(N m) sum_i ||y_i - mean_i||^2)``.
+
+    Args:
+        means: ``(S, N, m)`` network outputs (``S = 1`` for a point estimate).
+        y: ``(N,)`` (one output) or ``(N, m)`` responses.
+
+    Raises:
+        ValueError: on malformed ``means`` or ``y``.
+    """
+    mu = predictive_mean(means)
+    target = _check_targets(y, mu.shape[0], mu.shape[1], mu.device)
+    return ((target - mu) ** 2).mean().sqrt().item()
+
+
+def gaussian_nll(means: torch.Tensor, y: torch.Tensor, sigma: float, per_point: bool = False) -> float | torch.Tensor:
+    """Negative log predictive density of the Gaussian mixture predictive (lower is better).
+
+    ``-(1/N) sum_i log[(1/S) sum_l N(y_i; g(x_i, theta^(l)), sigma^2 I_m)]``, the regression
+    analogue of the paper's NLL (Appendix A), in nats per point (summed over the ``m`` outputs of a
+    point), computed with a log-sum-exp so that no density underflows.
+
+    Args:
+        means: ``(S, N, m)`` network outputs; ``S = 1`` gives a point estimate's plug-in NLL.
+        y: ``(N,)`` (one output) or ``(N, m)`` responses.
+        sigma: the noise standard deviation of the Gaussian likelihood.
+        per_point: return the ``(N,)`` per-point values instead of their mean.
+
+    Raises:
+        ValueError: on malformed ``means``, ``y`` or ``sigma``.
+    """
+    mu = _check_means(means)
+    s, n, m = mu.shape
+    target = _check_targets(y, n, m, mu.device)
+    sigma = _check_sigma(sigma)
+    z = (target[None] - mu) / sigma
+    log_density = -0.5 * (z * z).sum(dim=-1) - m * (0.5 * math.log(2 * math.pi) + math.log(sigma))  # (S, N)
+    value = -(torch.logsumexp(log_density, dim=0) - math.log(s))
+    return value if per_point else value.mean().item()
+
+
+def pit(means: torch.Tensor, y: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Probability integral transform ``u_i = F_i(y_i) = (1/S) sum_l Phi((y_i - g(x_i, theta^(l))) / sigma)``.
+
+    ``F_i`` is the predictive's CDF at point ``i``. For responses drawn from the predictive itself the
+    ``u_i`` are uniform on ``[0, 1]``: a histogram of them is the regression reliability diagram
+    (U-shaped: over-confident; hump-shaped: under-confident).
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression.
+        y: ``(N,)`` or ``(N, 1)`` responses.
+        sigma: the noise standard deviation.
+
+    Returns:
+        ``(N,)`` float64 values in ``[0, 1]``.
+
+    Raises:
+        ValueError: on malformed input or more than one output.
+    """
+    mu, target, sigma = _univariate(means, y, sigma, "the PIT")
+    return _normal_cdf((target[None] - mu) / sigma).mean(dim=0)
+
+
+def interval_coverage(means: torch.Tensor, y: torch.Tensor, sigma: float, level: float = 0.9) -> float:
+    """Share of responses inside the predictive's central ``level`` interval (nominal: ``level``).
+
+    The central interval ``[F_i^{-1}((1 - level)/2), F_i^{-1}((1 + level)/2)]`` of the mixture CDF
+    ``F_i`` (continuous and increasing) holds ``y_i`` exactly when ``(1 - level)/2 <= u_i <= (1 + level)/2``
+    for the PIT ``u_i`` (:func:`pit`), so no quantile is inverted. Under a calibrated predictive the
+    count is Binomial(N, level): a standard error ``sqrt(level (1 - level) / N)``.
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression.
+        y: ``(N,)`` or ``(N, 1)`` responses.
+        sigma: the noise standard deviation.
+        level: the nominal coverage, in ``(0, 1)``.
+
+    Raises:
+        ValueError: on malformed input, more than one output, or a level outside ``(0, 1)``.
+    """
+    level = _check_level(level)
+    u = pit(means, y, sigma)
+    return ((u >= (1 - level) / 2) & (u <= (1 + level) / 2)).to(torch.float64).mean().item()
+
+
+def predictive_quantile(means: torch.Tensor, sigma: float, q: float, tol: float = 1e-10) -> torch.Tensor:
+    """``F_i^{-1}(q)`` of the Gaussian mixture predictive at every point, ``(N,)`` float64 (by bisection).
+
+    The mixture's quantile has no closed form; ``F_i`` is increasing, so bisection on the bracket
+    ``[min_l mu_l + sigma Phi^{-1}(q), max_l mu_l + sigma Phi^{-1}(q)]`` (which holds it: each
+    component's ``q``-quantile bounds the mixture's) stops once the bracket is narrower than ``tol sigma``.
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression.
+        sigma: the noise standard deviation.
+        q: the probability, in ``(0, 1)``.
+        tol: the accuracy of the bisection, relative to ``sigma``.
+
+    Raises:
+        ValueError: on malformed ``means``, ``sigma`` or ``q``, or more than one output.
+    """
+    mu = _check_means(means)
+    if mu.shape[2] != 1:
+        raise ValueError(f"quantiles are defined for one output per point; means has m={mu.shape[2]} outputs")
+    mu, sigma, q = mu[..., 0], _check_sigma(sigma), _check_level(q, "q")
+    shift = sigma * math.sqrt(2.0) * torch.special.erfinv(torch.tensor(2 * q - 1, dtype=torch.float64)).item()
+    low, high = mu.min(dim=0).values + shift, mu.max(dim=0).values + shift
+    width = (high - low).max().item()
+    for _ in range(200):
+        if width <= tol * sigma:
+            break
+        middle = 0.5 * (low + high)
+        below = _normal_cdf((middle[None] - mu) / sigma).mean(dim=0) < q
+        low, high = torch.where(below, middle, low), torch.where(below, high, middle)
+        width *= 0.5
+    return 0.5 * (low + high)
+
+
+def interval_width(means: torch.Tensor, sigma: float, level: float = 0.9) -> float:
+    """Mean width of the predictive's central ``level`` interval over the points (sharpness: smaller
+    is sharper, at the coverage :func:`interval_coverage` reports).
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression.
+        sigma: the noise standard deviation.
+        level: the interval's probability, in ``(0, 1)``.
+
+    Raises:
+        ValueError: on malformed input, more than one output, or a level outside ``(0, 1)``.
+    """
+    level = _check_level(level)
+    upper = predictive_quantile(means, sigma, (1 + level) / 2)
+    lower = predictive_quantile(means, sigma, (1 - level) / 2)
+    return (upper - lower).mean().item()
+
+
+def _crps_kernel(diff: torch.Tensor, scale: float) -> torch.Tensor:
+    """``E|D|`` for ``D ~ N(diff, scale^2)``: ``diff (2 Phi(diff/scale) - 1) + 2 scale phi(diff/scale)``."""
+    z = diff / scale
+    return diff * (2 * _normal_cdf(z) - 1) + 2 * scale * _normal_pdf(z)
+
+
+def crps(means: torch.Tensor, y: torch.Tensor, sigma: float, per_point: bool = False) -> float | torch.Tensor:
+    """Continuous ranked probability score of the Gaussian mixture predictive (lower is better).
+
+    ``CRPS(F, y) = E|Y - y| - (1/2) E|Y - Y'|`` for ``Y, Y'`` independent draws of the predictive ``F``
+    (Gneiting and Raftery, 2007), in the response's units; for the equally weighted mixture of
+    ``N(mu_l, sigma^2)`` both expectations are closed forms (Grimit et al., 2006)::
+
+        CRPS = (1/S) sum_l A(y - mu_l, sigma) - (1/(2 S^2)) sum_{l,l'} A(mu_l - mu_l', sqrt(2) sigma),
+
+    with ``A(m, s) = m (2 Phi(m/s) - 1) + 2 s phi(m/s)`` the mean of ``|N(m, s^2)|``. The pairwise term
+    costs ``S^2 N`` kernel evaluations (done in chunks of points). For ``S = 1`` it is the Gaussian's
+    ``sigma [z (2 Phi(z) - 1) + 2 phi(z) - 1/sqrt(pi)]``, ``z = (y - mu)/sigma``.
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression.
+        y: ``(N,)`` or ``(N, 1)`` responses.
+        sigma: the noise standard deviation.
+        per_point: return the ``(N,)`` per-point values instead of their mean.
+
+    Raises:
+        ValueError: on malformed input or more than one output.
+    """
+    mu, target, sigma = _univariate(means, y, sigma, "the CRPS")
+    s, n = mu.shape
+    to_target = _crps_kernel(target[None] - mu, sigma).mean(dim=0)  # (N,)
+    spread = torch.empty(n, dtype=torch.float64, device=mu.device)
+    step = max(1, _CRPS_PAIR_CHUNK // (s * s))
+    for start in range(0, n, step):
+        block = mu[:, start:start + step]  # (S, n_block)
+        spread[start:start + step] = _crps_kernel(block[:, None] - block[None], math.sqrt(2.0) * sigma).mean(dim=(0, 1))
+    value = to_target - 0.5 * spread
+    return value if per_point else value.mean().item()
+
+
+def regression_scores(means: torch.Tensor, y: torch.Tensor, sigma: float, level: float = 0.9) -> dict[str, float]:
+    """The regression predictive's scores (beyond the paper, whose examples are classifications).
+
+    Args:
+        means: ``(S, N, 1)`` network outputs of a one-output regression (``smp_core.predict``).
+        y: ``(N,)`` or ``(N, 1)`` responses.
+        sigma: the Gaussian likelihood's noise standard deviation.
+        level: the central interval's nominal coverage.
+
+    Returns:
+        A dict of Python floats with keys, in order, ``rmse`` (:func:`rmse`), ``nll``
+        (:func:`gaussian_nll`), ``crps`` (:func:`crps`), ``coverage`` (:func:`interval_coverage` at
+        ``level``) and ``interval_width`` (:func:`interval_width` at ``level``).
+
+    Raises:
+        ValueError: on malformed input, more than one output, or a level outside ``(0, 1)``.
+    """
+    mu = _check_means(means)  # validate once
+    return {
+        "rmse": rmse(mu, y),
+        "nll": gaussian_nll(mu, y, sigma),
+        "crps": crps(mu, y, sigma),
+        "coverage": interval_coverage(mu, y, sigma, level),
+        "interval_width": interval_width(mu, sigma, level),
     }
 
 

@@ -1,22 +1,30 @@
-"""Known-value tests of smp_core.metrics (the paper's Appendix A metrics and the variance tables)."""
+"""Known-value tests of smp_core.metrics (the paper's Appendix A metrics, the variance tables and the regression
+scores)."""
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+import smp_core.metrics as metrics_module
 from smp_core.metrics import (
     NLL_FLOOR,
+    REGRESSION_SCORE_KEYS,
     SCORE_KEYS,
     accuracy,
     all_scores,
     binary_probs,
     brier,
     calibration_curve,
+    crps,
     ece,
     epistemic_std,
     expected_entropy,
+    gaussian_nll,
+    interval_coverage,
+    interval_width,
     jackknife_se,
     logits_variance,
     mutual_information,
@@ -24,8 +32,13 @@ from smp_core.metrics import (
     n_trimmed,
     nll,
     params_variance,
+    pit,
     predictive,
     predictive_entropy,
+    predictive_mean,
+    predictive_quantile,
+    regression_scores,
+    rmse,
     trimmed_mutual_information,
 )
 
@@ -400,3 +413,140 @@ def test_jackknife_se_of_the_variance_matches_its_monte_carlo_truth():
     truth = 2 / (n_chains - 2)
     z = (sq.mean() - truth) / (sq.std() / math.sqrt(reps))
     assert abs(z) < 4, (float(sq.mean()), truth)
+
+
+# ----------------------------------------------------------------------------------------------
+# Regression (the Gaussian mixture predictive)
+# ----------------------------------------------------------------------------------------------
+
+
+def _mixture_means(n_samples=7, n_points=5, outputs=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n_samples, n_points, outputs, dtype=torch.float64, generator=gen)
+
+
+def _mixture_cdf(x, mu, sigma):
+    from scipy.stats import norm
+    return float(norm.cdf((x - mu) / sigma).mean())
+
+
+def test_gaussian_nll_of_one_sample_is_the_gaussian_log_density():
+    mu = _mixture_means(1, 6, 2)
+    y = torch.randn(6, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = -torch.distributions.Normal(mu[0], 0.7).log_prob(y).sum(-1)
+    assert torch.allclose(gaussian_nll(mu, y, 0.7, per_point=True), expected, rtol=1e-12)
+    assert gaussian_nll(mu, y, 0.7) == pytest.approx(expected.mean().item(), rel=1e-12)
+
+
+def test_gaussian_nll_of_a_mixture_against_scipy_and_far_from_every_component():
+    from scipy.stats import norm
+    mu, sigma = _mixture_means(7, 5), 0.3
+    y = torch.linspace(-1.0, 1.0, 5, dtype=torch.float64)
+    expected = [-math.log(norm.pdf(float(y[i]), mu[:, i, 0].numpy(), sigma).mean()) for i in range(5)]
+    assert gaussian_nll(mu, y, sigma, per_point=True).tolist() == pytest.approx(expected, rel=1e-12)
+    # 300 sigma from every mean: each density underflows, the log-sum-exp does not
+    far = torch.full((5,), 100.0, dtype=torch.float64)
+    one = gaussian_nll(torch.zeros(1, 5, 1, dtype=torch.float64), far, sigma)
+    assert one == pytest.approx(0.5 * (100 / sigma) ** 2 + 0.5 * math.log(2 * math.pi) + math.log(sigma), rel=1e-12)
+    assert math.isfinite(gaussian_nll(mu, far, sigma))
+
+
+def test_crps_of_one_sample_is_the_gaussian_closed_form():
+    from scipy.stats import norm
+    mu, sigma = _mixture_means(1, 8), 0.4
+    y = torch.linspace(-2.0, 2.0, 8, dtype=torch.float64)
+    z = (y.numpy() - mu[0, :, 0].numpy()) / sigma
+    expected = sigma * (z * (2 * norm.cdf(z) - 1) + 2 * norm.pdf(z) - 1 / math.sqrt(math.pi))
+    assert crps(mu, y, sigma, per_point=True).tolist() == pytest.approx(expected.tolist(), rel=1e-10)
+
+
+def test_crps_of_a_mixture_is_the_integral_of_the_squared_cdf_difference(monkeypatch):
+    # CRPS(F, y) = integral (F(x) - 1{x >= y})^2 dx, by quadrature against the closed form
+    from scipy.integrate import quad
+    mu, sigma = _mixture_means(6, 4), 0.5
+    y = torch.tensor([-0.3, 0.1, 2.5, -4.0], dtype=torch.float64)
+    closed = crps(mu, y, sigma, per_point=True)
+    for i in range(4):
+        m, yi = mu[:, i, 0].numpy(), float(y[i])
+        left = quad(lambda x, m=m: _mixture_cdf(x, m, sigma) ** 2, -np.inf, yi, epsabs=1e-12)[0]
+        right = quad(lambda x, m=m: (1 - _mixture_cdf(x, m, sigma)) ** 2, yi, np.inf, epsabs=1e-12)[0]
+        assert float(closed[i]) == pytest.approx(left + right, rel=1e-7, abs=1e-10)
+    # the pairwise term in chunks of one point gives the same numbers
+    monkeypatch.setattr(metrics_module, "_CRPS_PAIR_CHUNK", 1)
+    assert torch.allclose(crps(mu, y, sigma, per_point=True), closed, rtol=1e-13, atol=0)
+
+
+def test_predictive_quantile_inverts_the_mixture_cdf():
+    from scipy.stats import norm
+    mu, sigma = _mixture_means(9, 6), 0.25
+    for q in (0.05, 0.5, 0.975):
+        quantile = predictive_quantile(mu, sigma, q)
+        for i in range(6):
+            assert _mixture_cdf(float(quantile[i]), mu[:, i, 0].numpy(), sigma) == pytest.approx(q, abs=1e-9)
+    one = predictive_quantile(mu[:1], sigma, 0.9)
+    assert one.tolist() == pytest.approx((mu[0, :, 0] + sigma * norm.ppf(0.9)).tolist(), abs=1e-12)
+    assert interval_width(mu[:1], sigma, 0.9) == pytest.approx(2 * sigma * norm.ppf(0.95), rel=1e-10)
+
+
+def test_interval_coverage_counts_the_points_between_the_quantiles():
+    mu, sigma = _mixture_means(5, 400), 0.3
+    y = 1.2 * torch.randn(400, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    low, high = predictive_quantile(mu, sigma, 0.05), predictive_quantile(mu, sigma, 0.95)
+    inside = ((y >= low) & (y <= high)).double().mean().item()
+    assert interval_coverage(mu, y, sigma, 0.9) == pytest.approx(inside, abs=1 / 400)  # a point on an edge at most
+
+
+def test_pit_and_coverage_of_responses_drawn_from_the_predictive():
+    # y_i drawn from the mixture itself: the PIT is uniform, so the coverage of each central interval is
+    # Binomial(N, level) / N and the PIT's mean is 1/2 with variance 1/12
+    gen = torch.Generator().manual_seed(3)
+    n_points, n_samples, sigma = 20000, 4, 0.5
+    mu = 2 * torch.randn(n_samples, n_points, 1, dtype=torch.float64, generator=gen)
+    component = torch.randint(n_samples, (n_points,), generator=gen)
+    y = mu[component, torch.arange(n_points), 0] + sigma * torch.randn(n_points, dtype=torch.float64, generator=gen)
+    u = pit(mu, y, sigma)
+    assert abs((u.mean().item() - 0.5) / math.sqrt(1 / 12 / n_points)) < 4
+    for level in (0.5, 0.8, 0.95):
+        z = (interval_coverage(mu, y, sigma, level) - level) / math.sqrt(level * (1 - level) / n_points)
+        assert abs(z) < 4, (level, z)
+    # a predictive too narrow by half covers too little, by far more than the Monte Carlo error
+    z_narrow = (interval_coverage(mu, y, sigma / 2, 0.9) - 0.9) / math.sqrt(0.09 / n_points)
+    assert z_narrow < -10
+
+
+def test_rmse_and_regression_scores():
+    mu = _t([[[1.0], [2.0]], [[3.0], [2.0]]])  # predictive means 2 and 2
+    y = _t([2.0, 5.0])
+    assert rmse(mu, y) == pytest.approx(math.sqrt(4.5))
+    assert predictive_mean(mu)[:, 0].tolist() == [2.0, 2.0]
+    scores = regression_scores(mu, y, 0.5, level=0.8)
+    assert tuple(scores) == REGRESSION_SCORE_KEYS
+    assert scores["nll"] == pytest.approx(gaussian_nll(mu, y, 0.5))
+    assert scores["crps"] == pytest.approx(crps(mu, y, 0.5))
+    assert scores["coverage"] == interval_coverage(mu, y, 0.5, 0.8)
+    assert scores["interval_width"] == pytest.approx(interval_width(mu, 0.5, 0.8))
+    assert rmse(torch.zeros(3, 2, 2), torch.ones(2, 2)) == pytest.approx(1.0)  # several outputs
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: gaussian_nll(torch.zeros(3, 4), torch.zeros(4), 1.0), r"means must have shape \(S, N, m\)"),
+        (lambda: gaussian_nll(torch.zeros(3, 4, 1), torch.zeros(5), 1.0), r"y must have shape \(4,\) or \(4, 1\)"),
+        (lambda: gaussian_nll(torch.zeros(3, 4, 2), torch.zeros(4), 1.0), r"y must have shape \(4, 2\)"),
+        (lambda: gaussian_nll(torch.full((3, 4, 1), math.nan), torch.zeros(4), 1.0), r"means contains NaN"),
+        (lambda: gaussian_nll(torch.zeros(3, 4, 1), torch.tensor([0.0, math.inf, 0, 0]), 1.0), r"y contains NaN"),
+        (lambda: gaussian_nll(torch.zeros(3, 4, 1), torch.zeros(4), 0.0), r"sigma .* positive finite"),
+        (lambda: crps(torch.zeros(3, 4, 1), torch.zeros(4), math.nan), r"sigma .* positive finite"),
+        (lambda: crps(torch.zeros(3, 4, 1), torch.zeros(4), True), r"sigma .* positive finite"),
+        (lambda: crps(torch.zeros(3, 4, 2), torch.zeros(4, 2), 1.0), r"one output per point; means has m=2"),
+        (lambda: pit(torch.zeros(3, 4, 2), torch.zeros(4, 2), 1.0), r"one output per point"),
+        (lambda: interval_coverage(torch.zeros(3, 4, 1), torch.zeros(4), 1.0, 1.0), r"level must lie strictly"),
+        (lambda: interval_width(torch.zeros(3, 4, 1), 1.0, 0), r"level must lie strictly"),
+        (lambda: predictive_quantile(torch.zeros(3, 4, 1), 1.0, 1.5), r"q must lie strictly"),
+        (lambda: rmse(torch.zeros(3, 4, 1, dtype=torch.int64), torch.zeros(4)), r"floating-point"),
+    ],
+)
+def test_regression_validation_errors(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
