@@ -24,7 +24,7 @@ columns of the paper's variance tables (``NaN`` for a point estimate, as printed
 
 Regression (beyond the paper, whose examples are classifications): with a Gaussian likelihood of
 known noise ``sigma`` the predictive is the mixture ``(1/S) sum_l N(y; g(x_i, theta^(l)), sigma^2)``;
-``means`` of shape ``(S, N, m)`` (as :func:`smp_core.predict` returns) holds its component means.
+``means`` of shape ``(S, N, m)`` (as :func:`~smp_core.models.predict` returns) holds its component means.
 :func:`regression_scores` collects its RMSE, NLL, CRPS, interval coverage and width;
 :func:`pit` gives the values for a regression reliability diagram.
 """
