@@ -665,8 +665,8 @@ def test_the_rounding_warning_is_one_text_and_not_for_a_singular_statistic_witho
 
 
 def test_a_zero_pivot_is_redone_not_raised_for_the_whole_batch():
-    """A statistic whose ridged matrix has an exact zero pivot ([[1, 1], [1, 1]]: a float32 Fisher with
-    eigenvalues in the thousands rounded to that in the toy regression of the usage chapter): cholesky_ex's
+    """A statistic whose ridged matrix has an exact zero pivot ([[1, 1], [1, 1]]; met in a float32 Fisher
+    with eigenvalues in the thousands, a small tanh regression network with sigma = 0.1): cholesky_ex's
     partial factor then holds a 0 on its diagonal, on which cholesky_inverse raised for the whole batch
     (a fixed dense run failed at its start with LinAlgError). Both the factorisation and the direct solve
     now redo that element from its positive part, leave the good element alone, and warn once."""
