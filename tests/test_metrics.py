@@ -476,6 +476,22 @@ def test_crps_of_a_mixture_is_the_integral_of_the_squared_cdf_difference(monkeyp
     assert torch.allclose(crps(mu, y, sigma, per_point=True), closed, rtol=1e-13, atol=0)
 
 
+def test_crps_quadrature_route_equals_the_pairwise_sum():
+    """The second term of the CRPS by the trapezoid rule (points whose components span little against S sigma)
+    equals the exact pairwise sum to rounding, for narrow, bimodal and spread-out mixtures; in one call some
+    points take each route."""
+    gen = torch.Generator().manual_seed(4)
+    n_samples, sigma = 300, 0.2
+    spreads = torch.tensor([0.01, 0.3, 1.0, 3.0, 10.0, 1000.0], dtype=torch.float64)   # narrow to wide
+    mu = torch.randn(n_samples, len(spreads), dtype=torch.float64, generator=gen) * spreads
+    mu[: n_samples // 3] += 4 * spreads                                                 # a second mode
+    pairwise = metrics_module._crps_kernel(mu[:, None] - mu[None], math.sqrt(2) * sigma).mean(dim=(0, 1))
+    nodes = torch.ceil((mu.max(0).values - mu.min(0).values + 20 * sigma) / (sigma / 3)) + 1
+    assert (nodes <= n_samples).any() and (nodes > n_samples).any()                  # both routes are taken
+    routed = metrics_module._mixture_mean_abs_difference(mu, sigma)
+    torch.testing.assert_close(routed, pairwise, rtol=1e-12, atol=0)
+
+
 def test_predictive_quantile_inverts_the_mixture_cdf():
     from scipy.stats import norm
     mu, sigma = _mixture_means(9, 6), 0.25
