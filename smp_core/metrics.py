@@ -1,7 +1,7 @@
 """Predictive metrics of the paper (Section 3.1.2 and Appendix A "Predictive metrics").
 
 Every function is a pure function on torch tensors (no I/O, no plotting) and computes in
-``float64`` whatever the input dtype or device.
+``float64`` whatever the input dtype or device (so not on Apple's MPS, which has no float64).
 
 Conventions:
 
@@ -23,7 +23,8 @@ the paper's score tables. :func:`params_variance` and :func:`logits_variance` gi
 columns of the paper's variance tables (``NaN`` for a point estimate, as printed there).
 
 Regression (beyond the paper, whose examples are classifications): with a Gaussian likelihood of
-known noise ``sigma`` the predictive is the mixture ``(1/S) sum_l N(y; g(x_i, theta^(l)), sigma^2)``;
+known noise ``sigma`` (a number, or a one-element tensor) the predictive is the mixture
+``(1/S) sum_l N(y; g(x_i, theta^(l)), sigma^2)``;
 ``means`` of shape ``(S, N, m)`` (as :func:`~smp_core.models.predict` returns) holds its component means.
 :func:`regression_scores` collects its RMSE, NLL, CRPS, interval coverage and width;
 :func:`pit` gives the values for a regression reliability diagram.
@@ -639,6 +640,8 @@ def _check_targets(y: torch.Tensor, n: int, m: int, device: torch.device) -> tor
 
 
 def _check_sigma(sigma) -> float:
+    if isinstance(sigma, torch.Tensor) and sigma.numel() == 1 and sigma.dtype.is_floating_point:
+        sigma = float(sigma)
     if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not math.isfinite(sigma) or not sigma > 0:
         raise ValueError(f"sigma (the Gaussian noise standard deviation) must be a positive finite number, "
                          f"got {sigma!r}")
@@ -792,21 +795,20 @@ def predictive_quantile(means: torch.Tensor, sigma: float, q: float, tol: float 
     if mu.shape[2] != 1:
         raise ValueError(f"quantiles are defined for one output per point; means has m={mu.shape[2]} outputs")
     mu, sigma, q = mu[..., 0], _check_sigma(sigma), _check_level(q, "q")
-    shift = sigma * math.sqrt(2.0) * torch.special.erfinv(torch.tensor(2 * q - 1, dtype=torch.float64)).item()
+    shift = sigma * torch.special.ndtri(torch.tensor(q, dtype=torch.float64)).item()
     low, high = mu.min(dim=0).values + shift, mu.max(dim=0).values + shift
     x = (mu.mean(dim=0) + shift).clamp(low, high)
     for _ in range(200):
-        if float((high - low).max()) <= tol * sigma:
-            break
         z = (x[None] - mu) / sigma
         below = _normal_cdf(z).mean(dim=0) - q
         low, high = torch.where(below < 0, x, low), torch.where(below < 0, high, x)
         newton = x - below * sigma / _normal_pdf(z).mean(dim=0)
         inside = torch.isfinite(newton) & (newton >= low) & (newton <= high)
         moved = torch.where(inside, newton, 0.5 * (low + high))
-        step = float((moved - x).abs().max())
+        # one host synchronisation per iteration: the largest step and the widest bracket together
+        step, bracket = torch.stack([(moved - x).abs().max(), (high - low).max()]).tolist()
         x = moved
-        if step <= tol * sigma:
+        if min(step, bracket) <= tol * sigma:
             break
     return x
 
@@ -846,7 +848,7 @@ def _mixture_mean_abs_difference(mu: torch.Tensor, sigma: float) -> torch.Tensor
     trapezoid rule is exact to rounding (tested against the pairwise sum); it is used where ``G <= S``."""
     s, n = mu.shape
     pad, spacing = 10.0 * sigma, sigma / 3.0
-    nodes = torch.ceil((mu.max(dim=0).values - mu.min(dim=0).values + 2 * pad) / spacing).long() + 1
+    nodes = torch.ceil((mu.max(dim=0).values - mu.min(dim=0).values + 2 * pad) / spacing) + 1  # float64: no overflow
     by_quadrature = nodes <= s
     out = torch.empty(n, dtype=torch.float64, device=mu.device)
     pairwise = (~by_quadrature).nonzero().ravel()
@@ -878,8 +880,15 @@ def crps(means: torch.Tensor, y: torch.Tensor, sigma: float, per_point: bool = F
     with ``A(m, s) = m (2 Phi(m/s) - 1) + 2 s phi(m/s)`` the mean of ``|N(m, s^2)|``. The pairwise term
     costs ``S^2`` kernels per point; where the components span less than about ``S sigma / 3``, it is
     computed instead as ``2 integral F (1 - F)`` by a trapezoid rule that is exact to rounding for this
-    smooth integrand (``_mixture_mean_abs_difference``), which costs ``S`` CDFs per node. For ``S = 1``
-    the score is the Gaussian's ``sigma [z (2 Phi(z) - 1) + 2 phi(z) - 1/sqrt(pi)]``, ``z = (y - mu)/sigma``.
+    smooth integrand (``_mixture_mean_abs_difference``), which costs ``S`` CDFs per node. Memory: work is
+    chunked over points, not samples, so a point on the pairwise route holds a few ``S x S`` float64
+    temporaries (about 0.8 GB each for ``S = 10^4``). For ``S = 1`` the score is the Gaussian's
+    ``sigma [z (2 Phi(z) - 1) + 2 phi(z) - 1/sqrt(pi)]``, ``z = (y - mu)/sigma``.
+
+    References: T. Gneiting and A. E. Raftery, Strictly proper scoring rules, prediction, and estimation,
+    JASA 102 (2007) 359-378; E. P. Grimit, T. Gneiting, V. J. Berrocal and N. A. Johnson, The continuous
+    ranked probability score for circular variables and its application to mesoscale forecast ensemble
+    verification, QJRMS 132 (2006) 2925-2942.
 
     Args:
         means: ``(S, N, 1)`` network outputs of a one-output regression.
@@ -913,7 +922,13 @@ def regression_scores(means: torch.Tensor, y: torch.Tensor, sigma: float, level:
     Raises:
         ValueError: on malformed input, more than one output, or a level outside ``(0, 1)``.
     """
-    mu = _check_means(means)  # validate once
+    mu = _check_means(means)  # every check up front, before any score is computed
+    if mu.shape[2] != 1:
+        raise ValueError(f"regression_scores needs one output per point; means has m={mu.shape[2]} outputs "
+                         "(score each output separately: means[..., j:j+1], y[:, j])")
+    _check_targets(y, mu.shape[1], 1, mu.device)
+    _check_sigma(sigma)
+    _check_level(level)
     return {
         "rmse": rmse(mu, y),
         "nll": gaussian_nll(mu, y, sigma),

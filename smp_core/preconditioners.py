@@ -392,8 +392,9 @@ def _cholesky_per_element(ridged: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     whole batch; the caller redoes the failed elements anyway (:func:`_redo_failed`)."""
     chol, info = torch.linalg.cholesky_ex(ridged)
     failed = info != 0
-    eye = torch.eye(chol.shape[-1], dtype=chol.dtype, device=chol.device)
-    return torch.where(failed[:, None, None], eye, chol), failed
+    chol.masked_fill_(failed[:, None, None], 0.0)  # in place, no host synchronisation
+    chol.diagonal(dim1=-2, dim2=-1).masked_fill_(failed[:, None], 1.0)
+    return chol, failed
 
 
 def _psd_inverse_float64(m: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -415,8 +416,10 @@ def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: to
 
     ``P = F + ridge I`` is positive definite for a positive semi-definite ``F`` and ``ridge > 0``, but a
     float32 statistic whose largest eigenvalues dwarf the ridge can, by rounding, have negative
-    eigenvalues larger than the ridge; Cholesky then fails, returns a finite, wrong factor and the
-    solve a finite, wrong answer, with no error. Each failed element ``i`` is redone in float64 from
+    eigenvalues larger than the ridge; Cholesky then fails and leaves a partial factor, from which the
+    solve gives a finite, wrong answer with no error, or (at an exact zero pivot) ``cholesky_inverse``
+    raises for the whole batch. :func:`_cholesky_per_element` puts the identity in place of each failed
+    factor, so the batched call goes through, and each failed element ``i`` is redone in float64 from
     its eigendecomposition with the negative eigenvalues set to 0 (:func:`_psd_inverse_float64`):
     ``apply(inverse, i)`` gives its result. That is the exact inverse of the nearest positive
     semi-definite matrix to the statistic *as stored*; what float32 rounding took from the statistic

@@ -451,6 +451,35 @@ def test_gaussian_nll_of_a_mixture_against_scipy_and_far_from_every_component():
     assert math.isfinite(gaussian_nll(mu, far, sigma))
 
 
+def test_gaussian_nll_of_several_outputs_is_a_mixture_of_products():
+    # S > 1 and m > 1: the predictive is (1/S) sum_l prod_j N(y_j; mu_lj, sigma^2), not a product of per-output mixtures
+    from scipy.stats import norm
+    mu, sigma = _mixture_means(6, 4, 3), 0.8
+    y = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    expected = -np.log(np.mean(np.prod(norm.pdf(y.numpy()[None], mu.numpy(), sigma), axis=-1), axis=0))
+    assert gaussian_nll(mu, y, sigma, per_point=True).tolist() == pytest.approx(expected.tolist(), rel=1e-12)
+
+
+def test_pit_is_the_mixture_cdf_at_the_response():
+    mu, sigma = _mixture_means(8, 6), 0.35
+    y = torch.linspace(-1.5, 1.5, 6, dtype=torch.float64)
+    expected = [_mixture_cdf(float(y[i]), mu[:, i, 0].numpy(), sigma) for i in range(6)]
+    assert pit(mu, y, sigma).tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_regression_metrics_at_extremes():
+    """A one-element tensor sigma is a number; a tiny q gives a finite quantile; a spread of 1e19 sigma takes the
+    pairwise route of the CRPS instead of overflowing the quadrature's node count."""
+    from scipy.stats import norm
+    mu = _mixture_means(5, 3)
+    assert gaussian_nll(mu, torch.zeros(3), torch.tensor(0.5)) == gaussian_nll(mu, torch.zeros(3), 0.5)
+    tiny = predictive_quantile(mu[:1], 1.0, 1e-18)
+    assert torch.isfinite(tiny).all()
+    assert tiny.tolist() == pytest.approx((mu[0, :, 0] + norm.ppf(1e-18)).tolist(), rel=1e-9)
+    wide = torch.tensor([[[0.0]], [[10.0]]], dtype=torch.float64)
+    assert math.isfinite(crps(wide, torch.zeros(1), 1e-18))
+
+
 def test_crps_of_one_sample_is_the_gaussian_closed_form():
     from scipy.stats import norm
     mu, sigma = _mixture_means(1, 8), 0.4
@@ -561,6 +590,8 @@ def test_rmse_and_regression_scores():
         (lambda: interval_width(torch.zeros(3, 4, 1), 1.0, 0), r"level must lie strictly"),
         (lambda: predictive_quantile(torch.zeros(3, 4, 1), 1.0, 1.5), r"q must lie strictly"),
         (lambda: rmse(torch.zeros(3, 4, 1, dtype=torch.int64), torch.zeros(4)), r"floating-point"),
+        (lambda: regression_scores(torch.zeros(3, 4, 2), torch.zeros(4, 2), 1.0), r"regression_scores needs one"),
+        (lambda: regression_scores(torch.zeros(3, 4, 1), torch.zeros(4), 1.0, level=2.0), r"level must lie"),
     ],
 )
 def test_regression_validation_errors(call, match):
