@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SCALE  ?= laptop
 # Notebooks of the book, in order (jupytext MyST sources in notebooks/).
-NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mnist_seeds mnist_growth mnist_kfac mnist_tail summary
+NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary
 GEN    := book/generated
 STAMP  := $(VENV)/.installed-stamp
 

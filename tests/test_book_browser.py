@@ -63,6 +63,7 @@ PAGES = (
     "book/generated/toy_tail.html",
     "book/generated/mnist_tail.html",
     "book/generated/mnist_kfac.html",
+    "book/generated/regression.html",
     "book/generated/usage.html",
     "book/api.html",
 )
@@ -72,7 +73,8 @@ REQUIRED = {"book/intro.html", "book/method.html", "book/generated/toy.html", "b
 MATH_PAGES = {"book/intro.html", "book/method.html", "book/generated/toy.html", "book/generated/mnist.html",
               "book/generated/mnist_growth.html", "book/generated/toy_kfac.html", "book/generated/mnist_kfac.html",
               "book/generated/toy_baselines.html", "book/generated/toy_tail.html", "book/generated/mnist_tail.html",
-              "book/generated/mnist_baselines.html", "book/generated/mnist_seeds.html"}
+              "book/generated/mnist_baselines.html", "book/generated/mnist_seeds.html",
+              "book/generated/regression.html"}
 
 CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "chromium", "chromium-browser", "google-chrome")
 CHROMIUM_FLAGS = (

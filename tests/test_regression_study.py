@@ -1,0 +1,146 @@
+"""Tests of smp_core.regression_study (the regression with a gap, beside NUTS)."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from smp_core import regression_study as rs
+from smp_core.config import get_config
+from smp_core.models import as_chain_model
+
+
+def test_gap_data_regions_shapes_and_seed():
+    data = rs.gap_data(40, 30, 20, 0.1, seed=3)
+    assert set(data) == {"train", "in range", "in the gap"}
+    for name, n in (("train", 40), ("in range", 30), ("in the gap", 20)):
+        x, y = data[name]
+        assert x.shape == (n, 1) and y.shape == (n,)
+    for name in ("train", "in range"):
+        x = data[name][0][:, 0]
+        assert (((x >= -3) & (x <= -1)) | ((x >= 1) & (x <= 3))).all()
+        assert (x < 0).sum() == len(x) // 2
+    assert ((data["in the gap"][0] > -1) & (data["in the gap"][0] < 1)).all()
+    again = rs.gap_data(40, 30, 20, 0.1, seed=3)
+    assert all(torch.equal(data[k][1], again[k][1]) for k in data)
+    assert not torch.equal(data["train"][1], rs.gap_data(40, 30, 20, 0.1, seed=4)["train"][1])
+    with pytest.raises(ValueError, match="at least 2 points"):
+        rs.gap_data(1, 30, 20, 0.1, seed=0)
+
+
+def test_jax_network_and_potential_equal_the_torch_ones():
+    """NUTS's potential is the same posterior as the MAP's objective, with the parameters in the network's order."""
+    import jax.numpy as jnp
+
+    from smp_core.nuts import _cpu64
+
+    torch.manual_seed(0)
+    net = rs.regression_mlp(5).double()
+    theta = as_chain_model(net).layout.flatten(net).detach()
+    x = torch.linspace(-3, 3, 11, dtype=torch.float64)[:, None]
+    y = torch.sin(x[:, 0])
+    with _cpu64():
+        out = np.asarray(rs.jax_outputs(jnp.asarray(theta.numpy()), jnp.asarray(x[:, 0].numpy()), 5))
+        energy = float(rs.jax_minus_log_posterior(jnp.asarray(theta.numpy()), jnp.asarray(x[:, 0].numpy()),
+                                                  jnp.asarray(y.numpy()), 5, 0.3, 2.0))
+    np.testing.assert_allclose(out, net(x)[:, 0].detach().numpy(), rtol=1e-12)
+    assert energy == pytest.approx(float(rs.minus_log_posterior(net, x, y, 0.3, 2.0).detach()), rel=1e-12)
+
+
+def test_nuts_without_data_samples_the_prior():
+    """With no data the posterior is the prior N(0, I / alpha): each coordinate's mean and variance against it, with
+    standard errors from NumPyro's effective sample size (at least 100 per coordinate, or the test says so)."""
+    from numpyro.diagnostics import effective_sample_size
+
+    alpha, hidden, chains, draws = 4.0, 2, 2, 600
+    empty = torch.zeros(0, 1)
+    samples, diagnostics = rs.run_nuts_regression(
+        empty, torch.zeros(0), torch.zeros(3 * hidden + 1), hidden, 0.1, alpha, num_chains=chains, num_warmup=300,
+        num_samples=draws, target_accept_prob=0.8, max_tree_depth=6, init_jitter=0.5, seed=1,
+        x_eval=torch.zeros(3, 1))
+    assert samples.shape == (chains * draws, 3 * hidden + 1)
+    assert diagnostics["divergences"] == 0
+    theta = samples.double().numpy()
+    ess = np.asarray(effective_sample_size(theta.reshape(chains, draws, -1)))
+    assert ess.min() > 100, ess
+    variance = 1 / alpha
+    z_mean = theta.mean(0) / np.sqrt(variance / ess)
+    z_var = (theta.var(0, ddof=1) - variance) / (variance * np.sqrt(2 / ess))
+    assert np.abs(z_mean).max() < 4, z_mean
+    assert np.abs(z_var).max() < 4, z_var
+
+
+def test_fit_map_reaches_a_stationary_point():
+    data = rs.gap_data(30, 10, 10, 0.1, seed=0)
+    net, fit = rs.fit_map(*data["train"], hidden=4, noise=0.1, prior_precision=1.0, restarts=2, seed=0)
+    assert next(net.parameters()).dtype == torch.float32
+    assert fit["gradient_norm"] < 1e-3 * max(1.0, abs(fit["objective"]))
+
+
+def test_method_label():
+    assert rs.method_label("fixed-dense", 1e-4, 1e-4) == "SMP fixed-dense"
+    assert rs.method_label("fixed-dense", 1.0, 1e-4) == "SMP fixed-dense, ridge 1"
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    cfg = {**get_config("regression", "ci"), "n_train": 20, "n_in": 30, "n_gap": 20, "grid_points": 9,
+           "hidden": 4, "nuts_warmup": 50, "nuts_samples": 50, "n_chains": 8, "n_steps": 20, "tau_grid": [0.01, 1.0],
+           "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]]}
+    return cfg, rs.run_data_set(cfg, 0)
+
+
+def test_run_data_set_rows_and_reference(small_run):
+    cfg, run = small_run
+    rows = run["rows"]
+    expected = ["NUTS", "MAP", "Laplace (linearised)", "SMP fixed-diag", "SMP fixed-diag", "SMP fixed-dense",
+                "SMP fixed-dense"]
+    assert list(rows["method"][::2]) == expected
+    assert list(rows["region"][:2]) == list(rs.REGIONS)
+    nuts = rows[rows["method"] == "NUTS"]
+    assert (nuts["sd_ratio"] == 1.0).all()                           # NUTS against itself
+    assert rows[rows["method"] == "MAP"]["sd_ratio"].isna().all()    # a point estimate has no spread
+    assert set(rows.columns) >= {"rmse", "nll", "crps", "coverage", "interval_width", "sd_ratio", "diverged"}
+    assert rows["diverged"].between(0, cfg["n_chains"]).all()
+    for key, band in run["bands"].items():
+        assert (band["q05"] <= band["q50"]).all() and (band["q50"] <= band["q95"]).all(), key
+    assert set(run["nuts"]) >= {"divergences", "min_ess_outputs", "max_rhat_outputs", "wall_time_s"}
+
+
+def _synthetic_rows():
+    rows = []
+    for method, tau, ratios in (("NUTS", math.nan, (1.0, 1.0)), ("SMP a", 0.1, (0.5, 0.05)), ("SMP a", 1.0, (2.0, 0.2)),
+                                ("SMP b", 0.1, (math.nan, math.nan)), ("SMP b", 1.0, (8.0, 0.9))):
+        for data_set in (0, 1):
+            for region, ratio in zip(rs.REGIONS, ratios, strict=True):
+                rows.append({"method": method, "tau": tau, "region": region, "sd_ratio": ratio * (1 + data_set),
+                             "coverage": 0.9 if math.isfinite(ratio) else math.nan, "nll": 0.0, "data_set": data_set})
+    return pd.DataFrame(rows)
+
+
+def test_summary_table_medians_and_counts():
+    summary = rs.summary_table(_synthetic_rows())
+    assert summary.loc[("SMP a", 1.0, "in range"), "sd_ratio"] == pytest.approx(3.0)   # median of 2 and 4
+    assert summary.loc[("SMP b", 0.1, "in range"), "data_sets"] == 0
+    assert math.isnan(summary.index.get_level_values("tau")[0])                        # NUTS keeps a NaN tau
+
+
+def test_best_tau_matches_on_the_log_scale():
+    summary = rs.summary_table(_synthetic_rows())
+    in_range = rs.best_tau(summary, "in range")
+    # SMP a: medians 0.75 (tau 0.1) and 3 (tau 1): |log 0.75| < |log 3|; SMP b: only tau 1 has a result
+    assert in_range.loc["SMP a", "tau"] == 0.1 and in_range.loc["SMP b", "tau"] == 1.0
+    assert in_range.loc["SMP a", "sd_ratio (in the gap)"] == pytest.approx(0.075)
+    assert bool(in_range.loc["SMP a", "within 2x"]) and not bool(in_range.loc["SMP b", "within 2x"])  # 12 > 2
+    in_gap = rs.best_tau(summary, "in the gap")
+    assert in_gap.loc["SMP a", "tau"] == 1.0
+
+
+def test_spread_shape_is_the_gap_ratio_over_the_range_ratio():
+    shape = rs.spread_shape(_synthetic_rows())
+    assert list(shape.index) == ["NUTS", "SMP a", "SMP b"]
+    assert shape.loc["NUTS"].dropna().tolist() == [1.0]
+    assert shape.loc["SMP a", 0.1] == pytest.approx(0.1) and shape.loc["SMP a", 1.0] == pytest.approx(0.1)
+    assert math.isnan(shape.loc["SMP b", 0.1]) and shape.loc["SMP b", 1.0] == pytest.approx(0.9 / 8)
