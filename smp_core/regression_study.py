@@ -318,13 +318,15 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
 def best_tau(summary: pd.DataFrame, region: str = "in range") -> pd.DataFrame:
     """Per SMP method, the ``tau`` whose median ``sd_ratio`` in ``region`` is nearest 1 on the log scale
     (matching NUTS's spread there), with its median scores in both regions; ``within 2x`` says whether that
-    ratio is within a factor 2 of 1 (where it is not, no ``tau`` of the grid matches)."""
+    ratio is within a factor 2 of 1 (where it is not, no ``tau`` of the grid matches). A method without a
+    result at any ``tau`` (every chain diverged) has a row with ``tau`` NaN and no scores."""
     smp = summary[summary.index.get_level_values("method").str.startswith("SMP")]
     out = []
     for method in dict.fromkeys(smp.index.get_level_values("method")):
         one = smp.xs(method, level="method")
         ratio = one.xs(region, level="region")["sd_ratio"].dropna()
-        if ratio.empty:
+        if ratio.empty:  # every chain diverged at every tau of the grid
+            out.append({"method": method, "tau": math.nan, "within 2x": False})
             continue
         tau = float(np.log(ratio).abs().idxmin())
         row = {"method": method, "tau": tau, "within 2x": bool(abs(math.log(ratio[tau])) <= math.log(2.0))}

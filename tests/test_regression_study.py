@@ -136,6 +136,10 @@ def test_best_tau_matches_on_the_log_scale():
     assert bool(in_range.loc["SMP a", "within 2x"]) and not bool(in_range.loc["SMP b", "within 2x"])  # 12 > 2
     in_gap = rs.best_tau(summary, "in the gap")
     assert in_gap.loc["SMP a", "tau"] == 1.0
+    rows = _synthetic_rows()
+    rows.loc[rows["method"] == "SMP b", ["sd_ratio", "coverage"]] = math.nan          # every chain diverged
+    none = rs.best_tau(rs.summary_table(rows), "in range").loc["SMP b"]
+    assert math.isnan(none["tau"]) and not none["within 2x"] and math.isnan(none["sd_ratio (in range)"])
 
 
 def test_spread_shape_is_the_gap_ratio_over_the_range_ratio():
