@@ -210,7 +210,9 @@ MNIST_BASELINES: dict[str, dict[str, Any]] = {scale: {**settings, **_MNIST_BASEL
 # and the prior N(0, I) (alpha = 1); the MAP by L-BFGS from 4 starts; NUTS with 4 chains from the MAP (jittered by
 # 0.1), 1000 warm-up steps and 1000 draws each, target acceptance 0.9; SMP from the MAP with S = 200 and K = 2000,
 # lambda = 1e-4 (the paper's) and, for the kfac and dense structures, also 1; every preconditioner at every tau of
-# a grid wide enough that each one's spread crosses NUTS's somewhere (tau = 1e-3 to 3); five data sets.
+# a grid wide enough that each one's spread crosses NUTS's somewhere (tau = 1e-3 to 3), the kfac and dense
+# statistics in float64 (the Fisher's eigenvalues span more than float32 resolves against lambda = 1e-4); five data
+# sets; on the first, the MAP, NUTS and Laplace again under the priors N(0, I / alpha), alpha = 0.25 and 4.
 REGRESSION_VARIANTS = [["none", 1e-4], ["fixed-diag", 1e-4], ["ema-diag", 1e-4], ["fixed-kfac", 1e-4],
                        ["fixed-kfac", 1.0], ["fixed-dense", 1e-4], ["fixed-dense", 1.0]]
 _REGRESSION_LAPTOP: dict[str, Any] = {
@@ -218,16 +220,16 @@ _REGRESSION_LAPTOP: dict[str, Any] = {
     "prior_precision": 1.0, "map_restarts": 4, "level": 0.9,
     "nuts_chains": 4, "nuts_warmup": 1000, "nuts_samples": 1000, "nuts_target_accept": 0.9,
     "nuts_max_tree_depth": 10, "nuts_init_jitter": 0.1,
-    "n_chains": 200, "n_steps": 2000, "ridge": 1e-4,
+    "n_chains": 200, "n_steps": 2000, "ridge": 1e-4, "statistic_dtype": "float64",
     "smp_variants": REGRESSION_VARIANTS, "tau_grid": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0],
-    "data_sets": 5, "seed": 2026,
+    "data_sets": 5, "seed": 2026, "prior_sensitivity": [0.25, 4.0],
 }
 REGRESSION: dict[str, dict[str, Any]] = {
     "paper": _REGRESSION_LAPTOP,
     "laptop": dict(_REGRESSION_LAPTOP),
     "ci": {**_REGRESSION_LAPTOP, "n_train": 40, "n_in": 200, "n_gap": 100, "grid_points": 81, "map_restarts": 1,
            "nuts_chains": 2, "nuts_warmup": 100, "nuts_samples": 100, "n_chains": 30, "n_steps": 100,
-           "tau_grid": [0.1, 1.0], "data_sets": 2},
+           "tau_grid": [0.1, 1.0], "data_sets": 2, "prior_sensitivity": [4.0]},
 }
 
 _TABLES = {"toy": TOY, "toy_baselines": TOY_BASELINES, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST,

@@ -31,8 +31,10 @@ from torch import nn
 
 from . import metrics
 from .baselines import fit_laplace, linearised_logits
+from .fisher import estimate_fisher
 from .likelihoods import Gaussian
 from .models import as_chain_model, predict
+from .preconditioners import ROUNDED_STATISTIC_WARNING
 from .recursion import DivergenceError, run_smp
 
 __all__ = [
@@ -50,11 +52,13 @@ __all__ = [
     "evaluate",
     "run_data_set",
     "summary_table",
+    "eligible",
     "best_tau",
     "spread_shape",
+    "prior_sensitivity",
 ]
 
-STUDY_VERSION = 1
+STUDY_VERSION = 2  # 2: float64 statistics, rounding warnings counted, Fisher spectrum, prior sensitivity
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
 
@@ -151,7 +155,8 @@ def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tenso
     noise, adapt a diagonal mass matrix for ``num_warmup`` steps and keep ``num_samples`` draws each.
     Returns the ``(num_chains * num_samples, d)`` draws (float32, the network's parameter order) and
     diagnostics: divergences, the share of transitions at the largest tree depth, and the smallest
-    bulk ESS and largest split R-hat of the outputs ``g(x_eval_j, theta)`` across the chains.
+    ESS and largest split R-hat (NumPyro's, not rank-normalised) of the outputs ``g(x_eval_j, theta)``
+    across the chains.
     """
     import jax
     import jax.numpy as jnp
@@ -178,7 +183,8 @@ def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tenso
         kernel = NUTS(potential_fn=potential, target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth)
         mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                     chain_method="sequential", progress_bar=False)
-        mcmc.run(jax.random.PRNGKey(seed), init_params=jnp.asarray(inits), extra_fields=("diverging", "num_steps"))
+        init_params = jnp.asarray(inits[0] if num_chains == 1 else inits)  # one chain: no leading axis
+        mcmc.run(jax.random.PRNGKey(seed), init_params=init_params, extra_fields=("diverging", "num_steps"))
         draws = np.asarray(mcmc.get_samples(group_by_chain=True), dtype=np.float64)   # (C, S, d)
         extra = {k: np.asarray(v) for k, v in mcmc.get_extra_fields().items()}
         out = np.asarray(jax.vmap(jax.vmap(lambda t: outputs(t, jnp.asarray(x_eval_np))))(jnp.asarray(draws)))
@@ -201,13 +207,15 @@ def method_label(preconditioner: str, ridge: float, default_ridge: float) -> str
 
 def evaluate(means: dict[str, torch.Tensor], reference_sd: dict[str, torch.Tensor], data, noise: float,
              level: float) -> dict[str, dict[str, float]]:
-    """Per region: :func:`~smp_core.metrics.regression_scores` and ``sd_ratio``, the median over the region's
-    inputs of the method's epistemic standard deviation over NUTS's (NaN for a point estimate)."""
+    """Per region: :func:`~smp_core.metrics.regression_scores`, ``median_sd``, the median over the region's inputs
+    of the method's epistemic standard deviation, and ``sd_ratio``, the median of that standard deviation over
+    NUTS's at the same input (both NaN for a point estimate)."""
     out = {}
     for region in REGIONS:
         row = metrics.regression_scores(means[region], data[region][1], noise, level=level)
         s = means[region].shape[0]
         sd = means[region][..., 0].double().std(dim=0) if s > 1 else None
+        row["median_sd"] = math.nan if sd is None else float(sd.median())
         row["sd_ratio"] = math.nan if sd is None else float((sd / reference_sd[region]).median())
         out[region] = row
     return out
@@ -218,10 +226,15 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
 
     Seeds: data ``seed + 1000 index``; MAP restarts, NUTS and Laplace from ``seed + 1000 index + 1``;
     the SMP run of variant ``v`` and ``tau`` position ``t`` from ``seed + 1000 index + 100 + 10 v + t``.
-    Returns rows (one per method, tau and region), NUTS's diagnostics, the MAP's fit, counts of
-    diverged chains, the wall times, and for the figure the 5 %, 50 % and 95 % predictive quantiles
-    and the epistemic standard deviation on the grid of every method (SMP at every tau).
+    The block, dense and kfac statistics are kept in ``cfg["statistic_dtype"]`` (float64: the Fisher's
+    eigenvalues span more than float32 resolves against the ridge; ``smp_core.preconditioners``).
+    Returns rows (one per method, tau and region, with the diverged chains and the factorisations that
+    warned of rounding), NUTS's diagnostics, the MAP's fit, the eigenvalues of the model-expected Fisher
+    at the MAP (float64), the wall times, and for the figure the 5 %, 50 % and 95 % predictive
+    quantiles and the epistemic standard deviation on the grid of every method (SMP at every tau).
     """
+    if len(cfg["tau_grid"]) > 10 or len(cfg["smp_variants"]) > 89:
+        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants")
     base = cfg["seed"] + 1000 * index
     noise, alpha, level = cfg["noise"], cfg["prior_precision"], cfg["level"]
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], noise, base)
@@ -236,6 +249,8 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     timings["MAP"] = time.perf_counter() - t0
     chain = as_chain_model(net)
     theta_map = chain.layout.flatten(net).detach()
+    fisher = estimate_fisher(chain, Gaussian(noise), theta_map, x, structure="dense", dtype=torch.float64)[0][0]
+    fisher_eigenvalues = torch.linalg.eigvalsh(fisher).flip(0)
 
     nuts_draws, nuts_diag = run_nuts_regression(
         x, y, theta_map, cfg["hidden"], noise, alpha, num_chains=cfg["nuts_chains"], num_warmup=cfg["nuts_warmup"],
@@ -260,21 +275,25 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     timings["Laplace (linearised)"] = time.perf_counter() - t0
 
     diverged: dict[tuple[str, float], int] = {}
+    rounding: dict[tuple[str, float], int] = {}
     for v, (preconditioner, ridge) in enumerate(cfg["smp_variants"]):
         label = method_label(preconditioner, ridge, cfg["ridge"])
+        structured = preconditioner != "none" and not preconditioner.endswith("-diag")
+        options = {"statistic_dtype": cfg["statistic_dtype"]} if structured else {}
         for t, tau in enumerate(cfg["tau_grid"]):
             t0 = time.perf_counter()
-            try:
-                with warnings.catch_warnings():  # diverged chains are counted in `diverged`
-                    warnings.simplefilter("ignore", UserWarning)
+            draws = None
+            with warnings.catch_warnings(record=True) as caught:  # diverged chains are counted in `diverged`
+                warnings.simplefilter("always")
+                try:
                     run = run_smp(net, Gaussian(noise), x, preconditioner=preconditioner, tau=tau, ridge=ridge,
                                   n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t,
-                                  progress=progress)
+                                  progress=progress, **options)
                     draws = run.samples()
-                diverged[(label, tau)] = int(run.diverged.sum())
-            except DivergenceError:
-                diverged[(label, tau)] = cfg["n_chains"]
-                draws = None
+                    diverged[(label, tau)] = int(run.diverged.sum())
+                except DivergenceError:
+                    diverged[(label, tau)] = cfg["n_chains"]
+            rounding[(label, tau)] = sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught)
             timings[f"{label}, tau {tau:g}"] = time.perf_counter() - t0
             usable = draws is not None and draws.shape[0] >= 2
             methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if usable else None)
@@ -298,38 +317,52 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     table["data_set"] = index
     table["diverged"] = [diverged.get((m, t), 0) if not math.isnan(t) else 0
                          for m, t in zip(table["method"], table["tau"], strict=True)]
+    table["rounding_warnings"] = [rounding.get((m, t), 0) if not math.isnan(t) else 0
+                                  for m, t in zip(table["method"], table["tau"], strict=True)]
     return {"rows": table, "nuts": nuts_diag, "map": fit, "timings": timings, "bands": bands,
-            "grid": grid[:, 0], "train": (x[:, 0], y)}
+            "grid": grid[:, 0], "train": (x[:, 0], y), "fisher_eigenvalues": fisher_eigenvalues}
 
 
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
-    """Median over the data sets of every score, per method, tau and region (and the number of data sets
-    with a result: a setting whose chains all diverged on a data set has none there)."""
+    """Median over the data sets of every score, per method, tau and region; ``data_sets`` counts the data
+    sets with a result (a setting whose chains all diverged on a data set has none there) and
+    ``max_diverged`` is the most chains that diverged on any one data set."""
     keys = ["method", "tau", "region"]
     filled = rows.assign(tau=rows["tau"].fillna(-1.0))
     values = [c for c in rows.columns if c not in (*keys, "data_set")]
-    median = filled.groupby(keys, sort=False)[values].median()
-    median["data_sets"] = filled.groupby(keys, sort=False)["coverage"].count()
+    grouped = filled.groupby(keys, sort=False)
+    median = grouped[values].median()
+    median["data_sets"] = grouped["coverage"].count()
+    median["max_diverged"] = grouped["diverged"].max()
     median = median.reset_index()
     median["tau"] = median["tau"].where(median["tau"] >= 0)
     return median.set_index(keys)
 
 
-def best_tau(summary: pd.DataFrame, region: str = "in range") -> pd.DataFrame:
-    """Per SMP method, the ``tau`` whose median ``sd_ratio`` in ``region`` is nearest 1 on the log scale
-    (matching NUTS's spread there), with its median scores in both regions; ``within 2x`` says whether that
-    ratio is within a factor 2 of 1 (where it is not, no ``tau`` of the grid matches). A method without a
-    result at any ``tau`` (every chain diverged) has a row with ``tau`` NaN and no scores."""
+def eligible(summary: pd.DataFrame, n_data_sets: int) -> pd.Series:
+    """Settings (rows of :func:`summary_table`) with a result on every data set and no diverged chain on any:
+    their medians are over the same data sets and not over the less dispersed chains that survived."""
+    return (summary["data_sets"] == n_data_sets) & (summary["max_diverged"] == 0)
+
+
+def best_tau(summary: pd.DataFrame, n_data_sets: int, region: str = "in range") -> pd.DataFrame:
+    """Per SMP method, among its eligible ``tau`` (:func:`eligible`), the one whose median ``sd_ratio`` in
+    ``region`` is nearest 1 on the log scale (matching NUTS's spread there), with its median scores in both
+    regions; ``within 2x`` says whether that ratio is within a factor 2 of 1 (where it is not, no ``tau`` of
+    the grid matches), ``eligible taus`` how many there were. A method with none has a row with ``tau`` NaN."""
+    ok = eligible(summary, n_data_sets)
     smp = summary[summary.index.get_level_values("method").str.startswith("SMP")]
     out = []
     for method in dict.fromkeys(smp.index.get_level_values("method")):
         one = smp.xs(method, level="method")
-        ratio = one.xs(region, level="region")["sd_ratio"].dropna()
-        if ratio.empty:  # every chain diverged at every tau of the grid
-            out.append({"method": method, "tau": math.nan, "within 2x": False})
+        fine = ok.xs(method, level="method").groupby(level="tau").all()
+        ratio = one.xs(region, level="region")["sd_ratio"][fine].dropna()
+        if ratio.empty:
+            out.append({"method": method, "tau": math.nan, "within 2x": False, "eligible taus": 0})
             continue
         tau = float(np.log(ratio).abs().idxmin())
-        row = {"method": method, "tau": tau, "within 2x": bool(abs(math.log(ratio[tau])) <= math.log(2.0))}
+        row = {"method": method, "tau": tau, "within 2x": bool(abs(math.log(ratio[tau])) <= math.log(2.0)),
+               "eligible taus": len(ratio)}
         for r in REGIONS:
             picked = one.loc[(tau, r)]
             row.update({f"sd_ratio ({r})": picked["sd_ratio"], f"coverage ({r})": picked["coverage"],
@@ -338,14 +371,48 @@ def best_tau(summary: pd.DataFrame, region: str = "in range") -> pd.DataFrame:
     return pd.DataFrame(out).set_index("method")
 
 
-def spread_shape(rows: pd.DataFrame) -> pd.DataFrame:
+def spread_shape(rows: pd.DataFrame, n_data_sets: int) -> pd.DataFrame:
     """How a method's spread is shared between the regions, against NUTS's: per data set, method and ``tau``,
     ``sd_ratio`` in the gap over ``sd_ratio`` in range (1: the gap holds as much of the spread, relative to the
     data's range, as under NUTS; 0.1: a tenth as much), then the median over data sets. Unlike either ratio alone
     it does not grow with ``tau`` while the chains stay near the MAP (both grow in proportion). Rows: methods;
-    columns: ``tau`` (NaN for the methods without one); NaN where a setting has no result."""
+    columns: ``tau`` (NaN for the methods without one); NaN where a setting is not :func:`eligible`."""
     keyed = rows.assign(tau=rows["tau"].fillna(-1.0)).set_index(["data_set", "method", "tau", "region"])["sd_ratio"]
     ratio = keyed.xs(REGIONS[1], level="region") / keyed.xs(REGIONS[0], level="region")
-    shape = ratio.groupby(level=["method", "tau"], sort=False).median().unstack("tau")
+    shape = ratio.groupby(level=["method", "tau"], sort=False).median()
+    ok: dict[tuple[str, float], bool] = {}
+    for (method, tau, _), fine in eligible(summary_table(rows), n_data_sets).items():
+        key = (method, -1.0 if pd.isna(tau) else tau)
+        ok[key] = ok.get(key, True) and bool(fine)
+    shape = shape.where(pd.Series([ok.get(key, False) for key in shape.index], index=shape.index)).unstack("tau")
     shape.columns = [math.nan if t < 0 else t for t in shape.columns]
     return shape.loc[list(dict.fromkeys(rows["method"]))]
+
+
+def prior_sensitivity(cfg: dict[str, Any], alpha: float, index: int = 0) -> dict[str, Any]:
+    """The reference under another prior: on data set ``index``, the MAP, NUTS and the linearised Laplace
+    approximation with prior precision ``alpha`` (the other settings, seeds included, as in
+    :func:`run_data_set`). Returns, per region, the median over its inputs of each method's epistemic
+    standard deviation and its 90 % coverage, with NUTS's diagnostics."""
+    base = cfg["seed"] + 1000 * index
+    data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], base)
+    x, y = data["train"]
+    net, fit = fit_map(x, y, cfg["hidden"], cfg["noise"], alpha, cfg["map_restarts"], base + 1)
+    chain = as_chain_model(net)
+    theta_map = chain.layout.flatten(net).detach()
+    nuts_draws, nuts_diag = run_nuts_regression(
+        x, y, theta_map, cfg["hidden"], cfg["noise"], alpha, num_chains=cfg["nuts_chains"],
+        num_warmup=cfg["nuts_warmup"], num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
+        max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
+        x_eval=torch.linspace(-4, 4, 17)[:, None])
+    laplace = fit_laplace(net, Gaussian(cfg["noise"]), theta_map, x, prior_precision=alpha, structure="dense")
+    lap_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
+    rows = []
+    for region in REGIONS:
+        inputs, targets = data[region]
+        for method, means in (("NUTS", predict(chain, nuts_draws, inputs)),
+                              ("Laplace (linearised)", linearised_logits(net, theta_map, lap_draws, inputs))):
+            rows.append({"prior precision": alpha, "method": method, "region": region,
+                         "median sd": float(means[..., 0].double().std(dim=0).median()),
+                         "coverage": metrics.interval_coverage(means, targets, cfg["noise"], cfg["level"])})
+    return {"rows": pd.DataFrame(rows), "nuts": nuts_diag, "map": fit}

@@ -51,7 +51,8 @@ def test_jax_network_and_potential_equal_the_torch_ones():
 
 def test_nuts_without_data_samples_the_prior():
     """With no data the posterior is the prior N(0, I / alpha): each coordinate's mean and variance against it, with
-    standard errors from NumPyro's effective sample size (at least 100 per coordinate, or the test says so)."""
+    standard errors from NumPyro's effective sample size of theta (the mean) and of theta^2 (the variance; at least
+    100 per coordinate, or the test says so)."""
     from numpyro.diagnostics import effective_sample_size
 
     alpha, hidden, chains, draws = 4.0, 2, 2, 600
@@ -64,10 +65,11 @@ def test_nuts_without_data_samples_the_prior():
     assert diagnostics["divergences"] == 0
     theta = samples.double().numpy()
     ess = np.asarray(effective_sample_size(theta.reshape(chains, draws, -1)))
-    assert ess.min() > 100, ess
+    ess_sq = np.asarray(effective_sample_size((theta**2).reshape(chains, draws, -1)))  # for the variance
+    assert min(ess.min(), ess_sq.min()) > 100, (ess, ess_sq)
     variance = 1 / alpha
     z_mean = theta.mean(0) / np.sqrt(variance / ess)
-    z_var = (theta.var(0, ddof=1) - variance) / (variance * np.sqrt(2 / ess))
+    z_var = (theta.var(0, ddof=1) - variance) / (variance * np.sqrt(2 / ess_sq))
     assert np.abs(z_mean).max() < 4, z_mean
     assert np.abs(z_var).max() < 4, z_var
 
@@ -107,6 +109,19 @@ def test_run_data_set_rows_and_reference(small_run):
     for key, band in run["bands"].items():
         assert (band["q05"] <= band["q50"]).all() and (band["q50"] <= band["q95"]).all(), key
     assert set(run["nuts"]) >= {"divergences", "min_ess_outputs", "max_rhat_outputs", "wall_time_s"}
+    assert (rows["rounding_warnings"] == 0).all()          # the dense statistic is float64 (cfg["statistic_dtype"])
+    eigenvalues = run["fisher_eigenvalues"]
+    assert eigenvalues.dtype == torch.float64 and eigenvalues.shape == (3 * cfg["hidden"] + 1,)
+    assert (eigenvalues[:-1] >= eigenvalues[1:]).all()
+
+
+def test_prior_sensitivity_rows(small_run):
+    cfg, _ = small_run
+    out = rs.prior_sensitivity(cfg, 4.0)
+    table = out["rows"]
+    assert list(table["method"]) == ["NUTS", "Laplace (linearised)"] * 2
+    assert (table["prior precision"] == 4.0).all() and (table["median sd"] > 0).all()
+    assert table["coverage"].between(0, 1).all()
 
 
 def _synthetic_rows():
@@ -116,7 +131,8 @@ def _synthetic_rows():
         for data_set in (0, 1):
             for region, ratio in zip(rs.REGIONS, ratios, strict=True):
                 rows.append({"method": method, "tau": tau, "region": region, "sd_ratio": ratio * (1 + data_set),
-                             "coverage": 0.9 if math.isfinite(ratio) else math.nan, "nll": 0.0, "data_set": data_set})
+                             "coverage": 0.9 if math.isfinite(ratio) else math.nan, "nll": 0.0, "data_set": data_set,
+                             "diverged": 0 if math.isfinite(ratio) else 8})
     return pd.DataFrame(rows)
 
 
@@ -124,27 +140,60 @@ def test_summary_table_medians_and_counts():
     summary = rs.summary_table(_synthetic_rows())
     assert summary.loc[("SMP a", 1.0, "in range"), "sd_ratio"] == pytest.approx(3.0)   # median of 2 and 4
     assert summary.loc[("SMP b", 0.1, "in range"), "data_sets"] == 0
+    assert summary.loc[("SMP b", 0.1, "in range"), "max_diverged"] == 8
     assert math.isnan(summary.index.get_level_values("tau")[0])                        # NUTS keeps a NaN tau
 
 
-def test_best_tau_matches_on_the_log_scale():
+def test_best_tau_matches_on_the_log_scale_among_eligible_settings():
     summary = rs.summary_table(_synthetic_rows())
-    in_range = rs.best_tau(summary, "in range")
+    in_range = rs.best_tau(summary, 2, "in range")
     # SMP a: medians 0.75 (tau 0.1) and 3 (tau 1): |log 0.75| < |log 3|; SMP b: only tau 1 has a result
     assert in_range.loc["SMP a", "tau"] == 0.1 and in_range.loc["SMP b", "tau"] == 1.0
     assert in_range.loc["SMP a", "sd_ratio (in the gap)"] == pytest.approx(0.075)
     assert bool(in_range.loc["SMP a", "within 2x"]) and not bool(in_range.loc["SMP b", "within 2x"])  # 12 > 2
-    in_gap = rs.best_tau(summary, "in the gap")
+    assert in_range.loc["SMP a", "eligible taus"] == 2 and in_range.loc["SMP b", "eligible taus"] == 1
+    in_gap = rs.best_tau(summary, 2, "in the gap")
     assert in_gap.loc["SMP a", "tau"] == 1.0
+    # a setting with diverged chains on one data set, or a result on only one, is not eligible
     rows = _synthetic_rows()
+    rows.loc[(rows["method"] == "SMP a") & (rows["tau"] == 0.1) & (rows["data_set"] == 1), "diverged"] = 3
+    assert rs.best_tau(rs.summary_table(rows), 2, "in range").loc["SMP a", "tau"] == 1.0
+    rows = _synthetic_rows()
+    rows.loc[(rows["method"] == "SMP a") & (rows["tau"] == 0.1) & (rows["data_set"] == 1), ["sd_ratio", "coverage"]] = (
+        math.nan)
+    assert rs.best_tau(rs.summary_table(rows), 2, "in range").loc["SMP a", "tau"] == 1.0
     rows.loc[rows["method"] == "SMP b", ["sd_ratio", "coverage"]] = math.nan          # every chain diverged
-    none = rs.best_tau(rs.summary_table(rows), "in range").loc["SMP b"]
-    assert math.isnan(none["tau"]) and not none["within 2x"] and math.isnan(none["sd_ratio (in range)"])
+    none = rs.best_tau(rs.summary_table(rows), 2, "in range").loc["SMP b"]
+    assert math.isnan(none["tau"]) and not none["within 2x"] and none["eligible taus"] == 0
 
 
 def test_spread_shape_is_the_gap_ratio_over_the_range_ratio():
-    shape = rs.spread_shape(_synthetic_rows())
+    shape = rs.spread_shape(_synthetic_rows(), 2)
     assert list(shape.index) == ["NUTS", "SMP a", "SMP b"]
     assert shape.loc["NUTS"].dropna().tolist() == [1.0]
     assert shape.loc["SMP a", 0.1] == pytest.approx(0.1) and shape.loc["SMP a", 1.0] == pytest.approx(0.1)
     assert math.isnan(shape.loc["SMP b", 0.1]) and shape.loc["SMP b", 1.0] == pytest.approx(0.9 / 8)
+    rows = _synthetic_rows()
+    rows.loc[(rows["method"] == "SMP a") & (rows["tau"] == 1.0) & (rows["data_set"] == 0), "diverged"] = 1
+    assert math.isnan(rs.spread_shape(rows, 2).loc["SMP a", 1.0])                     # not eligible
+
+
+def test_evaluate_spread_ratio_and_scores():
+    """Means spread twice as wide as the reference give a ratio of 2; a point estimate none."""
+    data = rs.gap_data(10, 40, 30, 0.1, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    reference = {region: torch.randn(50, len(data[region][0]), 1, generator=gen) for region in rs.REGIONS}
+    sd = {region: reference[region][..., 0].double().std(dim=0) for region in rs.REGIONS}
+    doubled = {region: 2 * reference[region] for region in rs.REGIONS}
+    scored = rs.evaluate(doubled, sd, data, 0.1, 0.9)
+    assert all(scored[region]["sd_ratio"] == pytest.approx(2.0) for region in rs.REGIONS)
+    assert scored["in the gap"]["median_sd"] == pytest.approx(float((2 * sd["in the gap"]).median()))
+    assert scored["in range"]["rmse"] == pytest.approx(
+        metrics_rmse(doubled["in range"], data["in range"][1]))
+    point = rs.evaluate({r: m[:1] for r, m in reference.items()}, sd, data, 0.1, 0.9)
+    assert all(math.isnan(point[region]["sd_ratio"]) for region in rs.REGIONS)
+
+
+def metrics_rmse(means, y):
+    from smp_core.metrics import rmse
+    return rmse(means, y)
