@@ -197,3 +197,33 @@ def test_evaluate_spread_ratio_and_scores():
 def metrics_rmse(means, y):
     from smp_core.metrics import rmse
     return rmse(means, y)
+
+
+def test_the_chapters_mechanism_none_and_dense_steps_stay_in_the_fishers_range():
+    """The chapter's argument: the score lies in the range of F (the span of the Jacobians at the training inputs),
+    which P = I and a fixed dense P = F + lambda I keep, so a short run near the MAP moves the parameters (float64
+    chains) almost only within it; a diagonal P^-1 does not keep it, and there most of the displacement falls outside
+    (which shows that the measure can see it). 6 points and d = 13: F has a null space of dimension 7."""
+    from smp_core import estimate_fisher, run_smp
+    from smp_core.likelihoods import Gaussian
+
+    data = rs.gap_data(6, 2, 2, 0.1, seed=0)
+    net, _ = rs.fit_map(*data["train"], hidden=4, noise=0.1, prior_precision=1.0, restarts=1, seed=0)
+    net = net.double()
+    chain = as_chain_model(net)
+    theta0 = chain.layout.flatten(net).detach()
+    x = data["train"][0].double()
+    fisher = estimate_fisher(chain, Gaussian(0.1), theta0, x, structure="dense", dtype=torch.float64)[0][0]
+    values, vectors = torch.linalg.eigh(fisher)
+    null = vectors[:, values < 1e-10 * values.max()]
+    assert null.shape[1] == theta0.numel() - 6
+
+    def outside_share(preconditioner, tau, ridge):
+        run = run_smp(net, Gaussian(0.1), x, preconditioner=preconditioner, tau=tau, ridge=ridge, n_steps=50,
+                      n_chains=20, seed=1, progress=False)
+        delta = run.theta - theta0
+        return float(((delta @ null).norm(dim=1) / delta.norm(dim=1)).median())
+
+    assert outside_share("none", 1e-3, 1e-4) < 0.02
+    assert outside_share("fixed-dense", 1e-2, 1.0) < 0.02
+    assert outside_share("fixed-diag", 1e-3, 1e-4) > 0.3
