@@ -10,7 +10,8 @@ data leave a gap, the "in-between" uncertainty of Foong et al. (2019):
 * the reference: NUTS on that posterior (NumPyro, float64, several chains from the MAP), with its
   diagnostics (:func:`run_nuts_regression`);
 * beside it: the MAP, the linearised Laplace approximation at the MAP with the same prior, and SMP
-  from the MAP for every preconditioner and ``tau`` of a grid (:func:`run_data_set`).
+  from the MAP for each preconditioner setting of the configuration at every ``tau`` of a grid
+  (:func:`run_data_set`).
 
 Each method is scored on the new points by :func:`smp_core.metrics.regression_scores` and by the
 ratio of its epistemic standard deviation ``sd_l g(x, theta^(l))`` to NUTS's at the same inputs
