@@ -222,6 +222,27 @@ def evaluate(means: dict[str, torch.Tensor], reference_sd: dict[str, torch.Tenso
     return out
 
 
+def _reference(cfg: dict[str, Any], data, alpha: float, base: int) -> dict[str, Any]:
+    """The MAP, NUTS and the Laplace draws of one data set under the prior precision ``alpha`` (seeds from
+    ``base``): what :func:`run_data_set` and :func:`prior_sensitivity` share."""
+    x, y = data["train"]
+    t0 = time.perf_counter()
+    net, fit = fit_map(x, y, cfg["hidden"], cfg["noise"], alpha, cfg["map_restarts"], base + 1)
+    map_time = time.perf_counter() - t0
+    theta_map = as_chain_model(net).layout.flatten(net).detach()
+    nuts_draws, nuts_diag = run_nuts_regression(
+        x, y, theta_map, cfg["hidden"], cfg["noise"], alpha, num_chains=cfg["nuts_chains"],
+        num_warmup=cfg["nuts_warmup"], num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
+        max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
+        x_eval=torch.linspace(-4, 4, 17)[:, None])
+    t0 = time.perf_counter()
+    laplace = fit_laplace(net, Gaussian(cfg["noise"]), theta_map, x, prior_precision=alpha, structure="dense")
+    laplace_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
+    return {"net": net, "fit": fit, "theta_map": theta_map, "nuts_draws": nuts_draws, "nuts": nuts_diag,
+            "laplace_draws": laplace_draws, "timings": {"MAP": map_time, "NUTS": nuts_diag["wall_time_s"],
+                                                        "Laplace (linearised)": time.perf_counter() - t0}}
+
+
 def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dict[str, Any]:
     """One data set: its MAP, NUTS, the Laplace approximation and every SMP run of ``cfg``, evaluated.
 
@@ -243,37 +264,24 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     grid = torch.linspace(-4, 4, cfg["grid_points"])[:, None]
     inputs = {region: data[region][0] for region in REGIONS}
     inputs["grid"] = grid
-    timings: dict[str, float] = {}
-
-    t0 = time.perf_counter()
-    net, fit = fit_map(x, y, cfg["hidden"], noise, alpha, cfg["map_restarts"], base + 1)
-    timings["MAP"] = time.perf_counter() - t0
+    reference = _reference(cfg, data, alpha, base)
+    net, fit, theta_map, nuts_diag = reference["net"], reference["fit"], reference["theta_map"], reference["nuts"]
+    timings: dict[str, float] = dict(reference["timings"])
     chain = as_chain_model(net)
-    theta_map = chain.layout.flatten(net).detach()
     fisher = estimate_fisher(chain, Gaussian(noise), theta_map, x, structure="dense", dtype=torch.float64)[0][0]
     fisher_eigenvalues = torch.linalg.eigvalsh(fisher).flip(0)
-
-    nuts_draws, nuts_diag = run_nuts_regression(
-        x, y, theta_map, cfg["hidden"], noise, alpha, num_chains=cfg["nuts_chains"], num_warmup=cfg["nuts_warmup"],
-        num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
-        max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
-        x_eval=torch.linspace(-4, 4, 17)[:, None])
-    timings["NUTS"] = nuts_diag["wall_time_s"]
 
     def network_means(theta):
         return {name: predict(chain, theta, xs) for name, xs in inputs.items()}
 
     # label (SMP: "label|tau") -> (tau, means per input set; None where every chain, or all but one, diverged)
     methods: dict[str, tuple[float, dict[str, torch.Tensor] | None]] = {}
-    methods["NUTS"] = (math.nan, network_means(nuts_draws))
+    methods["NUTS"] = (math.nan, network_means(reference["nuts_draws"]))
     reference_sd = {region: methods["NUTS"][1][region][..., 0].double().std(dim=0) for region in REGIONS}
     methods["MAP"] = (math.nan, network_means(theta_map[None]))
-    t0 = time.perf_counter()
-    laplace = fit_laplace(net, Gaussian(noise), theta_map, x, prior_precision=alpha, structure="dense")
-    lap_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
-    methods["Laplace (linearised)"] = (math.nan, {name: linearised_logits(net, theta_map, lap_draws, xs)
+    laplace_draws = reference["laplace_draws"]
+    methods["Laplace (linearised)"] = (math.nan, {name: linearised_logits(net, theta_map, laplace_draws, xs)
                                                   for name, xs in inputs.items()})
-    timings["Laplace (linearised)"] = time.perf_counter() - t0
 
     diverged: dict[tuple[str, float], int] = {}
     rounding: dict[tuple[str, float], int] = {}
@@ -397,23 +405,15 @@ def prior_sensitivity(cfg: dict[str, Any], alpha: float, index: int = 0) -> dict
     standard deviation and its 90 % coverage, with NUTS's diagnostics."""
     base = cfg["seed"] + 1000 * index
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], base)
-    x, y = data["train"]
-    net, fit = fit_map(x, y, cfg["hidden"], cfg["noise"], alpha, cfg["map_restarts"], base + 1)
-    chain = as_chain_model(net)
-    theta_map = chain.layout.flatten(net).detach()
-    nuts_draws, nuts_diag = run_nuts_regression(
-        x, y, theta_map, cfg["hidden"], cfg["noise"], alpha, num_chains=cfg["nuts_chains"],
-        num_warmup=cfg["nuts_warmup"], num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
-        max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
-        x_eval=torch.linspace(-4, 4, 17)[:, None])
-    laplace = fit_laplace(net, Gaussian(cfg["noise"]), theta_map, x, prior_precision=alpha, structure="dense")
-    lap_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
+    reference = _reference(cfg, data, alpha, base)
+    net, theta_map = reference["net"], reference["theta_map"]
     rows = []
     for region in REGIONS:
         inputs, targets = data[region]
-        for method, means in (("NUTS", predict(chain, nuts_draws, inputs)),
-                              ("Laplace (linearised)", linearised_logits(net, theta_map, lap_draws, inputs))):
+        for method, means in (("NUTS", predict(as_chain_model(net), reference["nuts_draws"], inputs)),
+                              ("Laplace (linearised)",
+                               linearised_logits(net, theta_map, reference["laplace_draws"], inputs))):
             rows.append({"prior precision": alpha, "method": method, "region": region,
                          "median sd": float(means[..., 0].double().std(dim=0).median()),
                          "coverage": metrics.interval_coverage(means, targets, cfg["noise"], cfg["level"])})
-    return {"rows": pd.DataFrame(rows), "nuts": nuts_diag, "map": fit}
+    return {"rows": pd.DataFrame(rows), "nuts": reference["nuts"], "map": reference["fit"]}
