@@ -654,12 +654,18 @@ def _check_level(level, name: str = "level") -> float:
     return float(level)
 
 
-def _univariate(means: torch.Tensor, y: torch.Tensor, sigma, what: str) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(S, N)`` means and ``(N,)`` responses of a one-output regression, for the univariate scores."""
+def _one_output(means: torch.Tensor, lead: str) -> torch.Tensor:
+    """Validated ``(S, N, 1)`` means in float64; ``lead`` starts the message for more than one output."""
     mu = _check_means(means)
     if mu.shape[2] != 1:
-        raise ValueError(f"{what} is defined for one output per point; means has m={mu.shape[2]} outputs "
+        raise ValueError(f"{lead} one output per point; means has m={mu.shape[2]} outputs "
                          "(score each output separately: means[..., j:j+1], y[:, j])")
+    return mu
+
+
+def _univariate(means: torch.Tensor, y: torch.Tensor, sigma, what: str) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(S, N)`` means and ``(N,)`` responses of a one-output regression, for the univariate scores."""
+    mu = _one_output(means, f"{what} is defined for")
     return mu[..., 0], _check_targets(y, mu.shape[1], 1, mu.device)[:, 0], _check_sigma(sigma)
 
 
@@ -791,9 +797,7 @@ def predictive_quantile(means: torch.Tensor, sigma: float, q: float, tol: float 
     Raises:
         ValueError: on malformed ``means``, ``sigma`` or ``q``, or more than one output.
     """
-    mu = _check_means(means)
-    if mu.shape[2] != 1:
-        raise ValueError(f"quantiles are defined for one output per point; means has m={mu.shape[2]} outputs")
+    mu = _one_output(means, "quantiles are defined for")
     mu, sigma, q = mu[..., 0], _check_sigma(sigma), _check_level(q, "q")
     shift = sigma * torch.special.ndtri(torch.tensor(q, dtype=torch.float64)).item()
     low, high = mu.min(dim=0).values + shift, mu.max(dim=0).values + shift
@@ -922,10 +926,7 @@ def regression_scores(means: torch.Tensor, y: torch.Tensor, sigma: float, level:
     Raises:
         ValueError: on malformed input, more than one output, or a level outside ``(0, 1)``.
     """
-    mu = _check_means(means)  # every check up front, before any score is computed
-    if mu.shape[2] != 1:
-        raise ValueError(f"regression_scores needs one output per point; means has m={mu.shape[2]} outputs "
-                         "(score each output separately: means[..., j:j+1], y[:, j])")
+    mu = _one_output(means, "regression_scores needs")  # every check up front, before any score is computed
     _check_targets(y, mu.shape[1], 1, mu.device)
     _check_sigma(sigma)
     _check_level(level)
