@@ -11,7 +11,10 @@ data leave a gap, the "in-between" uncertainty of Foong et al. (2019):
   diagnostics (:func:`run_nuts_regression`);
 * beside it: the MAP, the linearised Laplace approximation at the MAP with the same prior, and SMP
   from the MAP for each preconditioner setting of the configuration at every ``tau`` of a grid
-  (:func:`run_data_set`).
+  (:func:`run_data_set`);
+* beyond the paper's empirical design: SMP whose covariates are resampled from a wider law than the
+  ``N`` training inputs (:func:`design_pool`), with the preconditioner's Fisher from the training
+  inputs or from that law.
 
 Each method is scored on the new points by :func:`smp_core.metrics.regression_scores` and by the
 ratio of its epistemic standard deviation ``sd_l g(x, theta^(l))`` to NUTS's at the same inputs
@@ -41,8 +44,11 @@ from .recursion import DivergenceError, run_smp
 __all__ = [
     "REGIONS",
     "STUDY_VERSION",
+    "DESIGNS",
     "curve",
     "gap_data",
+    "design_pool",
+    "design_label",
     "method_label",
     "minus_log_posterior",
     "regression_mlp",
@@ -59,9 +65,10 @@ __all__ = [
     "prior_sensitivity",
 ]
 
-STUDY_VERSION = 2  # 2: float64 statistics, rounding warnings counted, Fisher spectrum, prior sensitivity
+STUDY_VERSION = 3  # 2: float64 statistics, rounding warnings counted, Fisher spectrum, prior sensitivity; 3: designs
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
+DESIGNS = ("empirical", "uniform", "smoothed")
 
 
 def curve(x: torch.Tensor) -> torch.Tensor:
@@ -86,6 +93,52 @@ def gap_data(n_train: int, n_in: int, n_gap: int, noise: float,
     inputs = {"train": two_sides(n_train), "in range": two_sides(n_in),
               "in the gap": torch.rand(n_gap, generator=gen) * (GAP[1] - GAP[0]) + GAP[0]}
     return {name: (x[:, None], curve(x) + noise * torch.randn(len(x), generator=gen)) for name, x in inputs.items()}
+
+
+def design_pool(x: torch.Tensor, design: str, size: int, seed: int) -> torch.Tensor:
+    """Covariates for SMP to resample from (``run_smp``'s ``x_train``) in place of the training inputs.
+
+    The paper, like the martingale posterior of Fong, Holmes and Walker (2023), resamples the ``N`` training inputs
+    (the empirical design, ``"empirical"``: ``x`` itself). Beyond it, ``size`` points drawn once from a
+    wider law, whose uniform resampling approximates drawing from that law:
+
+    * ``"uniform"``: uniform on the box spanned by the inputs' coordinates (``[min x_j, max x_j]`` for
+      each ``j``), the gap included;
+    * ``"smoothed"``: the smoothed bootstrap ``x_I + h * eps`` (``I`` uniform over the ``N`` inputs, ``eps``
+      standard normal), a kernel density estimate with Silverman's bandwidth per coordinate,
+      ``h_j = 0.9 min(sd_j, IQR_j / 1.34) N^(-1/5)``.
+
+    ``x`` is ``(N, p)``; the pool has ``x``'s dtype, ``(size, p)`` (``(N, p)`` for ``"empirical"``).
+    """
+    if design not in DESIGNS:
+        raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
+    if x.ndim != 2 or x.shape[0] < 2:
+        raise ValueError(f"x must be (N, p) with N >= 2, got shape {tuple(x.shape)}")
+    if design == "empirical":
+        return x
+    if size < 1:
+        raise ValueError(f"size must be at least 1, got {size}")
+    gen = torch.Generator().manual_seed(seed)
+    x64 = x.double()
+    if design == "uniform":
+        low, high = x64.min(dim=0).values, x64.max(dim=0).values
+        pool = low + (high - low) * torch.rand(size, x.shape[1], generator=gen, dtype=torch.float64)
+    else:
+        quartiles = torch.quantile(x64, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
+        spread = torch.minimum(x64.std(dim=0), (quartiles[1] - quartiles[0]) / 1.34)
+        bandwidth = 0.9 * spread * x.shape[0] ** -0.2
+        picked = x64[torch.randint(x.shape[0], (size,), generator=gen)]
+        pool = picked + bandwidth * torch.randn(size, x.shape[1], generator=gen, dtype=torch.float64)
+    return pool.to(x.dtype)
+
+
+def design_label(preconditioner: str, ridge: float, default_ridge: float, design: str, fisher_from: str) -> str:
+    """``"SMP none, uniform design"`` or ``"SMP fixed-dense, ridge 1, uniform design, P from the design"`` (a
+    preconditioner whose Fisher is from the design's points rather than the training inputs)."""
+    if fisher_from not in ("data", "design"):
+        raise ValueError(f"fisher_from must be 'data' or 'design', got {fisher_from!r}")
+    label = f"{method_label(preconditioner, ridge, default_ridge)}, {design} design"
+    return label + (", P from the design" if fisher_from == "design" and preconditioner != "none" else "")
 
 
 def regression_mlp(hidden: int) -> nn.Sequential:
@@ -246,8 +299,16 @@ def _reference(cfg: dict[str, Any], data, alpha: float, base: int) -> dict[str, 
 def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dict[str, Any]:
     """One data set: its MAP, NUTS, the Laplace approximation and every SMP run of ``cfg``, evaluated.
 
+    ``cfg["design_variants"]`` (optional) adds SMP runs whose covariates are resampled from a
+    :func:`design_pool` of ``cfg["design_pool_size"]`` points (``[design, preconditioner, ridge, fisher_from]``;
+    ``fisher_from`` ``"data"``: the preconditioner's Fisher from the training inputs, ``"design"``: from the
+    pool), labelled by :func:`design_label`; every SMP run takes ``N`` (the training inputs' number) in its
+    step size ``tau / (N + k)``.
+
     Seeds: data ``seed + 1000 index``; MAP restarts, NUTS and Laplace from ``seed + 1000 index + 1``;
-    the SMP run of variant ``v`` and ``tau`` position ``t`` from ``seed + 1000 index + 100 + 10 v + t``.
+    the SMP run of variant ``v`` and ``tau`` position ``t`` from ``seed + 1000 index + 100 + 10 v + t`` (the
+    design variants numbered after ``cfg["smp_variants"]``); the pool of design ``D`` from
+    ``seed + 1000 index + 2 + DESIGNS.index(D)``.
     The block, dense and kfac statistics are kept in ``cfg["statistic_dtype"]`` (float64: the Fisher's
     eigenvalues span more than float32 resolves against the ridge; ``smp_core.preconditioners``).
     Returns rows (one per method, tau and region, with the diverged chains and the factorisations that
@@ -255,8 +316,14 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     at the MAP (float64), the wall times, and for the figure the 5 %, 50 % and 95 % predictive
     quantiles and the epistemic standard deviation on the grid of every method (SMP at every tau).
     """
-    if len(cfg["tau_grid"]) > 10 or len(cfg["smp_variants"]) > 89:
-        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants")
+    if len(cfg["tau_grid"]) > 10 or len(cfg["smp_variants"]) + len(cfg.get("design_variants", [])) > 89:
+        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants (designs included)")
+    designs = [(design_label(p, r, cfg["ridge"], d, f), d, p, r, f) for d, p, r, f in cfg.get("design_variants", [])]
+    labels = [method_label(p, r, cfg["ridge"]) for p, r in cfg["smp_variants"]] + [d[0] for d in designs]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"two SMP settings share a label: {labels}")
+    if any(d[1] not in DESIGNS for d in designs):
+        raise ValueError(f"unknown design in {cfg['design_variants']}; choose from {DESIGNS}")
     base = cfg["seed"] + 1000 * index
     noise, alpha, level = cfg["noise"], cfg["prior_precision"], cfg["level"]
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], noise, base)
@@ -285,8 +352,9 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
 
     diverged: dict[tuple[str, float], int] = {}
     rounding: dict[tuple[str, float], int] = {}
-    for v, (preconditioner, ridge) in enumerate(cfg["smp_variants"]):
-        label = method_label(preconditioner, ridge, cfg["ridge"])
+
+    def run_setting(label: str, v: int, preconditioner: str, ridge: float, pool: torch.Tensor,
+                    fisher_x: torch.Tensor) -> None:
         structured = preconditioner != "none" and not preconditioner.endswith("-diag")
         options = {"statistic_dtype": cfg["statistic_dtype"]} if structured else {}
         for t, tau in enumerate(cfg["tau_grid"]):
@@ -295,9 +363,9 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
             with warnings.catch_warnings(record=True) as caught:  # diverged chains are counted in `diverged`
                 warnings.simplefilter("always")
                 try:
-                    run = run_smp(net, Gaussian(noise), x, preconditioner=preconditioner, tau=tau, ridge=ridge,
+                    run = run_smp(net, Gaussian(noise), pool, preconditioner=preconditioner, tau=tau, ridge=ridge,
                                   n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t,
-                                  progress=progress, **options)
+                                  n_obs=len(x), fisher_data=(fisher_x, None), progress=progress, **options)
                     draws = run.samples()
                     diverged[(label, tau)] = int(run.diverged.sum())
                 except DivergenceError:
@@ -306,6 +374,13 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
             timings[f"{label}, tau {tau:g}"] = time.perf_counter() - t0
             usable = draws is not None and draws.shape[0] >= 2
             methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if usable else None)
+
+    for v, (preconditioner, ridge) in enumerate(cfg["smp_variants"]):
+        run_setting(method_label(preconditioner, ridge, cfg["ridge"]), v, preconditioner, ridge, x, x)
+    for j, (label, design, preconditioner, ridge, fisher_from) in enumerate(designs):
+        pool = design_pool(x, design, cfg["design_pool_size"], base + 2 + DESIGNS.index(design))
+        run_setting(label, len(cfg["smp_variants"]) + j, preconditioner, ridge, pool,
+                    pool if fisher_from == "design" else x)
 
     rows, bands = [], {}
     for key, (tau, means) in methods.items():
