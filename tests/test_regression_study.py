@@ -10,6 +10,7 @@ import torch
 from smp_core import regression_study as rs
 from smp_core.config import get_config
 from smp_core.models import as_chain_model
+from smp_core.recursion import run_smp
 
 
 def test_gap_data_regions_shapes_and_seed():
@@ -90,15 +91,28 @@ def test_method_label():
 def small_run():
     cfg = {**get_config("regression", "ci"), "n_train": 20, "n_in": 30, "n_gap": 20, "grid_points": 9,
            "hidden": 4, "nuts_warmup": 50, "nuts_samples": 50, "n_chains": 8, "n_steps": 20, "tau_grid": [0.01, 1.0],
-           "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]]}
-    return cfg, rs.run_data_set(cfg, 0)
+           "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]], "design_pool_size": 40,
+           "design_variants": [["uniform", "none", 1e-4, "data"], ["smoothed", "fixed-dense", 1.0, "design"]]}
+    calls = []
+
+    def recording_run_smp(net, likelihood, covariates, **kwargs):
+        fisher_x = kwargs["fisher_data"][0]
+        calls.append((kwargs["preconditioner"], covariates.shape[0], fisher_x.shape[0], kwargs["n_obs"]))
+        return run_smp(net, likelihood, covariates, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rs, "run_smp", recording_run_smp)
+        run = rs.run_data_set(cfg, 0)
+    return cfg, {**run, "run_smp_calls": calls}
 
 
 def test_run_data_set_rows_and_reference(small_run):
     cfg, run = small_run
     rows = run["rows"]
     expected = ["NUTS", "MAP", "Laplace (linearised)", "SMP fixed-diag", "SMP fixed-diag", "SMP fixed-dense",
-                "SMP fixed-dense"]
+                "SMP fixed-dense", "SMP none, uniform design", "SMP none, uniform design",
+                "SMP fixed-dense, ridge 1, smoothed design, P from the design",
+                "SMP fixed-dense, ridge 1, smoothed design, P from the design"]
     assert list(rows["method"][::2]) == expected
     assert list(rows["region"][:2]) == list(rs.REGIONS)
     nuts = rows[rows["method"] == "NUTS"]
@@ -113,6 +127,15 @@ def test_run_data_set_rows_and_reference(small_run):
     eigenvalues = run["fisher_eigenvalues"]
     assert eigenvalues.dtype == torch.float64 and eigenvalues.shape == (3 * cfg["hidden"] + 1,)
     assert (eigenvalues[:-1] >= eigenvalues[1:]).all()
+
+
+def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured(small_run):
+    cfg, run = small_run
+    n, pool = cfg["n_train"], cfg["design_pool_size"]
+    per_tau = [("fixed-diag", n, n, n), ("fixed-dense", n, n, n),          # the empirical design
+               ("none", pool, n, n),                                       # uniform design, Fisher from the data
+               ("fixed-dense", pool, pool, n)]                             # smoothed design, P from the design
+    assert run["run_smp_calls"] == [call for call in per_tau for _ in cfg["tau_grid"]]
 
 
 def test_prior_sensitivity_rows(small_run):
@@ -199,11 +222,10 @@ def metrics_rmse(means, y):
     return rmse(means, y)
 
 
-def test_the_chapters_mechanism_none_and_dense_steps_stay_in_the_fishers_range():
-    """The chapter's argument: the score lies in the range of F (the span of the Jacobians at the training inputs),
-    which P = I and a fixed dense P = F + lambda I keep, so a short run near the MAP moves the parameters (float64
-    chains) almost only within it; a diagonal P^-1 does not keep it, and there most of the displacement falls outside
-    (which shows that the measure can see it). 6 points and d = 13: F has a null space of dimension 7."""
+@pytest.fixture(scope="module")
+def tiny_map():
+    """A MAP on 6 points with d = 13 (float64), its training inputs and an orthonormal basis of the null space of its
+    Fisher (dimension 7), and a function: the median share of a short SMP run's displacement outside the range of F."""
     from smp_core import estimate_fisher, run_smp
     from smp_core.likelihoods import Gaussian
 
@@ -218,12 +240,83 @@ def test_the_chapters_mechanism_none_and_dense_steps_stay_in_the_fishers_range()
     null = vectors[:, values < 1e-10 * values.max()]
     assert null.shape[1] == theta0.numel() - 6
 
-    def outside_share(preconditioner, tau, ridge):
-        run = run_smp(net, Gaussian(0.1), x, preconditioner=preconditioner, tau=tau, ridge=ridge, n_steps=50,
-                      n_chains=20, seed=1, progress=False)
+    def outside_share(preconditioner, tau, ridge, covariates=None, fisher_x=None):
+        run = run_smp(net, Gaussian(0.1), x if covariates is None else covariates, preconditioner=preconditioner,
+                      tau=tau, ridge=ridge, n_steps=50, n_chains=20, seed=1, progress=False, n_obs=len(x),
+                      fisher_data=(x if fisher_x is None else fisher_x, None))
         delta = run.theta - theta0
         return float(((delta @ null).norm(dim=1) / delta.norm(dim=1)).median())
 
+    return x, outside_share
+
+
+def test_the_chapters_mechanism_none_and_dense_steps_stay_in_the_fishers_range(tiny_map):
+    """The chapter's argument: the score lies in the range of F (the span of the Jacobians at the training inputs),
+    which P = I and a fixed dense P = F + lambda I keep, so a short run near the MAP moves the parameters (float64
+    chains) almost only within it; a diagonal P^-1 does not keep it, and there most of the displacement falls outside
+    (which shows that the measure can see it). 6 points and d = 13: F has a null space of dimension 7."""
+    _, outside_share = tiny_map
     assert outside_share("none", 1e-3, 1e-4) < 0.02
     assert outside_share("fixed-dense", 1e-2, 1.0) < 0.02
     assert outside_share("fixed-diag", 1e-3, 1e-4) > 0.3
+
+
+def test_covariates_from_a_wider_design_leave_the_fishers_range(tiny_map):
+    """The last section's premise: covariates uniform on the inputs' range (the gap included) give scores outside the
+    range of the training inputs' F, so the same runs now move the parameters there, most of all with P = F + I from
+    the training inputs, whose inverse passes those parts on unshrunk."""
+    x, outside_share = tiny_map
+    pool = rs.design_pool(x, "uniform", 200, seed=3)
+    assert outside_share("none", 1e-3, 1e-4, covariates=pool) > 0.1
+    assert outside_share("fixed-dense", 1e-2, 1.0, covariates=pool) > 0.5
+
+
+def test_design_pool_laws_and_errors():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.rand(60, 2, generator=gen) * 2 - 3, torch.rand(60, 2, generator=gen) * 2 + 1]).double()
+    assert rs.design_pool(x, "empirical", 10, seed=0) is x
+    size = 20000
+    uniform = rs.design_pool(x, "uniform", size, seed=1)
+    assert uniform.shape == (size, 2) and uniform.dtype == x.dtype
+    low, high = x.min(dim=0).values, x.max(dim=0).values
+    assert ((uniform >= low) & (uniform <= high)).all()
+    # uniform on [low, high]: mean (low + high) / 2, sd (high - low) / sqrt(12), per coordinate
+    z = (uniform.mean(0) - (low + high) / 2) / ((high - low) / math.sqrt(12) / math.sqrt(size))
+    assert z.abs().max() < 4.5, z
+    assert ((uniform > -1) & (uniform < 1)).all(dim=1).double().mean() > 0.1   # it reaches the gap
+    smoothed = rs.design_pool(x, "smoothed", size, seed=2)
+    # x_I + h eps: mean mean(x), variance var_emp(x) + h^2 with Silverman's h per coordinate
+    quartiles = torch.quantile(x, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
+    h = 0.9 * torch.minimum(x.std(dim=0), (quartiles[1] - quartiles[0]) / 1.34) * len(x) ** -0.2
+    variance = x.var(dim=0, unbiased=False) + h**2
+    z_mean = (smoothed.mean(0) - x.mean(0)) / (variance / size).sqrt()
+    centred = (smoothed - x.mean(0)) ** 2
+    z_var = (centred.mean(0) - variance) / (centred.std(0) / math.sqrt(size))
+    assert z_mean.abs().max() < 4.5 and z_var.abs().max() < 4.5, (z_mean, z_var)
+    assert torch.equal(smoothed, rs.design_pool(x, "smoothed", size, seed=2))    # reproducible from the seed
+    assert rs.design_pool(x.float(), "uniform", 5, seed=0).dtype == torch.float32
+    with pytest.raises(ValueError, match="unknown design"):
+        rs.design_pool(x, "grid", 10, seed=0)
+    with pytest.raises(ValueError, match=r"\(N, p\)"):
+        rs.design_pool(x[:, 0], "uniform", 10, seed=0)
+    with pytest.raises(ValueError, match="size must be at least 1"):
+        rs.design_pool(x, "uniform", 0, seed=0)
+
+
+def test_design_label():
+    assert rs.design_label("none", 1e-4, 1e-4, "uniform", "data") == "SMP none, uniform design"
+    assert rs.design_label("none", 1e-4, 1e-4, "uniform", "design") == "SMP none, uniform design"  # no P to take it
+    assert (rs.design_label("fixed-dense", 1.0, 1e-4, "smoothed", "design")
+            == "SMP fixed-dense, ridge 1, smoothed design, P from the design")
+    with pytest.raises(ValueError, match="fisher_from"):
+        rs.design_label("fixed-dense", 1.0, 1e-4, "uniform", "pool")
+
+
+def test_run_data_set_refuses_settings_that_share_a_label_before_any_work():
+    cfg = {**get_config("regression", "ci"), "design_variants": [["uniform", "none", 1e-4, "data"],
+                                                                 ["uniform", "none", 1e-4, "design"]]}
+    with pytest.raises(ValueError, match="share a label"):
+        rs.run_data_set(cfg, 0)
+    cfg["design_variants"] = [["grid", "none", 1e-4, "data"]]
+    with pytest.raises(ValueError, match="unknown design"):
+        rs.run_data_set(cfg, 0)
