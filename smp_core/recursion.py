@@ -577,7 +577,10 @@ def run_smp(
     Args:
         model: any ``torch.nn.Module`` (or a :class:`~smp_core.models.ChainModel`).
         likelihood: ``"bernoulli"``, ``"categorical"``, ``"gaussian"`` or a likelihood object.
-        x_train: ``(N, *input_shape)`` training inputs; covariates are resampled from them.
+        x_train: ``(N, *input_shape)`` training inputs; covariates are resampled from them (the paper's
+            empirical design). Any other pool of inputs is resampled the same way (a wider design, beyond
+            the paper); pass ``n_obs`` (the data's ``N``) and ``fisher_data`` (the inputs of the
+            preconditioner's Fisher) with it where they should not be the pool's.
         theta0: start ``(d,)`` or ``(S, d)``; default: the module's current parameters.
         preconditioner: ``"none"``, ``"<strategy>-<structure>"`` (e.g. ``"ema-block"``; beyond the paper
             ``"fixed-kfac"`` and the like, for networks of Linear and Conv2d layers) or a
