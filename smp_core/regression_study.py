@@ -49,6 +49,7 @@ __all__ = [
     "gap_data",
     "design_pool",
     "design_label",
+    "empirical_counterpart",
     "method_label",
     "minus_log_posterior",
     "regression_mlp",
@@ -141,6 +142,15 @@ def design_label(preconditioner: str, ridge: float, default_ridge: float, design
     return label + (", P from the design" if fisher_from == "design" and preconditioner != "none" else "")
 
 
+def empirical_counterpart(label: str) -> str:
+    """The label of the same SMP setting with the empirical design: :func:`design_label`'s design part removed
+    (``"SMP fixed-dense, ridge 1, uniform design, P from the design"`` -> ``"SMP fixed-dense, ridge 1"``); a label
+    without one is returned as it is."""
+    for design in DESIGNS:
+        label = label.split(f", {design} design")[0]
+    return label
+
+
 def regression_mlp(hidden: int) -> nn.Sequential:
     """``Linear(1, hidden) -> tanh -> Linear(hidden, 1)``; parameters in the order W1, b1, W2, b2."""
     return nn.Sequential(nn.Linear(1, hidden), nn.Tanh(), nn.Linear(hidden, 1))
@@ -155,13 +165,15 @@ def minus_log_posterior(net: nn.Module, x: torch.Tensor, y: torch.Tensor, noise:
 
 def fit_map(x: torch.Tensor, y: torch.Tensor, hidden: int, noise: float, prior_precision: float, restarts: int,
             seed: int) -> tuple[nn.Sequential, dict[str, float]]:
-    """The MAP by L-BFGS in float64 from ``restarts`` PyTorch initialisations (seeds ``seed + r``); the
-    lowest minus log posterior wins. Returns the float32 network and ``{"objective", "gradient_norm"}``."""
+    """The MAP by L-BFGS in float64 from ``restarts`` PyTorch initialisations (seeds ``seed + r``, drawn from a
+    fork of PyTorch's global generator, whose state is left as it was); the lowest minus log posterior wins.
+    Returns the float32 network and ``{"objective", "gradient_norm"}``."""
     best, best_value = None, math.inf
     x64, y64 = x.double(), y.double()
     for restart in range(restarts):
-        torch.manual_seed(seed + restart)
-        net = regression_mlp(hidden).double()
+        with torch.random.fork_rng(devices=[]):  # the layers' default initialisation, the caller's generator untouched
+            torch.manual_seed(seed + restart)
+            net = regression_mlp(hidden).double()
         opt = torch.optim.LBFGS(net.parameters(), max_iter=5000, tolerance_grad=1e-9, tolerance_change=1e-15,
                                 history_size=50, line_search_fn="strong_wolfe")
 

@@ -77,9 +77,13 @@ def test_nuts_without_data_samples_the_prior():
 
 def test_fit_map_reaches_a_stationary_point():
     data = rs.gap_data(30, 10, 10, 0.1, seed=0)
+    state = torch.random.get_rng_state()
     net, fit = rs.fit_map(*data["train"], hidden=4, noise=0.1, prior_precision=1.0, restarts=2, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), state)      # the caller's generator is left as it was
     assert next(net.parameters()).dtype == torch.float32
     assert fit["gradient_norm"] < 1e-3 * max(1.0, abs(fit["objective"]))
+    again, _ = rs.fit_map(*data["train"], hidden=4, noise=0.1, prior_precision=1.0, restarts=2, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters(), strict=True))
 
 
 def test_method_label():
@@ -310,6 +314,9 @@ def test_design_label():
             == "SMP fixed-dense, ridge 1, smoothed design, P from the design")
     with pytest.raises(ValueError, match="fisher_from"):
         rs.design_label("fixed-dense", 1.0, 1e-4, "uniform", "pool")
+    for label in ("SMP fixed-dense, ridge 1, smoothed design, P from the design", "SMP fixed-dense, ridge 1"):
+        assert rs.empirical_counterpart(label) == "SMP fixed-dense, ridge 1"
+    assert rs.empirical_counterpart("SMP none, uniform design") == "SMP none"
 
 
 def test_run_data_set_refuses_settings_that_share_a_label_before_any_work():
