@@ -235,6 +235,9 @@ _REGRESSION_LAPTOP: dict[str, Any] = {
     # beyond the paper's empirical design: covariates resampled from 10 N points of a wider law
     # (regression_study.design_pool), the preconditioner's Fisher from the data or from the design
     "design_pool_size": 1200, "design_variants": REGRESSION_DESIGN_VARIANTS,
+    # the tau grid of the design runs: finer between 0.1 and 1, where the first pass found the dense ones leaving
+    # the MAP's neighbourhood as their spread in range neared NUTS's
+    "design_tau_grid": [0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 3.0],
 }
 REGRESSION: dict[str, dict[str, Any]] = {
     "paper": _REGRESSION_LAPTOP,
@@ -242,6 +245,7 @@ REGRESSION: dict[str, dict[str, Any]] = {
     "ci": {**_REGRESSION_LAPTOP, "n_train": 40, "n_in": 200, "n_gap": 100, "grid_points": 81, "map_restarts": 1,
            "nuts_chains": 2, "nuts_warmup": 100, "nuts_samples": 100, "n_chains": 30, "n_steps": 100,
            "tau_grid": [0.1, 1.0], "data_sets": 2, "prior_sensitivity": [4.0], "design_pool_size": 400,
+           "design_tau_grid": [0.1, 1.0],
            "design_variants": [["uniform", "none", 1e-4, "data"], ["uniform", "fixed-dense", 1.0, "data"],
                                ["smoothed", "fixed-dense", 1.0, "design"]]},
 }

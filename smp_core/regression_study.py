@@ -63,6 +63,7 @@ __all__ = [
     "eligible",
     "best_tau",
     "spread_shape",
+    "matched_in_both",
     "prior_sensitivity",
 ]
 
@@ -314,8 +315,8 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     ``cfg["design_variants"]`` (optional) adds SMP runs whose covariates are resampled from a
     :func:`design_pool` of ``cfg["design_pool_size"]`` points (``[design, preconditioner, ridge, fisher_from]``;
     ``fisher_from`` ``"data"``: the preconditioner's Fisher from the training inputs, ``"design"``: from the
-    pool), labelled by :func:`design_label`; every SMP run takes ``N`` (the training inputs' number) in its
-    step size ``tau / (N + k)``.
+    pool), labelled by :func:`design_label`, at every ``tau`` of ``cfg["design_tau_grid"]`` (default: the
+    ``tau_grid``); every SMP run takes ``N`` (the training inputs' number) in its step size ``tau / (N + k)``.
 
     Seeds: data ``seed + 1000 index``; MAP restarts, NUTS and Laplace from ``seed + 1000 index + 1``;
     the SMP run of variant ``v`` and ``tau`` position ``t`` from ``seed + 1000 index + 100 + 10 v + t`` (the
@@ -328,7 +329,9 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     at the MAP (float64), the wall times, and for the figure the 5 %, 50 % and 95 % predictive
     quantiles and the epistemic standard deviation on the grid of every method (SMP at every tau).
     """
-    if len(cfg["tau_grid"]) > 10 or len(cfg["smp_variants"]) + len(cfg.get("design_variants", [])) > 89:
+    design_taus = cfg.get("design_tau_grid", cfg["tau_grid"])
+    n_variants = len(cfg["smp_variants"]) + len(cfg.get("design_variants", []))
+    if max(len(cfg["tau_grid"]), len(design_taus)) > 10 or n_variants > 89:
         raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants (designs included)")
     designs = [(design_label(p, r, cfg["ridge"], d, f), d, p, r, f) for d, p, r, f in cfg.get("design_variants", [])]
     labels = [method_label(p, r, cfg["ridge"]) for p, r in cfg["smp_variants"]] + [d[0] for d in designs]
@@ -366,10 +369,10 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     rounding: dict[tuple[str, float], int] = {}
 
     def run_setting(label: str, v: int, preconditioner: str, ridge: float, pool: torch.Tensor,
-                    fisher_x: torch.Tensor) -> None:
+                    fisher_x: torch.Tensor, taus: list[float]) -> None:
         structured = preconditioner != "none" and not preconditioner.endswith("-diag")
         options = {"statistic_dtype": cfg["statistic_dtype"]} if structured else {}
-        for t, tau in enumerate(cfg["tau_grid"]):
+        for t, tau in enumerate(taus):
             t0 = time.perf_counter()
             draws = None
             with warnings.catch_warnings(record=True) as caught:  # diverged chains are counted in `diverged`
@@ -388,11 +391,11 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
             methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if usable else None)
 
     for v, (preconditioner, ridge) in enumerate(cfg["smp_variants"]):
-        run_setting(method_label(preconditioner, ridge, cfg["ridge"]), v, preconditioner, ridge, x, x)
+        run_setting(method_label(preconditioner, ridge, cfg["ridge"]), v, preconditioner, ridge, x, x, cfg["tau_grid"])
     for j, (label, design, preconditioner, ridge, fisher_from) in enumerate(designs):
         pool = design_pool(x, design, cfg["design_pool_size"], base + 2 + DESIGNS.index(design))
         run_setting(label, len(cfg["smp_variants"]) + j, preconditioner, ridge, pool,
-                    pool if fisher_from == "design" else x)
+                    pool if fisher_from == "design" else x, design_taus)
 
     rows, bands = [], {}
     for key, (tau, means) in methods.items():
@@ -483,6 +486,19 @@ def spread_shape(rows: pd.DataFrame, n_data_sets: int) -> pd.DataFrame:
     shape = shape.where(pd.Series([ok.get(key, False) for key in shape.index], index=shape.index)).unstack("tau")
     shape.columns = [math.nan if t < 0 else t for t in shape.columns]
     return shape.loc[list(dict.fromkeys(rows["method"]))]
+
+
+def matched_in_both(summary: pd.DataFrame, n_data_sets: int, factor: float = 2.0) -> list[tuple[str, float]]:
+    """The eligible SMP settings (``(method, tau)``, :func:`eligible`) whose median ``sd_ratio`` is within ``factor``
+    of 1 in every region: those that match NUTS's spread where the data are and in the gap at once."""
+    fine = eligible(summary, n_data_sets)
+    out = []
+    for (method, tau), group in summary[fine].groupby(level=("method", "tau"), sort=False):
+        ratios = group["sd_ratio"]
+        if (method.startswith("SMP") and len(group) == len(REGIONS) and ratios.notna().all()
+                and all(abs(math.log(r)) <= math.log(factor) for r in ratios)):
+            out.append((method, tau))
+    return out
 
 
 def prior_sensitivity(cfg: dict[str, Any], alpha: float, index: int = 0) -> dict[str, Any]:

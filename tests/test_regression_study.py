@@ -96,6 +96,7 @@ def small_run():
     cfg = {**get_config("regression", "ci"), "n_train": 20, "n_in": 30, "n_gap": 20, "grid_points": 9,
            "hidden": 4, "nuts_warmup": 50, "nuts_samples": 50, "n_chains": 8, "n_steps": 20, "tau_grid": [0.01, 1.0],
            "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]], "design_pool_size": 40,
+           "design_tau_grid": [0.1],
            "design_variants": [["uniform", "none", 1e-4, "data"], ["smoothed", "fixed-dense", 1.0, "design"]]}
     calls = []
 
@@ -114,10 +115,10 @@ def test_run_data_set_rows_and_reference(small_run):
     cfg, run = small_run
     rows = run["rows"]
     expected = ["NUTS", "MAP", "Laplace (linearised)", "SMP fixed-diag", "SMP fixed-diag", "SMP fixed-dense",
-                "SMP fixed-dense", "SMP none, uniform design", "SMP none, uniform design",
-                "SMP fixed-dense, ridge 1, smoothed design, P from the design",
+                "SMP fixed-dense", "SMP none, uniform design",
                 "SMP fixed-dense, ridge 1, smoothed design, P from the design"]
     assert list(rows["method"][::2]) == expected
+    assert list(rows["tau"][::2].dropna()) == [0.01, 1.0, 0.01, 1.0, 0.1, 0.1]        # the designs' own grid
     assert list(rows["region"][:2]) == list(rs.REGIONS)
     nuts = rows[rows["method"] == "NUTS"]
     assert (nuts["sd_ratio"] == 1.0).all()                           # NUTS against itself
@@ -136,10 +137,11 @@ def test_run_data_set_rows_and_reference(small_run):
 def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured(small_run):
     cfg, run = small_run
     n, pool = cfg["n_train"], cfg["design_pool_size"]
-    per_tau = [("fixed-diag", n, n, n), ("fixed-dense", n, n, n),          # the empirical design
-               ("none", pool, n, n),                                       # uniform design, Fisher from the data
+    empirical = [("fixed-diag", n, n, n), ("fixed-dense", n, n, n)]
+    designs = [("none", pool, n, n),                                       # uniform design, Fisher from the data
                ("fixed-dense", pool, pool, n)]                             # smoothed design, P from the design
-    assert run["run_smp_calls"] == [call for call in per_tau for _ in cfg["tau_grid"]]
+    assert run["run_smp_calls"] == ([call for call in empirical for _ in cfg["tau_grid"]]
+                                    + [call for call in designs for _ in cfg["design_tau_grid"]])
 
 
 def test_prior_sensitivity_rows(small_run):
@@ -192,6 +194,16 @@ def test_best_tau_matches_on_the_log_scale_among_eligible_settings():
     rows.loc[rows["method"] == "SMP b", ["sd_ratio", "coverage"]] = math.nan          # every chain diverged
     none = rs.best_tau(rs.summary_table(rows), 2, "in range").loc["SMP b"]
     assert math.isnan(none["tau"]) and not none["within 2x"] and none["eligible taus"] == 0
+
+
+def test_matched_in_both_needs_every_region_within_the_factor():
+    summary = rs.summary_table(_synthetic_rows())
+    # medians over the two data sets (ratio * 1 and ratio * 2): SMP a at 0.1 (0.75, 0.075), at 1.0 (3.0, 0.3);
+    # SMP b at 1.0 (12, 1.35); SMP b at 0.1 diverged (not eligible); NUTS (1, 1) is not an SMP setting
+    assert rs.matched_in_both(summary, 2) == []
+    assert rs.matched_in_both(summary, 2, factor=4.0) == [("SMP a", 1.0)]
+    assert rs.matched_in_both(summary, 2, factor=13.0) == [("SMP a", 1.0), ("SMP b", 1.0)]
+    assert rs.matched_in_both(summary, 2, factor=14.0) == [("SMP a", 0.1), ("SMP a", 1.0), ("SMP b", 1.0)]
 
 
 def test_spread_shape_is_the_gap_ratio_over_the_range_ratio():
