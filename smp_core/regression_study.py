@@ -38,7 +38,7 @@ from .baselines import fit_laplace, linearised_logits
 from .fisher import estimate_fisher
 from .likelihoods import Gaussian
 from .models import as_chain_model, predict
-from .preconditioners import ROUNDED_STATISTIC_WARNING
+from .preconditioners import ROUNDED_STATISTIC_WARNING, STRATEGIES, STRUCTURES
 from .recursion import DivergenceError, run_smp
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "gap_data",
     "design_pool",
     "design_label",
+    "smoothing_bandwidth",
     "empirical_counterpart",
     "method_label",
     "minus_log_posterior",
@@ -71,6 +72,7 @@ STUDY_VERSION = 3  # 2: float64 statistics, rounding warnings counted, Fisher sp
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
 DESIGNS = ("empirical", "uniform", "smoothed")
+POOL_SEED_OFFSET = 50  # a data set's design pools from seed + 1000 index + 50 + DESIGNS.index(design)
 
 
 def curve(x: torch.Tensor) -> torch.Tensor:
@@ -107,8 +109,8 @@ def design_pool(x: torch.Tensor, design: str, size: int, seed: int) -> torch.Ten
     * ``"uniform"``: uniform on the box spanned by the inputs' coordinates (``[min x_j, max x_j]`` for
       each ``j``), the gap included;
     * ``"smoothed"``: the smoothed bootstrap ``x_I + h * eps`` (``I`` uniform over the ``N`` inputs, ``eps``
-      standard normal), a kernel density estimate with Silverman's bandwidth per coordinate,
-      ``h_j = 0.9 min(sd_j, IQR_j / 1.34) N^(-1/5)``.
+      standard normal), a draw from a Gaussian kernel density estimate with the bandwidths of
+      :func:`smoothing_bandwidth`.
 
     ``x`` is ``(N, p)``; the pool has ``x``'s dtype, ``(size, p)`` (``(N, p)`` for ``"empirical"``).
     """
@@ -126,12 +128,23 @@ def design_pool(x: torch.Tensor, design: str, size: int, seed: int) -> torch.Ten
         low, high = x64.min(dim=0).values, x64.max(dim=0).values
         pool = low + (high - low) * torch.rand(size, x.shape[1], generator=gen, dtype=torch.float64)
     else:
-        quartiles = torch.quantile(x64, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
-        spread = torch.minimum(x64.std(dim=0), (quartiles[1] - quartiles[0]) / 1.34)
-        bandwidth = 0.9 * spread * x.shape[0] ** -0.2
+        bandwidth = smoothing_bandwidth(x64)
         picked = x64[torch.randint(x.shape[0], (size,), generator=gen)]
         pool = picked + bandwidth * torch.randn(size, x.shape[1], generator=gen, dtype=torch.float64)
     return pool.to(x.dtype)
+
+
+def smoothing_bandwidth(x: torch.Tensor) -> torch.Tensor:
+    """Per coordinate of ``x`` ``(N, p)``, Silverman's rule of thumb ``h_j = 0.9 min(sd_j, IQR_j / 1.34) N^(-1/(p+4))``
+    (for ``p = 1`` his ``N^(-1/5)``; the exponent ``-1/(p+4)`` is the multivariate normal reference's). Where the
+    interquartile range is 0 the standard deviation alone is used. For inputs in clusters (this chapter's two
+    intervals) the spread is that of the whole sample, gaps included, so ``h`` is large against each cluster."""
+    x64 = x.double()
+    n, p = x64.shape
+    quartiles = torch.quantile(x64, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
+    sd, iqr = x64.std(dim=0), quartiles[1] - quartiles[0]
+    spread = torch.where(iqr > 0, torch.minimum(sd, iqr / 1.34), sd)
+    return 0.9 * spread * n ** (-1.0 / (p + 4))
 
 
 def design_label(preconditioner: str, ridge: float, default_ridge: float, design: str, fisher_from: str) -> str:
@@ -309,6 +322,42 @@ def _reference(cfg: dict[str, Any], data, alpha: float, base: int) -> dict[str, 
                                                         "Laplace (linearised)": time.perf_counter() - t0}}
 
 
+def _checked_settings(cfg: dict[str, Any]) -> tuple[list[tuple[str, str, str, float, str]], list[float]]:
+    """Every SMP setting of ``cfg`` checked before any work (NUTS takes minutes): the design runs as
+    ``(label, design, preconditioner, ridge, fisher_from)`` and their tau grid."""
+    def check_name(name: str) -> None:
+        parts = name.split("-")
+        if name != "none" and not (len(parts) == 2 and parts[0] in STRATEGIES and parts[1] in STRUCTURES[1:]):
+            raise ValueError(f"unknown preconditioner {name!r}: use 'none' or '<strategy>-<structure>' with "
+                             f"strategy in {STRATEGIES} and structure in {STRUCTURES[1:]}")
+
+    for variant in cfg["smp_variants"]:
+        if len(variant) != 2:
+            raise ValueError(f"an smp_variants entry is [preconditioner, ridge], got {variant!r}")
+        check_name(variant[0])
+    variants = cfg.get("design_variants", [])
+    designs = []
+    for variant in variants:
+        if len(variant) != 4:
+            raise ValueError("a design_variants entry is [design, preconditioner, ridge, fisher_from], "
+                             f"got {variant!r}")
+        design, preconditioner, ridge, fisher_from = variant
+        if design not in DESIGNS:
+            raise ValueError(f"unknown design {design!r} in design_variants; choose one of {DESIGNS}")
+        check_name(preconditioner)
+        designs.append((design_label(preconditioner, ridge, cfg["ridge"], design, fisher_from), design,
+                        preconditioner, ridge, fisher_from))
+    if variants and not int(cfg.get("design_pool_size", 0)) >= 1:
+        raise ValueError(f"design_variants need a design_pool_size of at least 1, got {cfg.get('design_pool_size')!r}")
+    labels = [method_label(p, r, cfg["ridge"]) for p, r in cfg["smp_variants"]] + [d[0] for d in designs]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"two SMP settings share a label: {labels}")
+    design_taus = cfg.get("design_tau_grid", cfg["tau_grid"])
+    if max(len(cfg["tau_grid"]), len(design_taus)) > 10 or len(labels) > 89:
+        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants (designs included)")
+    return designs, design_taus
+
+
 def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dict[str, Any]:
     """One data set: its MAP, NUTS, the Laplace approximation and every SMP run of ``cfg``, evaluated.
 
@@ -321,7 +370,7 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     Seeds: data ``seed + 1000 index``; MAP restarts, NUTS and Laplace from ``seed + 1000 index + 1``;
     the SMP run of variant ``v`` and ``tau`` position ``t`` from ``seed + 1000 index + 100 + 10 v + t`` (the
     design variants numbered after ``cfg["smp_variants"]``); the pool of design ``D`` from
-    ``seed + 1000 index + 2 + DESIGNS.index(D)``.
+    ``seed + 1000 index + 50 + DESIGNS.index(D)`` (apart from the MAP restarts' ``+ 1 + r``).
     The block, dense and kfac statistics are kept in ``cfg["statistic_dtype"]`` (float64: the Fisher's
     eigenvalues span more than float32 resolves against the ridge; ``smp_core.preconditioners``).
     Returns rows (one per method, tau and region, with the diverged chains and the factorisations that
@@ -329,16 +378,7 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     at the MAP (float64), the wall times, and for the figure the 5 %, 50 % and 95 % predictive
     quantiles and the epistemic standard deviation on the grid of every method (SMP at every tau).
     """
-    design_taus = cfg.get("design_tau_grid", cfg["tau_grid"])
-    n_variants = len(cfg["smp_variants"]) + len(cfg.get("design_variants", []))
-    if max(len(cfg["tau_grid"]), len(design_taus)) > 10 or n_variants > 89:
-        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants (designs included)")
-    designs = [(design_label(p, r, cfg["ridge"], d, f), d, p, r, f) for d, p, r, f in cfg.get("design_variants", [])]
-    labels = [method_label(p, r, cfg["ridge"]) for p, r in cfg["smp_variants"]] + [d[0] for d in designs]
-    if len(set(labels)) < len(labels):
-        raise ValueError(f"two SMP settings share a label: {labels}")
-    if any(d[1] not in DESIGNS for d in designs):
-        raise ValueError(f"unknown design in {cfg['design_variants']}; choose from {DESIGNS}")
+    designs, design_taus = _checked_settings(cfg)
     base = cfg["seed"] + 1000 * index
     noise, alpha, level = cfg["noise"], cfg["prior_precision"], cfg["level"]
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], noise, base)
@@ -393,7 +433,7 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     for v, (preconditioner, ridge) in enumerate(cfg["smp_variants"]):
         run_setting(method_label(preconditioner, ridge, cfg["ridge"]), v, preconditioner, ridge, x, x, cfg["tau_grid"])
     for j, (label, design, preconditioner, ridge, fisher_from) in enumerate(designs):
-        pool = design_pool(x, design, cfg["design_pool_size"], base + 2 + DESIGNS.index(design))
+        pool = design_pool(x, design, cfg["design_pool_size"], base + POOL_SEED_OFFSET + DESIGNS.index(design))
         run_setting(label, len(cfg["smp_variants"]) + j, preconditioner, ridge, pool,
                     pool if fisher_from == "design" else x, design_taus)
 
@@ -496,7 +536,7 @@ def matched_in_both(summary: pd.DataFrame, n_data_sets: int, factor: float = 2.0
     for (method, tau), group in summary[fine].groupby(level=("method", "tau"), sort=False):
         ratios = group["sd_ratio"]
         if (method.startswith("SMP") and len(group) == len(REGIONS) and ratios.notna().all()
-                and all(abs(math.log(r)) <= math.log(factor) for r in ratios)):
+                and all(r > 0 and abs(math.log(r)) <= math.log(factor) for r in ratios)):
             out.append((method, tau))
     return out
 
