@@ -577,10 +577,11 @@ def run_smp(
     Args:
         model: any ``torch.nn.Module`` (or a :class:`~smp_core.models.ChainModel`).
         likelihood: ``"bernoulli"``, ``"categorical"``, ``"gaussian"`` or a likelihood object.
-        x_train: ``(N, *input_shape)`` training inputs; covariates are resampled from them (the paper's
-            empirical design). Any other pool of inputs is resampled the same way (a wider design, beyond
-            the paper); pass ``n_obs`` (the data's ``N``) and ``fisher_data`` (the inputs of the
-            preconditioner's Fisher) with it where they should not be the pool's.
+        x_train: ``(n, *input_shape)`` inputs that the covariates are resampled from: the ``N`` training
+            inputs (the paper's empirical design) or any other pool, such as a wider design (beyond the
+            paper). With a pool, pass ``n_obs`` (the data's ``N``, for the step size) and ``fisher_data``
+            (the inputs of the fixed or periodic preconditioners' Fisher, and of the EMA's start, whose
+            statistic then follows the scores at the pool's covariates) where they should not be the pool's.
         theta0: start ``(d,)`` or ``(S, d)``; default: the module's current parameters.
         preconditioner: ``"none"``, ``"<strategy>-<structure>"`` (e.g. ``"ema-block"``; beyond the paper
             ``"fixed-kfac"`` and the like, for networks of Linear and Conv2d layers) or a

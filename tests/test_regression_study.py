@@ -101,8 +101,8 @@ def small_run():
     calls = []
 
     def recording_run_smp(net, likelihood, covariates, **kwargs):
-        fisher_x = kwargs["fisher_data"][0]
-        calls.append((kwargs["preconditioner"], covariates.shape[0], fisher_x.shape[0], kwargs["n_obs"]))
+        calls.append({"preconditioner": kwargs["preconditioner"], "covariates": covariates,
+                      "fisher_x": kwargs["fisher_data"][0], "n_obs": kwargs["n_obs"], "seed": kwargs["seed"]})
         return run_smp(net, likelihood, covariates, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -136,12 +136,23 @@ def test_run_data_set_rows_and_reference(small_run):
 
 def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured(small_run):
     cfg, run = small_run
-    n, pool = cfg["n_train"], cfg["design_pool_size"]
-    empirical = [("fixed-diag", n, n, n), ("fixed-dense", n, n, n)]
-    designs = [("none", pool, n, n),                                       # uniform design, Fisher from the data
-               ("fixed-dense", pool, pool, n)]                             # smoothed design, P from the design
-    assert run["run_smp_calls"] == ([call for call in empirical for _ in cfg["tau_grid"]]
-                                    + [call for call in designs for _ in cfg["design_tau_grid"]])
+    base = cfg["seed"]                                                     # data set 0
+    x = rs.gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], base)["train"][0]
+    uniform = rs.design_pool(x, "uniform", cfg["design_pool_size"], base + rs.POOL_SEED_OFFSET + 1)
+    smoothed = rs.design_pool(x, "smoothed", cfg["design_pool_size"], base + rs.POOL_SEED_OFFSET + 2)
+    expected = [  # (preconditioner, covariates, the Fisher's inputs, variant number v) per tau
+        ("fixed-diag", x, x, 0), ("fixed-dense", x, x, 1),                # the empirical design
+        ("none", uniform, x, 2),                                           # uniform design, Fisher from the data
+        ("fixed-dense", smoothed, smoothed, 3)]                            # smoothed design, P from the design
+    taus = [cfg["tau_grid"]] * 2 + [cfg["design_tau_grid"]] * 2
+    calls = iter(run["run_smp_calls"])
+    for (preconditioner, covariates, fisher_x, v), grid in zip(expected, taus, strict=True):
+        for t in range(len(grid)):
+            call = next(calls)
+            assert call["preconditioner"] == preconditioner
+            assert torch.equal(call["covariates"], covariates) and torch.equal(call["fisher_x"], fisher_x)
+            assert call["n_obs"] == cfg["n_train"] and call["seed"] == base + 100 + 10 * v + t
+    assert next(calls, None) is None
 
 
 def test_prior_sensitivity_rows(small_run):
@@ -204,6 +215,9 @@ def test_matched_in_both_needs_every_region_within_the_factor():
     assert rs.matched_in_both(summary, 2, factor=4.0) == [("SMP a", 1.0)]
     assert rs.matched_in_both(summary, 2, factor=13.0) == [("SMP a", 1.0), ("SMP b", 1.0)]
     assert rs.matched_in_both(summary, 2, factor=14.0) == [("SMP a", 0.1), ("SMP a", 1.0), ("SMP b", 1.0)]
+    rows = _synthetic_rows()
+    rows.loc[(rows["method"] == "SMP a") & (rows["tau"] == 1.0) & (rows["data_set"] == 0), "diverged"] = 3
+    assert rs.matched_in_both(rs.summary_table(rows), 2, factor=4.0) == []  # finite ratios, but a chain diverged
 
 
 def test_spread_shape_is_the_gap_ratio_over_the_range_ratio():
@@ -287,6 +301,23 @@ def test_covariates_from_a_wider_design_leave_the_fishers_range(tiny_map):
     assert outside_share("fixed-dense", 1e-2, 1.0, covariates=pool) > 0.5
 
 
+def test_smoothing_bandwidth_by_hand():
+    # 1..10: sd 3.0277 < IQR / 1.34 = (7.75 - 3.25) / 1.34 = 3.358, so h = 0.9 * 3.0277 * 10^(-1/5) = 1.7193
+    one_to_ten = torch.arange(1.0, 11.0)[:, None]
+    assert rs.smoothing_bandwidth(one_to_ten).item() == pytest.approx(1.719286, rel=1e-6)
+    # an outlier in place of 10 leaves the quartiles: h = 0.9 * 4.5 / 1.34 * 10^(-1/5) = 1.9070
+    outlier = one_to_ten.clone()
+    outlier[-1] = 1000.0
+    assert rs.smoothing_bandwidth(outlier).item() == pytest.approx(1.906998, rel=1e-6)
+    # eight zeros, 1 and 2: IQR 0, so the sd alone: 0.9 * 0.67495 * 10^(-1/5) = 0.38328
+    tied = torch.tensor([0.0] * 8 + [1.0, 2.0])[:, None]
+    assert rs.smoothing_bandwidth(tied).item() == pytest.approx(0.383277, rel=1e-6)
+    # two coordinates: N^(-1/6) in place of N^(-1/5), per coordinate
+    both = rs.smoothing_bandwidth(torch.cat([one_to_ten, outlier], dim=1))
+    factor = 10 ** (-1 / 6) / 10 ** (-1 / 5)
+    assert both.tolist() == pytest.approx([1.719286 * factor, 1.906998 * factor], rel=1e-6)
+
+
 def test_design_pool_laws_and_errors():
     gen = torch.Generator().manual_seed(0)
     x = torch.cat([torch.rand(60, 2, generator=gen) * 2 - 3, torch.rand(60, 2, generator=gen) * 2 + 1]).double()
@@ -296,14 +327,14 @@ def test_design_pool_laws_and_errors():
     assert uniform.shape == (size, 2) and uniform.dtype == x.dtype
     low, high = x.min(dim=0).values, x.max(dim=0).values
     assert ((uniform >= low) & (uniform <= high)).all()
-    # uniform on [low, high]: mean (low + high) / 2, sd (high - low) / sqrt(12), per coordinate
-    z = (uniform.mean(0) - (low + high) / 2) / ((high - low) / math.sqrt(12) / math.sqrt(size))
-    assert z.abs().max() < 4.5, z
-    assert ((uniform > -1) & (uniform < 1)).all(dim=1).double().mean() > 0.1   # it reaches the gap
+    # uniform on [low, high]: mean (low + high) / 2 and variance (high - low)^2 / 12, per coordinate
+    z_mean = (uniform.mean(0) - (low + high) / 2) / ((high - low) / math.sqrt(12) / math.sqrt(size))
+    squares = (uniform - (low + high) / 2) ** 2
+    z_var = (squares.mean(0) - (high - low) ** 2 / 12) / (squares.std(0) / math.sqrt(size))
+    assert z_mean.abs().max() < 4.5 and z_var.abs().max() < 4.5, (z_mean, z_var)
     smoothed = rs.design_pool(x, "smoothed", size, seed=2)
-    # x_I + h eps: mean mean(x), variance var_emp(x) + h^2 with Silverman's h per coordinate
-    quartiles = torch.quantile(x, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
-    h = 0.9 * torch.minimum(x.std(dim=0), (quartiles[1] - quartiles[0]) / 1.34) * len(x) ** -0.2
+    # x_I + h eps: mean mean(x), variance var_emp(x) + h^2 per coordinate (h checked by hand in the test above)
+    h = rs.smoothing_bandwidth(x)
     variance = x.var(dim=0, unbiased=False) + h**2
     z_mean = (smoothed.mean(0) - x.mean(0)) / (variance / size).sqrt()
     centred = (smoothed - x.mean(0)) ** 2
@@ -331,11 +362,19 @@ def test_design_label():
     assert rs.empirical_counterpart("SMP none, uniform design") == "SMP none"
 
 
-def test_run_data_set_refuses_settings_that_share_a_label_before_any_work():
-    cfg = {**get_config("regression", "ci"), "design_variants": [["uniform", "none", 1e-4, "data"],
-                                                                 ["uniform", "none", 1e-4, "design"]]}
-    with pytest.raises(ValueError, match="share a label"):
-        rs.run_data_set(cfg, 0)
-    cfg["design_variants"] = [["grid", "none", 1e-4, "data"]]
-    with pytest.raises(ValueError, match="unknown design"):
-        rs.run_data_set(cfg, 0)
+@pytest.mark.parametrize("change, match", [
+    ({"design_variants": [["uniform", "none", 1e-4, "data"], ["uniform", "none", 1e-4, "design"]]}, "share a label"),
+    ({"design_variants": [["grid", "none", 1e-4, "data"]]}, "unknown design"),
+    ({"design_variants": [["uniform", "none", 1e-4]]}, "design_variants entry"),
+    ({"design_variants": [["uniform", "fixed-dens", 1.0, "data"]]}, "unknown preconditioner"),
+    ({"design_variants": [["uniform", "none", 1e-4, "pool"]]}, "fisher_from"),
+    ({"design_pool_size": 0}, "design_pool_size"),
+    ({"smp_variants": [["none"]]}, "smp_variants entry"),
+    ({"design_tau_grid": [0.1] * 11}, "at most 10 taus")])
+def test_run_data_set_refuses_bad_settings_before_any_work(change, match, monkeypatch):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the data were drawn before the settings were checked")
+
+    monkeypatch.setattr(rs, "gap_data", no_work)
+    with pytest.raises(ValueError, match=match):
+        rs.run_data_set({**get_config("regression", "ci"), **change}, 0)
