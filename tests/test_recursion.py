@@ -34,6 +34,26 @@ def _z_mean_and_covariance(samples, theta0, expected_cov):
     return z_mean, z_cov
 
 
+def _assert_linear_gaussian_moments(result, net, name, fisher, score_fisher, tau, n_steps, n_obs, ridge):
+    """theta_K - theta_0 of the linear-Gaussian model against mean 0 and covariance
+    tau^2 sum_k (n_obs + k)^-2 P^-1 F_s P^-1 (z-scores): F_s the Fisher of the covariates' law, P = I for "none",
+    else the structure's part of ``fisher`` (the preconditioner's data) plus the ridge."""
+    c_k = tau**2 * sum((n_obs + k) ** -2.0 for k in range(1, n_steps + 1))
+    if name == "none":
+        expected = c_k * score_fisher
+    else:
+        structure = name.split("-")[1]
+        kept = {"diag": torch.eye(3, dtype=torch.bool), "dense": torch.ones(3, 3, dtype=torch.bool),
+                "kfac": torch.ones(3, 3, dtype=torch.bool),
+                "block": torch.block_diag(torch.ones(2, 2), torch.ones(1, 1)).bool()}[structure]
+        p_inv = torch.linalg.inv(fisher * kept + ridge * torch.eye(3, dtype=torch.float64))
+        expected = c_k * p_inv @ score_fisher @ p_inv
+    theta0 = net[0].weight.detach().reshape(-1).tolist() + net[0].bias.detach().tolist()
+    z_mean, z_cov = _z_mean_and_covariance(result.theta, torch.tensor(theta0, dtype=torch.float64), expected)
+    assert z_mean.abs().max() < Z_MAX, z_mean
+    assert z_cov.abs().max() < Z_MAX, z_cov
+
+
 @pytest.mark.parametrize("name, cuda_graph", [
     ("none", False), ("fixed-diag", False), ("fixed-block", False), ("fixed-dense", False),
     ("periodic-diag", False), ("periodic-block", False), ("periodic-dense", False),
@@ -63,20 +83,7 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
     assert result.n_diverged == 0
     assert result.config.get("step_blocks", False) is (cuda_graph is not False)
     n = x.shape[0]
-    c_k = tau**2 * sum((n + k) ** -2.0 for k in range(1, n_steps + 1))
-    if name == "none":
-        expected = c_k * fisher
-    else:
-        structure = name.split("-")[1]
-        kept = {"diag": torch.eye(3, dtype=torch.bool), "dense": torch.ones(3, 3, dtype=torch.bool),
-                "kfac": torch.ones(3, 3, dtype=torch.bool),
-                "block": torch.block_diag(torch.ones(2, 2), torch.ones(1, 1)).bool()}[structure]
-        p_inv = torch.linalg.inv(fisher * kept + ridge * torch.eye(3, dtype=torch.float64))
-        expected = c_k * p_inv @ fisher @ p_inv
-    theta0 = net[0].weight.detach().reshape(-1).tolist() + net[0].bias.detach().tolist()
-    z_mean, z_cov = _z_mean_and_covariance(result.theta, torch.tensor(theta0, dtype=torch.float64), expected)
-    assert z_mean.abs().max() < Z_MAX, z_mean
-    assert z_cov.abs().max() < Z_MAX, z_cov
+    _assert_linear_gaussian_moments(result, net, name, fisher, fisher, tau, n_steps, n, ridge)
 
 
 @pytest.mark.parametrize("name", ["none", "fixed-diag", "fixed-dense"])
@@ -93,17 +100,7 @@ def test_covariates_from_another_pool_than_the_fishers_data(name, generator):
     result = run_smp(net, lik, pool, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=12,
                      ridge=ridge, n_obs=n_obs, fisher_data=(x, None), progress=False)
     assert result.n_diverged == 0
-    c_k = tau**2 * sum((n_obs + k) ** -2.0 for k in range(1, n_steps + 1))
-    if name == "none":
-        expected = c_k * pool_fisher
-    else:
-        kept = torch.eye(3, dtype=torch.bool) if name == "fixed-diag" else torch.ones(3, 3, dtype=torch.bool)
-        p_inv = torch.linalg.inv(fisher * kept + ridge * torch.eye(3, dtype=torch.float64))
-        expected = c_k * p_inv @ pool_fisher @ p_inv
-    theta0 = net[0].weight.detach().reshape(-1).tolist() + net[0].bias.detach().tolist()
-    z_mean, z_cov = _z_mean_and_covariance(result.theta, torch.tensor(theta0, dtype=torch.float64), expected)
-    assert z_mean.abs().max() < Z_MAX, z_mean
-    assert z_cov.abs().max() < Z_MAX, z_cov
+    _assert_linear_gaussian_moments(result, net, name, fisher, pool_fisher, tau, n_steps, n_obs, ridge)
 
 
 @pytest.mark.parametrize("name, refresh", [("ema-block", 1), ("ema-kfac", 1), ("periodic-kfac", 1),
