@@ -880,14 +880,28 @@ def ema_refresh_applies(name: str) -> bool:
     return name.removeprefix("SMP-") in ("ema-block", "ema-dense", "ema-kfac")
 
 
-def preconditioner_from_name(name: str, **kwargs) -> Preconditioner:
-    """Build from a variant name of the paper's tables: ``"none"``, ``"ema-block"``, ``"fixed-diag"``, ..."""
+def parse_preconditioner_name(name: str) -> tuple[str | None, str]:
+    """``(strategy, structure)`` of a variant name of the paper's tables (``"none"`` -> ``(None, "none")``,
+    ``"SMP-ema-block"`` -> ``("ema", "block")``), checked without building anything: a ``ValueError`` names
+    what is wrong, as :func:`build_preconditioner` would."""
     name = name.removeprefix("SMP-")
     if name == "none":
-        return build_preconditioner("none", **kwargs)
+        return None, "none"
     parts = name.split("-")
     if len(parts) != 2:
         raise ValueError(f"unknown preconditioner {name!r}: use 'none' or '<strategy>-<structure>' with "
                          f"strategy in {STRATEGIES} and structure in {STRUCTURES[1:]}")
     strategy, structure = parts
+    if structure not in STRUCTURES:
+        raise ValueError(f"unknown preconditioner structure {structure!r}; choose one of {STRUCTURES}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
+    return strategy, structure
+
+
+def preconditioner_from_name(name: str, **kwargs) -> Preconditioner:
+    """Build from a variant name of the paper's tables: ``"none"``, ``"ema-block"``, ``"fixed-diag"``, ..."""
+    strategy, structure = parse_preconditioner_name(name)
+    if strategy is None:
+        return build_preconditioner("none", **kwargs)
     return build_preconditioner(structure, strategy, **kwargs)

@@ -38,7 +38,7 @@ from .baselines import fit_laplace, linearised_logits
 from .fisher import estimate_fisher
 from .likelihoods import Gaussian
 from .models import as_chain_model, predict
-from .preconditioners import ROUNDED_STATISTIC_WARNING, STRATEGIES, STRUCTURES
+from .preconditioners import ROUNDED_STATISTIC_WARNING, parse_preconditioner_name
 from .recursion import DivergenceError, run_smp
 
 __all__ = [
@@ -325,16 +325,10 @@ def _reference(cfg: dict[str, Any], data, alpha: float, base: int) -> dict[str, 
 def _checked_settings(cfg: dict[str, Any]) -> tuple[list[tuple[str, str, str, float, str]], list[float]]:
     """Every SMP setting of ``cfg`` checked before any work (NUTS takes minutes): the design runs as
     ``(label, design, preconditioner, ridge, fisher_from)`` and their tau grid."""
-    def check_name(name: str) -> None:
-        parts = name.split("-")
-        if name != "none" and not (len(parts) == 2 and parts[0] in STRATEGIES and parts[1] in STRUCTURES[1:]):
-            raise ValueError(f"unknown preconditioner {name!r}: use 'none' or '<strategy>-<structure>' with "
-                             f"strategy in {STRATEGIES} and structure in {STRUCTURES[1:]}")
-
     for variant in cfg["smp_variants"]:
         if len(variant) != 2:
             raise ValueError(f"an smp_variants entry is [preconditioner, ridge], got {variant!r}")
-        check_name(variant[0])
+        parse_preconditioner_name(variant[0])
     variants = cfg.get("design_variants", [])
     designs = []
     for variant in variants:
@@ -344,7 +338,7 @@ def _checked_settings(cfg: dict[str, Any]) -> tuple[list[tuple[str, str, str, fl
         design, preconditioner, ridge, fisher_from = variant
         if design not in DESIGNS:
             raise ValueError(f"unknown design {design!r} in design_variants; choose one of {DESIGNS}")
-        check_name(preconditioner)
+        parse_preconditioner_name(preconditioner)
         designs.append((design_label(preconditioner, ridge, cfg["ridge"], design, fisher_from), design,
                         preconditioner, ridge, fisher_from))
     if variants and not int(cfg.get("design_pool_size", 0)) >= 1:
