@@ -22,13 +22,13 @@ $(STAMP): pyproject.toml
 
 ## make book: fetch what is needed, run every notebook with papermill at SCALE, build the Jupyter Book.
 book: venv mathjax
-	$(BIN)/python -m smp_core.mnist data
+	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) notebooks SCALE=$(SCALE)
 	$(MAKE) book-html
 
 ## make test: ruff, pytest, the notebooks at ci scale (nbval) and a book build with -W -n.
 test: venv mathjax
-	$(BIN)/python -m smp_core.mnist data
+	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) lint
 	$(MAKE) unit
 	$(MAKE) notebooks SCALE=ci
@@ -41,7 +41,7 @@ lint:
 	$(BIN)/ruff check .
 
 unit:
-	$(BIN)/python -m pytest -q tests --ignore=tests/test_book_browser.py
+	$(BIN)/python -m pytest -q tests --ignore=tests/book/test_book_browser.py
 
 # papermill cannot read .md notebooks: jupytext converts them first (into the gitignored build folder).
 notebooks:
@@ -70,7 +70,7 @@ browser-deps:
 	  || echo "chromium could not be installed: the browser test will be skipped"
 
 browser-test:
-	$(BIN)/python -m pytest -q tests/test_book_browser.py
+	$(BIN)/python -m pytest -q tests/book/test_book_browser.py
 
 bench: venv
 	$(BIN)/python benchmarks/bench_recursion.py

@@ -5,7 +5,7 @@ Usage (from the repository root)::
     .venv/bin/python benchmarks/bench_baselines.py                 # CPU, and CUDA when present
     .venv/bin/python benchmarks/bench_baselines.py --images 10000 --passes 100
 
-Prints a markdown table. ``smp_core.baselines.mc_dropout_logits`` on LeNet-5 with dropout (p = 0.25
+Prints a markdown table. ``smp_book.baselines.mc_dropout_logits`` on LeNet-5 with dropout (p = 0.25
 before each fully connected layer, the MNIST baselines chapter's network) is timed twice on the same
 weights, inputs and generator seed: as the plain ``nn.Sequential`` it is (the convolutions before the
 first dropout run once per batch, then only the fully connected layers per pass) and wrapped in a
@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from smp_book.baselines import mc_dropout_logits
+from smp_book.results import cpu_model
 from smp_core import lenet5
-from smp_core.baselines import mc_dropout_logits
-from smp_core.results import cpu_model
 
 
 class _Unsplit(torch.nn.Sequential):

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from smp_book.results import cpu_model  # noqa: E402
 from smp_core import metrics  # noqa: E402
-from smp_core.results import cpu_model  # noqa: E402
 
 
 def fastest(call, repeats):

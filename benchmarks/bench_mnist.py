@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 
 import smp_core.fisher as fisher_module
+from smp_book.mnist import mnist_tensors
+from smp_book.results import cpu_model
 from smp_core import as_chain_model, lenet5, run_smp
 from smp_core.fused import fused_unavailable
 from smp_core.likelihoods import Categorical
-from smp_core.mnist import mnist_tensors
 from smp_core.models import SequentialChainModel
 from smp_core.preconditioners import Structure
-from smp_core.results import cpu_model
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
 MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched torch, one by one",

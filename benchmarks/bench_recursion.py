@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from smp_book.results import cpu_model
+from smp_book.toy import make_toy_data
 from smp_core import lenet5, run_smp, toy_mlp
-from smp_core.results import cpu_model
-from smp_core.toy import make_toy_data
 
 # The paper's step-size scales (Section 3.2.3) and the targets of issue 2 (seconds, this 2-core CPU).
 TOY_VARIANTS = {

@@ -65,7 +65,7 @@ def main():
     args = parser.parse_args()
     rev = subprocess.run(["git", "rev-parse", "--short", args.base], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout.strip()
-    from smp_core.results import cpu_model  # the working tree's
+    from smp_book.results import cpu_model  # the working tree's
 
     print(f"{cpu_model()}, {args.threads} threads; base {args.base} ({rev}) against the working tree, "
           f"{args.rounds} alternating rounds of {args.steps} steps, S = 100\n")

@@ -10,7 +10,7 @@ Prints markdown tables of the seconds of ``run_smp`` (Fisher set-up included), f
 with the statistic in float32 (the default: the chains' dtype) and in float64, and their ratio:
 
 * the toy network (d = 20) from a MAP start (``bench_recursion.fit_toy_start``) at the toy chapters'
-  tau (``smp_core.config.TOY_TAU``: the paper's 0.3 for block and 0.1 for dense, our 0.3 for kfac);
+  tau (``smp_book.config.TOY_TAU``: the paper's 0.3 for block and 0.1 for dense, our 0.3 for kfac);
 * a wider MLP 2-16-16-1 (d = 337) fitted to the same data, where the block and dense statistics are
   larger (its largest block 256 x 256); dense is left out there (a 337 x 337 Cholesky per chain and
   step), tau 0.1.
@@ -34,11 +34,11 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recursion import fit_toy_start  # noqa: E402
 
+from smp_book.config import TOY_TAU  # noqa: E402
+from smp_book.results import cpu_model  # noqa: E402
+from smp_book.toy import make_toy_data  # noqa: E402
 from smp_core import run_smp  # noqa: E402
-from smp_core.config import TOY_TAU  # noqa: E402
 from smp_core.preconditioners import STRATEGIES  # noqa: E402
-from smp_core.results import cpu_model  # noqa: E402
-from smp_core.toy import make_toy_data  # noqa: E402
 
 
 def fit_wide_start(x, y, steps=1500):

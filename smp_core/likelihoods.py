@@ -4,10 +4,11 @@ Each likelihood works on the network output ``out`` of shape ``(B, m)`` and prov
 
 * ``sample(out, generator)``: draws ``Y ~ f(. | x)`` (the predictive-resampling step of
   Algorithm 1),
-* ``draw_noise(rows, out_dim, generator, device, dtype)`` and ``sample_from_noise(out, noise)``:
-  the same draw split in two, the randomness first (uniforms or standard normals, for several
-  steps at once) and then a deterministic transform of it; the recursion's step blocks (CUDA
-  graphs, :mod:`smp_core.recursion`) use them, since a captured graph draws no random numbers,
+* ``noise_width(out_dim)``, ``noise_from_uniforms(u)`` and ``sample_from_noise(out, noise)``: the
+  same draw split in two, the randomness first (``noise_width`` uniforms per response, from the
+  chain's own stream of :mod:`smp_core.streams`, turned into uniforms or standard normals) and
+  then a deterministic transform of it; the recursion draws every response this way
+  (``draw_noise(rows, out_dim, generator, ...)`` draws the same noise from a ``torch.Generator``),
 * ``log_prob(out, y)``: ``log f(y | x)`` per row,
 * ``residual(out, y)``: ``d log f(y | x) / d out`` of shape ``(B, m)``; the score is then
   ``s = J^T residual`` with ``J = d out / d theta`` (eq. 2.2 with the empirical design),
@@ -33,6 +34,22 @@ def _uniform_noise(self, rows: tuple[int, ...], out_dim: int, generator: torch.G
     return torch.rand(rows, generator=generator, device=device, dtype=dtype)
 
 
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """``1 / (1 + exp(-x))``. Not ``torch.sigmoid``: its vectorised and scalar CPU loops round
+    differently, so a chain's value would depend on where it sits in the batch (``exp`` does not)."""
+    return torch.reciprocal(torch.exp(-x).add_(1))
+
+
+def _one_uniform_width(self, out_dim: int) -> int:
+    """A classifier's response takes one uniform (``noise_width``)."""
+    return 1
+
+
+def _the_uniform(self, u: torch.Tensor) -> torch.Tensor:
+    """``(..., 1)`` uniforms to the ``(...)`` noise of ``sample_from_noise`` (``noise_from_uniforms``)."""
+    return u[..., 0]
+
+
 def _check_finite(out: torch.Tensor, what: str = "network output") -> None:
     if not torch.isfinite(out).all():
         raise ValueError(f"the {what} contains NaN or infinite values")
@@ -47,13 +64,15 @@ class Bernoulli:
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """``Y ~ Bernoulli(sigmoid(g))`` per row of ``out`` ``(B, 1)``, as 0. or 1. in ``out``'s dtype."""
         u = torch.rand(out.shape[0], generator=generator, device=out.device, dtype=out.dtype)
-        return (u < torch.sigmoid(out[:, 0])).to(out.dtype)
+        return (u < sigmoid(out[:, 0])).to(out.dtype)
 
     draw_noise = _uniform_noise
+    noise_width = _one_uniform_width
+    noise_from_uniforms = _the_uniform
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """``Y = 1{U < sigmoid(g)}`` for the uniforms ``noise`` ``(B,)``: a ``Bernoulli(sigmoid(g))`` draw."""
-        return (noise < torch.sigmoid(out[:, 0])).to(out.dtype)
+        return (noise < sigmoid(out[:, 0])).to(out.dtype)
 
     def _check_y(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if out.ndim != 2 or out.shape[1] != 1:
@@ -72,16 +91,16 @@ class Bernoulli:
 
     def residual(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``d log f / d g = y - sigmoid(g)``, shape ``(B, 1)``: the score is ``J^T`` times it (eqs. 2.7-2.8)."""
-        return (y.to(out.dtype) - torch.sigmoid(out[:, 0])).unsqueeze(-1)
+        return (y.to(out.dtype) - sigmoid(out[:, 0])).unsqueeze(-1)
 
     def fisher_factor(self, out: torch.Tensor) -> torch.Tensor:
         """``L = sqrt(p (1 - p))``, shape ``(B, 1, 1)``: ``L L^T`` is the output's Fisher ``p (1 - p)``."""
-        p = torch.sigmoid(out)
+        p = sigmoid(out)
         return torch.sqrt(p * (1 - p)).unsqueeze(-1)
 
     def probs(self, out: torch.Tensor) -> torch.Tensor:
         """The two class probabilities ``(1 - p, p)`` along a new last axis, for the metrics."""
-        p = torch.sigmoid(out[..., 0])
+        p = sigmoid(out[..., 0])
         return torch.stack([1 - p, p], dim=-1)
 
 
@@ -100,6 +119,8 @@ class Categorical:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     draw_noise = _uniform_noise
+    noise_width = _one_uniform_width
+    noise_from_uniforms = _the_uniform
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """Inverse-CDF draw: ``Y`` = the number of cumulative class probabilities below the uniform
@@ -156,6 +177,15 @@ class Gaussian:
                    device=None, dtype=torch.float32) -> torch.Tensor:
         """Standard normals of shape ``(*rows, out_dim)``."""
         return torch.randn((*rows, out_dim), generator=generator, device=device, dtype=dtype)
+
+    def noise_width(self, out_dim: int) -> int:
+        """One standard normal per output."""
+        return out_dim
+
+    def noise_from_uniforms(self, u: torch.Tensor) -> torch.Tensor:
+        """Standard normals ``Phi^-1(u) = sqrt(2) erfinv(2u - 1)`` from uniforms ``(..., m)`` (not
+        ``torch.special.ndtri``, whose CPU loops round by the position in the batch)."""
+        return torch.erfinv(2 * u - 1).mul_(math.sqrt(2))
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """``Y = g + sigma Z`` for the standard normals ``noise`` ``(B, m)``."""

@@ -24,6 +24,7 @@ Three implementations, chosen by :func:`as_chain_model`:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Protocol
 
@@ -33,6 +34,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from .layout import ParamLayout
+from .likelihoods import sigmoid
 from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule
 
 # ---------------------------------------------------------------------------------------------
@@ -585,16 +587,31 @@ def _hand_activation(layer: nn.Module) -> bool:
     return type(layer) in _MLP_ACTIVATIONS
 
 
+_GELU_C = math.sqrt(2 / math.pi)
+
+
+def _gelu_parts(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Phi(h)`` (or its tanh approximation) and ``d (h Phi(h)) / dh``, from ``exp``, ``erf`` and ``tanh``
+    (``F.gelu`` and ``sigmoid``'s CPU loops round by the position in the batch; these do not)."""
+    if approximate == "tanh":
+        t = torch.tanh(_GELU_C * (h + 0.044715 * h * h * h))
+        cdf = 0.5 * (1 + t)
+        return cdf, cdf + 0.5 * h * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * h * h)
+    cdf = 0.5 * (1 + torch.erf(h * math.sqrt(0.5)))
+    return cdf, cdf + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+
+
 def _activation(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The activation applied out of place (an ``inplace=True`` layer must not overwrite saved inputs)."""
+    """The activation applied out of place (an ``inplace=True`` layer must not overwrite saved inputs).
+    Each chain's value depends on its own inputs only, never on its place in the batch."""
     if isinstance(layer, nn.ReLU):
         return torch.relu(h)
     if isinstance(layer, nn.GELU):
-        return F.gelu(h, approximate=layer.approximate)
+        return h * _gelu_parts(h, layer.approximate)[0]
     if isinstance(layer, nn.Tanh):
         return torch.tanh(h)
     if isinstance(layer, nn.Sigmoid):
-        return torch.sigmoid(h)
+        return sigmoid(h)
     return h
 
 
@@ -606,7 +623,7 @@ def _activation_derivative(layer: nn.Module, pre: torch.Tensor, post: torch.Tens
         # grad where post > 0, else 0: the kernel autograd uses (a masked select is several times slower)
         return torch.ops.aten.threshold_backward(grad, post, 0)
     if isinstance(layer, nn.GELU):
-        return torch.ops.aten.gelu_backward(grad, pre, approximate=layer.approximate)
+        return grad * _gelu_parts(pre, layer.approximate)[1]
     if isinstance(layer, nn.Tanh):
         return grad * (1 - post * post)
     if isinstance(layer, nn.Sigmoid):

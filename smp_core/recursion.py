@@ -10,8 +10,9 @@ For every chain ``l`` and step ``k = 1, ..., K`` (the empirical design of Sectio
 5. the preconditioner folds in ``s_k`` or recomputes, so that ``P_{k+1}`` is ``F_k``-measurable and
    ``theta_k`` stays a martingale (eq. 2.15).
 
-The chains are the leading dimension of one ``(S, d)`` tensor; randomness comes from one explicit
-``torch.Generator``, so a run is reproducible from ``(seed, S)`` and its chains are independent.
+The chains are the leading dimension of one ``(S, d)`` tensor. Each chain draws its covariates and
+responses from its own random stream (:mod:`smp_core.streams`): chain ``i``'s trajectory depends only
+on the seed and ``i``, not on how many chains run beside it or how they are batched or split.
 Chains whose parameters become non-finite or move further than ``divergence_threshold`` from
 ``theta_0`` are frozen, counted and reported (their rows of the result are NaN), never averaged in.
 
@@ -35,13 +36,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from ._progress import progress_bar, trigamma
 from .fisher import estimate_fisher, kronecker_layers
 from .likelihoods import check_output_dim, get_likelihood
-from .memory import retain_freed_memory
 from .models import ChainModel, MLPChainModel, SequentialChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name, statistic_dtype_of
+from .streams import ChainStreams, check_seed, has_noise
 
 
 class DivergenceError(RuntimeError):
@@ -57,7 +58,7 @@ class SMPState:
     precond: PreconditionerState
     step: int  # k of the last completed step
     diverged_step: torch.Tensor  # (S,) long: check step at which the chain was frozen, -1 if never
-    generator: torch.Generator
+    streams: ChainStreams  # the chains' random streams: the seed and the chains' indices
     trace: list[torch.Tensor] = field(default_factory=list)
     trace_steps: list[int] = field(default_factory=list)
     elapsed_before: float = 0.0  # seconds spent on this run before the last resume from a checkpoint
@@ -119,19 +120,9 @@ def residual_variance_ratio(n_obs: int, n_steps: int) -> float:
     (it ignores ``tau``, the preconditioner and the score covariance). ``sum_{i>K} (N+i)^{-2}``
     is the trigamma function at ``N + K + 1``. The toy example (N = 500, K = 5000): about 9 %.
     """
-    from scipy.special import polygamma
-
     if n_obs < 0 or n_steps < 0:
         raise ValueError("N and K must be non-negative")
-    return float(polygamma(1, n_obs + n_steps + 1) / polygamma(1, n_obs + 1))
-
-
-def _as_generator(seed: int | torch.Generator, device: torch.device) -> torch.Generator:
-    if isinstance(seed, torch.Generator):
-        if seed.device.type != device.type:
-            raise ValueError(f"the generator is on {seed.device}, the parameters on {device}")
-        return seed
-    return torch.Generator(device=device).manual_seed(int(seed))
+    return trigamma(n_obs + n_steps + 1) / trigamma(n_obs + 1)
 
 
 def _as_count(name: str, value, minimum: int) -> int:
@@ -158,12 +149,7 @@ def _check_run_settings(n_obs, check_every, divergence_threshold) -> tuple[int, 
 
 def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor, n_chains: int,
                   tau: float, n_steps: int) -> torch.Tensor:
-    if not (isinstance(tau, int | float) and math.isfinite(tau) and tau > 0):
-        raise ValueError(f"the step-size scale tau must be a positive finite number, got {tau!r}")
-    if not isinstance(n_steps, int) or n_steps < 1:
-        raise ValueError(f"the number of steps K must be an integer >= 1, got {n_steps!r}")
-    if not isinstance(n_chains, int) or n_chains < 1:
-        raise ValueError(f"the number of chains S must be an integer >= 1, got {n_chains!r}")
+    check_tau(tau)
     dim = model.layout.dim
     if theta0.ndim == 1:
         if theta0.shape[0] != dim:
@@ -175,6 +161,26 @@ def _check_inputs(model: ChainModel, x_train: torch.Tensor, theta0: torch.Tensor
         raise ValueError("theta0 contains NaN or infinite values")
     check_training_inputs(model, x_train)
     return theta0.contiguous().clone()
+
+
+def check_tau(tau) -> float:
+    """``tau`` as a float if it is a positive finite real number (not a bool); else a ``ValueError``."""
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not (math.isfinite(tau) and tau > 0):
+        raise ValueError(f"the step-size scale tau must be a positive finite number, got {tau!r}")
+    return float(tau)
+
+
+def as_tensor_input(name: str, x, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x`` (a tensor, a numpy array or nested lists) as a tensor; a ``TypeError`` naming ``name`` for
+    anything else (a string, a dict, ``None``...)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, str | bytes | dict | set) or x is None:
+        raise TypeError(f"{name} must be a tensor or an array, got {type(x).__name__}")
+    try:
+        return torch.as_tensor(x, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"{name} must be a tensor or an array, got {type(x).__name__} ({error})") from None
 
 
 def check_training_inputs(model: ChainModel, x_train: torch.Tensor) -> None:
@@ -190,15 +196,17 @@ def check_training_inputs(model: ChainModel, x_train: torch.Tensor) -> None:
 
 
 def init_smp(
-    model: ChainModel, likelihood, theta0: torch.Tensor, precond: Preconditioner, curvature, seed
+    model: ChainModel, likelihood, theta0: torch.Tensor, precond: Preconditioner, curvature, seed: int,
+    first_chain: int = 0,
 ) -> SMPState:
-    """The state at ``k = 0``: ``theta_0`` for every chain and ``P_1``."""
-    generator = _as_generator(seed, theta0.device)
+    """The state at ``k = 0``: ``theta_0`` ``(S, d)`` for chains ``first_chain, ..., first_chain + S - 1``
+    and ``P_1``; their random streams are those of ``seed`` (:class:`~smp_core.streams.ChainStreams`)."""
+    streams = ChainStreams(check_seed(seed), _as_count("first_chain", first_chain, 0), theta0.shape[0])
     pstate = precond.init(theta0, curvature)
     return SMPState(
         theta=theta0.clone(), theta0=theta0.clone(), precond=pstate, step=0,
         diverged_step=torch.full((theta0.shape[0],), -1, dtype=torch.long, device=theta0.device),
-        generator=generator,
+        streams=streams,
     )
 
 
@@ -215,15 +223,15 @@ def step_blocks_unavailable(model: ChainModel, likelihood, precond: Precondition
     A block of steps needs an element-wise preconditioner rule (``none`` and every ``diag``) whose
     state changes only through the rule itself (EMA) or at known steps (``update_every``: fixed,
     periodic), and a likelihood that draws its responses from pre-drawn noise
-    (``draw_noise`` / ``sample_from_noise``).
+    (``noise_width`` / ``noise_from_uniforms`` / ``sample_from_noise``).
     """
     rule = getattr(precond, "elementwise", None)
     if rule is None:
         return f"the '{precond.name}' preconditioner has no element-wise rule (only none and the diag ones have)"
     if not rule.covers_update and getattr(precond, "update_every", None) is None:
         return f"the '{precond.name}' preconditioner does not say at which steps its update changes its state"
-    if not (hasattr(likelihood, "draw_noise") and hasattr(likelihood, "sample_from_noise")):
-        return "the likelihood has no draw_noise / sample_from_noise"
+    if not has_noise(likelihood):
+        return "the likelihood has no noise_width / noise_from_uniforms / sample_from_noise"
     return None
 
 
@@ -251,7 +259,7 @@ class _StepBlocks:
     """Runs blocks of steps by :func:`_steps_from_noise`, on CUDA as replays of captured graphs.
 
     The random numbers of a block (covariate indices and response noise) are drawn from the run's
-    generator before the block, and its step sizes ``tau / (N + k)`` computed, then copied into
+    chains' streams before the block, and its step sizes ``tau / (N + k)`` computed, then copied into
     the static input buffers of the block's graph. A block length is captured the second time it is
     met (the first run, uncaptured, is the warm-up that CUDA graphs need); a capture that fails
     warns and leaves the run uncaptured. On a CPU nothing is captured: the blocks run as they are.
@@ -281,12 +289,12 @@ class _StepBlocks:
         self.tensors, self.graphs = tensors, {}
         self.seen.clear()
 
-    def run(self, k: int, n: int, tau: float, n_obs: int, n_data: int, gen: torch.Generator) -> None:
+    def run(self, k: int, n: int, tau: float, n_obs: int, n_data: int, streams: ChainStreams) -> None:
         """Steps ``k + 1, ..., k + n``."""
         theta = self.theta
-        n_chains, device, dtype = theta.shape[0], theta.device, theta.dtype
-        draws = torch.randint(n_data, (n, n_chains), generator=gen, device=device)
-        noise = self.likelihood.draw_noise((n, n_chains), self.out_dim, gen, device, dtype)
+        device, dtype = theta.device, theta.dtype
+        draws = streams.covariates(k + 1, n, n_data, device)
+        noise = streams.response_noise(self.likelihood, k + 1, n, self.out_dim, device, dtype)
         # gamma_k = tau / (N + k), made on the device (no blocking host-to-device copy per block)
         wide = torch.float64 if device.type in ("cpu", "cuda") else dtype
         gammas = (tau / (n_obs + k + torch.arange(1, n + 1, device=device, dtype=wide))).to(dtype)
@@ -361,11 +369,11 @@ def advance_smp(
     ``None`` runs blocks when the parameters are on a CUDA device, the model is one that
     :mod:`smp_core.models` batches by hand and blocks are possible, or on a CPU when the compiled
     kernel of :mod:`smp_core.fused` takes the whole step; else step by step.
-    Blocks draw their random numbers in another order than the step-by-step loop, so the two give
-    different (equally valid) samples from the same seed.
+    Both draw the same random numbers (each chain's stream at each step), so they give the same
+    samples up to rounding.
     """
     n_obs, check_every = _check_run_settings(n_obs, check_every, divergence_threshold)
-    theta, theta0, gen = state.theta, state.theta0, state.generator
+    theta, theta0, streams = state.theta, state.theta0, state.streams
     n_data, n_chains = x_train.shape[0], theta.shape[0]
     alive = (state.diverged_step < 0).unsqueeze(1)
     any_frozen = not bool(alive.all())
@@ -395,7 +403,7 @@ def advance_smp(
                 for every in (update_every, trace_every):
                     if every:
                         n = min(n, every - k % every)
-                blocks.run(k, n, tau, n_obs, n_data, gen)
+                blocks.run(k, n, tau, n_obs, n_data, streams)
                 k += n
                 if update_every and k % update_every == 0:
                     state.precond = precond.update(state.precond, k, theta, None, curvature)
@@ -404,12 +412,14 @@ def advance_smp(
                     state.trace.append(theta.detach().cpu().clone())
                     state.trace_steps.append(k)
         else:
-            draws = torch.randint(n_data, (k_end - k, n_chains), generator=gen, device=theta.device)
-            for row in draws:
+            # Algorithm 1, one step at a time: X_k from the design, Y_k from the model, the score, the step
+            draws = streams.covariates(k + 1, k_end - k, n_data, theta.device)
+            noise = streams.response_noise(likelihood, k + 1, k_end - k, model.out_dim, theta.device, theta.dtype)
+            for row, eps in zip(draws, noise, strict=True):
                 k += 1
                 gamma = tau / (n_obs + k)
                 out, ctx = model.forward(theta, x_train.index_select(0, row))
-                residual = likelihood.residual(out, likelihood.sample(out, gen))
+                residual = likelihood.residual(out, likelihood.sample_from_noise(out, eps))
                 if fused_vjp is not None and not any_frozen:
                     fused_vjp(ctx, residual, theta, rule, rule.tensors(state.precond), gamma)
                     score, updated = None, rule.covers_update
@@ -508,7 +518,7 @@ def _save_checkpoint(path: Path, state: SMPState, key: str, inputs: dict[str, st
         "key": key, "inputs": inputs, "theta": state.theta.cpu(), "theta0": state.theta0.cpu(),
         "stat": [t.cpu() for t in state.precond.stat], "factor": [t.cpu() for t in state.precond.factor],
         "step": state.step, "diverged_step": state.diverged_step.cpu(),
-        "generator": state.generator.get_state(), "trace": state.trace, "trace_steps": state.trace_steps,
+        "streams": tuple(state.streams), "trace": state.trace, "trace_steps": state.trace_steps,
     }
     tmp = path.with_suffix(path.suffix + ".tmp")
     torch.save(payload, tmp)
@@ -518,27 +528,19 @@ def _save_checkpoint(path: Path, state: SMPState, key: str, inputs: dict[str, st
 def _load_checkpoint(path: Path, key: str, inputs: dict[str, str], device: torch.device) -> SMPState | None:
     payload = torch.load(path, map_location="cpu", weights_only=False)
     if payload.get("key") != key:
-        raise ValueError(f"the checkpoint {path} belongs to a run with other settings; delete it or choose "
-                         "another checkpoint path (nothing was overwritten). A run made step by step before "
-                         "step blocks became the default (on a GPU, and on a CPU with the compiled kernel of "
-                         "smp_core.fused) resumes with cuda_graph=False")
-    saved = payload.get("inputs")
-    if saved is None:
-        warnings.warn(f"the checkpoint {path} was written before checkpoints recorded the network, the "
-                      "likelihood's parameters and the Fisher data: resuming it with only the settings, theta0 "
-                      "and x_train checked", stacklevel=3)
-    else:
-        differ = [name for name in inputs if saved.get(name) != inputs[name]]
-        if differ:
-            raise ValueError(f"the checkpoint {path} belongs to a run with another {' and '.join(differ)}; delete "
-                             "it or choose another checkpoint path (nothing was overwritten)")
-    gen = torch.Generator(device=device)
-    gen.set_state(payload["generator"])
+        raise ValueError(f"the checkpoint {path} belongs to a run with other settings (seed, chains, tau, "
+                         "preconditioner, theta0 or x_train); delete it or choose another checkpoint path "
+                         "(nothing was overwritten)")
+    differ = [name for name in inputs if payload["inputs"].get(name) != inputs[name]]
+    if differ:
+        raise ValueError(f"the checkpoint {path} belongs to a run with another {' and '.join(differ)}; delete "
+                         "it or choose another checkpoint path (nothing was overwritten)")
     return SMPState(
         theta=payload["theta"].to(device), theta0=payload["theta0"].to(device),
         precond=PreconditionerState(tuple(t.to(device) for t in payload["stat"]),
                                     tuple(t.to(device) for t in payload["factor"])),
-        step=payload["step"], diverged_step=payload["diverged_step"].to(device), generator=gen,
+        step=payload["step"], diverged_step=payload["diverged_step"].to(device),
+        streams=ChainStreams(*payload["streams"]),
         trace=payload["trace"], trace_steps=payload["trace_steps"], elapsed_before=payload.get("elapsed", 0.0),
     )
 
@@ -553,7 +555,8 @@ def run_smp(
     tau: float = 1.0,
     n_steps: int = 1000,
     n_chains: int = 100,
-    seed: int | torch.Generator = 0,
+    seed: int = 0,
+    first_chain: int = 0,
     n_obs: int | None = None,
     fisher: str = "model",
     fisher_data: tuple[torch.Tensor, torch.Tensor | None] | None = None,
@@ -587,7 +590,11 @@ def run_smp(
             ``"fixed-kfac"`` and the like, for networks of Linear and Conv2d layers) or a
             :class:`~smp_core.preconditioners.Preconditioner`.
         tau: step-size scale; ``gamma_k = tau / (N + k)``.
-        n_steps: ``K``. n_chains: ``S``. seed: an int or a ``torch.Generator``.
+        n_steps: ``K``. n_chains: ``S``.
+        seed: an integer in ``[0, 2**63)``. Chain ``i`` draws from its own stream of ``(seed, i)``
+            (:mod:`smp_core.streams`), so its trajectory does not depend on the other chains.
+        first_chain: the index of the first chain: a run of ``S`` chains from ``first_chain = j`` gives
+            chains ``j, ..., j + S - 1`` of the same seed (to split a run over processes or machines).
         n_obs: ``N`` in the step size (default: ``len(x_train)``).
         fisher: ``"model"`` (model-expected) or ``"empirical"`` Fisher for fixed / periodic / EMA start.
         fisher_data: ``(x, y)`` for the Fisher (default: ``(x_train, None)``; ``y`` is needed for the
@@ -613,25 +620,52 @@ def run_smp(
             a built-in one; on a CPU, when the compiled kernel of :mod:`smp_core.fused` runs the
             network (it then takes each whole step: forward, response, residual, backward, update);
             ``True``: insist (on a CPU the blocks run uncaptured, the same arithmetic); ``False``: the
-            step-by-step loop. Blocks draw their random numbers in another order than the loop, so
-            the two give different, equally valid, samples; the run's config records
+            step-by-step loop. Both draw the same random numbers, so they give the same samples up to
+            rounding (a checkpoint of one resumes with the other); the run's config records
             ``step_blocks``. See :func:`advance_smp`.
 
-    On the CPU it sets glibc's allocator to keep freed memory for reuse (once per process; see
-    :mod:`smp_core.memory`, ``SMP_RETAIN_FREED_MEMORY=0`` turns that off).
+    It changes no process-wide setting; on a CPU, :func:`smp_core.memory.retain_freed_memory` (an
+    explicit opt-in) makes long LeNet-size runs faster.
 
     Returns:
         An :class:`SMPResult`.
     """
     started = time.perf_counter()
+    # every argument is checked here, before any work
+    if not (isinstance(model, nn.Module) or all(hasattr(model, a) for a in ("layout", "forward", "vjp"))):
+        raise TypeError(f"model must be a torch.nn.Module (or a smp_core ChainModel), got {type(model).__name__}")
+    seed, first_chain = check_seed(seed), _as_count("first_chain", first_chain, 0)
+    n_steps, n_chains = _as_count("n_steps (K)", n_steps, 1), _as_count("n_chains (S)", n_chains, 1)
+    tau = check_tau(tau)
+    if fisher not in ("model", "empirical"):
+        raise ValueError(f"fisher must be 'model' (model-expected) or 'empirical', got {fisher!r}")
+    if trace_every is not None:
+        trace_every = _as_count("trace_every", trace_every, 1)
+    if checkpoint_every is not None:
+        checkpoint_every = _as_count("checkpoint_every", checkpoint_every, 1)
+    for name, flag in (("progress", progress), ("cuda_graph", cuda_graph)):
+        if not (isinstance(flag, bool) or (name == "cuda_graph" and flag is None)):
+            raise TypeError(f"{name} must be True or False{' or None' if name == 'cuda_graph' else ''}, got {flag!r}")
+    x_train = as_tensor_input("x_train", x_train)
+    if fisher_data is not None:
+        if not (isinstance(fisher_data, tuple | list) and len(fisher_data) == 2):
+            raise TypeError("fisher_data must be a pair (x, y) (y may be None)")
+        fisher_data = (as_tensor_input("fisher_data[0] (x)", fisher_data[0]),
+                       None if fisher_data[1] is None else as_tensor_input("fisher_data[1] (y)", fisher_data[1]))
     check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
     net = as_chain_model(model, input_shape)
     lik = get_likelihood(likelihood)
+    if not has_noise(lik):
+        raise TypeError(f"the likelihood {type(lik).__name__} has no noise_width / noise_from_uniforms / "
+                        "sample_from_noise, which the chains' random streams need (see smp_core.likelihoods)")
     if theta0 is None:
         theta0 = net.layout.flatten(net.module)
+    theta0 = as_tensor_input("theta0", theta0)
+    if not theta0.is_floating_point():
+        raise TypeError(f"theta0 must hold floating-point numbers, got {theta0.dtype}")
     device, dtype = theta0.device, theta0.dtype
-    if device.type == "cpu":
-        retain_freed_memory()  # no page faults from re-allocating each step's activations (smp_core.memory)
+    if not x_train.is_floating_point():
+        x_train = x_train.to(dtype)
     x_train = x_train.to(device=device, dtype=dtype)
     theta0 = _check_inputs(net, x_train, theta0, n_chains, tau, n_steps)
     n_obs, check_every = _check_run_settings(x_train.shape[0] if n_obs is None else n_obs, check_every,
@@ -667,7 +701,7 @@ def run_smp(
 
     config = {
         "preconditioner": precond.name, "tau": float(tau), "n_steps": n_steps, "n_chains": n_chains,
-        "seed": seed if isinstance(seed, int) else "generator", "n_obs": n_obs, "fisher": fisher,
+        "seed": seed, "first_chain": first_chain, "n_obs": n_obs, "fisher": fisher,
         "likelihood": lik.name, "d": net.layout.dim, **precond.hyper, "check_every": check_every,
         "divergence_threshold": divergence_threshold, "trace_every": trace_every,
     }
@@ -677,9 +711,10 @@ def run_smp(
         takes = getattr(net, "takes_whole_step", None)  # blocks imply an element-wise rule
         if takes is not None and takes(lik, precond.elementwise, device, dtype):
             config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
-    # n_steps is left out of the key so that a finished run can be extended to a larger K.
+    # n_steps is left out of the key so that a finished run can be extended to a larger K, and the
+    # execution path (step blocks, the compiled step) since every path draws the same random numbers.
     key = _config_key({
-        **{k: v for k, v in config.items() if k != "n_steps"},
+        **{k: v for k, v in config.items() if k not in ("n_steps", "step_blocks", "compiled_step")},
         "theta0": hashlib.sha256(theta0.cpu().numpy().tobytes()).hexdigest(),
         "x": hashlib.sha256(x_train.cpu().numpy().tobytes()).hexdigest(),
     })
@@ -690,8 +725,9 @@ def run_smp(
         raise ValueError(f"the checkpoint {path} is at step {state.step}, beyond n_steps = {n_steps}")
     with torch.no_grad():
         if state is None:
-            state = init_smp(net, lik, theta0, precond, curvature if precond.needs_curvature else None, seed)
-        bar = tqdm(total=n_steps, initial=state.step, disable=not progress, desc=f"SMP {precond.name}",
+            state = init_smp(net, lik, theta0, precond, curvature if precond.needs_curvature else None, seed,
+                             first_chain)
+        bar = progress_bar(total=n_steps, initial=state.step, disable=not progress, desc=f"SMP {precond.name}",
                    mininterval=1.0)
         last = {"step": state.step}
 

@@ -39,12 +39,13 @@ import numbers
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from ._progress import progress_bar, trigamma
 from .likelihoods import check_output_dim, get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _accepts_out, _as_count, _as_generator, check_training_inputs
+from .recursion import SMPResult, _accepts_out, _as_count, check_training_inputs
+from .streams import TAIL_COVARIATE, TAIL_RESPONSE, TAIL_WEIGHT, ChainStreams, check_seed, has_noise
 
 
 def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float = 1.0) -> float:
@@ -54,8 +55,6 @@ def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float =
     difference of two trigammas; ``k_to=None`` is ``K' = inf``. ``tail_variance(N, 0, None, 1)`` is
     the paper's ``r_0^2`` and ``tail_variance(N, K)`` its ``r_K^2`` (Section 3.2.3).
     """
-    from scipy.special import polygamma
-
     if not (isinstance(n_obs, numbers.Integral) and not isinstance(n_obs, bool) and n_obs >= 0):
         raise ValueError(f"N must be a non-negative integer, got {n_obs!r}")
     if not (isinstance(k_from, int) and k_from >= 0):
@@ -67,8 +66,8 @@ def tail_variance(n_obs: int, k_from: int, k_to: int | None = None, tau: float =
         raise ValueError(f"tau must be a positive finite number, got {tau!r}")
     if n_obs + k_from + 1 <= 0:
         raise ValueError("N + K must be at least 0")
-    head = float(polygamma(1, n_obs + k_from + 1))
-    rest = 0.0 if k_to is None else float(polygamma(1, n_obs + k_to + 1))
+    head = trigamma(n_obs + k_from + 1)
+    rest = 0.0 if k_to is None else trigamma(n_obs + k_to + 1)
     return float(tau) ** 2 * (head - rest)
 
 
@@ -86,7 +85,8 @@ def gaussian_tail(
     k_to: int | None = None,
     n_obs: int | None = None,
     n_scores: int = 1000,
-    seed: int | torch.Generator = 0,
+    seed: int = 0,
+    first_chain: int = 0,
     input_shape: tuple[int, ...] | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
@@ -104,7 +104,8 @@ def gaussian_tail(
         n_obs: ``N`` in the step size (default ``len(x_train)``).
         n_scores: ``M``, the scores per chain whose normal-weighted sum gives the draw (the
             covariance is right for any ``M``; the draw is normal as ``M`` grows).
-        seed: an int or a ``torch.Generator`` on the parameters' device.
+        seed, first_chain: the chains' random streams (:mod:`smp_core.streams`, with purposes of their
+            own: the tail under the run's seed draws other numbers than the run).
 
     Returns:
         ``(S, d)``: ``theta + sqrt(v) P^{-1} M^{-1/2} sum_j eps_j s_j`` (module docstring).
@@ -115,8 +116,11 @@ def gaussian_tail(
     dim = net.layout.dim
     if theta.ndim != 2 or theta.shape[1] != dim:
         raise ValueError(f"theta must have shape (S, {dim}) (one row per chain), got {tuple(theta.shape)}")
-    if not (isinstance(n_scores, int) and n_scores >= 1):
-        raise ValueError(f"n_scores must be an integer >= 1, got {n_scores!r}")
+    n_scores = _as_count("n_scores", n_scores, 1)
+    streams = ChainStreams(check_seed(seed), _as_count("first_chain", first_chain, 0), theta.shape[0])
+    if not has_noise(lik):
+        raise TypeError(f"the likelihood {type(lik).__name__} has no noise_width / noise_from_uniforms / "
+                        "sample_from_noise, which the chains' random streams need (see smp_core.likelihoods)")
     x_train = x_train.to(device=theta.device, dtype=theta.dtype)
     check_training_inputs(net, x_train)
     check_output_dim(lik, getattr(net, "out_dim", None))  # (determinism was checked before wrapping)
@@ -127,17 +131,16 @@ def gaussian_tail(
         raise ValueError("every row of theta is non-finite (all chains diverged): there is no tail to add")
     # diverged rows compute at a finite stand-in (their result is NaN again below)
     start = torch.where(alive[:, None], theta, theta[alive][:1]).contiguous()
-    gen = _as_generator(seed, theta.device)
-    n_chains = theta.shape[0]
+    device, dtype, out_dim = theta.device, theta.dtype, net.out_dim
     total = torch.zeros_like(start)
     # one (S, d) score buffer for every pass, as the recursion does (no fresh tensor per score)
     vjp_out = {"out": torch.empty_like(start)} if _accepts_out(net.vjp) else {}
-    for _ in tqdm(range(n_scores), disable=not progress, desc="Gaussian tail", mininterval=1.0):
-        rows = x_train.index_select(0, torch.randint(x_train.shape[0], (n_chains,), generator=gen,
-                                                     device=theta.device))
+    for j in progress_bar(range(1, n_scores + 1), disable=not progress, desc="Gaussian tail", mininterval=1.0):
+        rows = x_train.index_select(0, streams.covariates(j, 1, x_train.shape[0], device, TAIL_COVARIATE)[0])
         out, ctx = net.forward(start, rows)
-        weights = torch.randn(n_chains, generator=gen, device=theta.device, dtype=theta.dtype)
-        residual = lik.residual(out, lik.sample(out, gen)) * weights[:, None]
+        weights = streams.normals(TAIL_WEIGHT, j, 1, 1, device)[0].to(dtype)  # (S, 1)
+        noise = streams.response_noise(lik, j, 1, out_dim, device, dtype, TAIL_RESPONSE)[0]
+        residual = lik.residual(out, lik.sample_from_noise(out, noise)) * weights
         total += net.vjp(ctx, residual, **vjp_out)
     total.masked_fill_(~alive[:, None], 0.0)
     z = preconditioner.solve(precond_state, total / math.sqrt(n_scores))
@@ -147,7 +150,7 @@ def gaussian_tail(
 
 
 def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likelihood, x_train: torch.Tensor, *,
-                      k_to: int | None = None, n_scores: int = 1000, seed: int | torch.Generator = 0,
+                      k_to: int | None = None, n_scores: int = 1000, seed: int = 0,
                       input_shape: tuple[int, ...] | None = None, progress: bool = False) -> torch.Tensor:
     """The hybrid sample: a finished run's ``theta_K`` plus the Gaussian tail to ``k_to`` (``None``:
     infinity), with the run's own ``tau``, ``N``, ``K`` and final preconditioner.
@@ -164,7 +167,8 @@ def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likeliho
     precond = result.preconditioner or _rebuild_preconditioner(net, cfg)
     return gaussian_tail(net, likelihood, x_train, result.theta, precond, result.precond_state,
                          tau=cfg["tau"], k_from=cfg["n_steps"], k_to=k_to, n_obs=cfg["n_obs"], n_scores=n_scores,
-                         seed=seed, input_shape=input_shape, progress=progress)
+                         seed=seed, first_chain=cfg.get("first_chain", 0), input_shape=input_shape,
+                         progress=progress)
 
 
 def _rebuild_preconditioner(net: ChainModel, cfg: dict) -> Preconditioner:

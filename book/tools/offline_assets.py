@@ -12,7 +12,7 @@ built book readable offline.
   JavaScript ``SyntaxError`` on every page.
 
 Under ``jupyter-book build -W`` each warning fails the build. The browser test
-(``tests/test_book_browser.py``) checks the same thing on the rendered pages.
+(``tests/book/test_book_browser.py``) checks the same thing on the rendered pages.
 """
 
 from __future__ import annotations

@@ -1,0 +1,378 @@
+"""Beyond the paper: SMP on MNIST beside Laplace approximations and a deep ensemble.
+
+The paper compares its MNIST SMP variants only with the MAP (Section 3.3; its Section 4.5 names the
+missing comparison with other approximate methods). This study puts them beside the methods a
+practitioner would reach for, at the same MAP LeNet-5 and on the same test set:
+
+* the MNIST chapter's MAP and its four SMP runs (replicate 0: the same cache keys, so the runs are
+  shared with that chapter);
+* the Laplace approximation at the MAP (:func:`smp_book.baselines.fit_laplace`) with the GGN kept
+  ``diag`` or ``kfac``, under two prior precisions: the MAP's own, ``N * weight decay`` (the MAP
+  minimised the mean NLL plus ``wd/2 |theta|^2``, i.e. the sum of the NLL plus ``N wd/2 |theta|^2``),
+  and the one that maximises the Laplace evidence (:func:`smp_book.baselines.optimise_prior_precision`);
+  each with the linearised ("GLM") predictive and, at the MAP's prior, the network's own;
+* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP);
+* MC dropout (Gal and Ghahramani 2016): LeNet-5 with dropout before each fully connected layer,
+  trained with the MAP's settings, seed and minibatch order for every rate of ``dropout_rates``; the
+  rate whose MC predictive (``S = n_chains`` passes) has the lowest NLL on the validation set
+  predicts (:func:`select_dropout`).
+
+Every method is scored on the whole test set with the paper's metrics and on the first
+``shift_images`` test images rotated by each of ``shift_angles`` degrees (a distribution shift, as
+Ovadia et al. 2019). Differences in NLL and Brier score between two methods get a standard error
+paired over the test images: it measures the test set's sampling error, not the spread over
+training runs (one MAP, one SMP run, one ensemble here).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pandas as pd
+import torch
+from torchvision.transforms.v2 import functional as TF
+from tqdm.auto import tqdm
+
+from smp_core import metrics
+from smp_core.models import as_chain_model, lenet5, predict
+
+from . import baselines
+from . import mnist_study as ms
+from .config import MNIST_BASELINE_KEYS
+from .results import cached
+
+STUDY_VERSION = 2  # bump when a change to this module changes its results (invalidates the cache)
+PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
+DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
+
+
+def mnist_settings(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MNIST study's config inside this study's: the keys of the MAP and SMP runs' caches."""
+    return {**{k: v for k, v in cfg.items() if k not in MNIST_BASELINE_KEYS}, "study": "mnist"}
+
+
+def weight_decay_prior(cfg: dict[str, Any]) -> float:
+    """``alpha = N * wd``: coupled weight decay ``wd`` on the mean NLL of ``N`` examples is the prior
+    ``N(0, I / (N wd))`` on the sum (:func:`smp_book.mnist_study.train_map`)."""
+    return cfg["n_train"] * cfg["map_weight_decay"]
+
+
+def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
+    """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself."""
+    return ms.map_seed(cfg, member)
+
+
+def dropout_seed(cfg: dict[str, Any], part: str) -> int:
+    """The seed of MC dropout's masks: ``seed + 600`` on the validation set (the choice of the rate),
+    ``seed + 601`` on the test sets."""
+    return cfg["seed"] + {"validation": 600, "test": 601}[part]
+
+
+def dropout_settings(cfg: dict[str, Any], rate: float) -> dict[str, Any]:
+    """The MNIST settings of the LeNet-5 trained with dropout ``rate`` (its own MAP cache key)."""
+    return {**mnist_settings(cfg), "map_dropout": float(rate)}
+
+
+def laplace_seed(cfg: dict[str, Any], structure: str, prior: str) -> int:
+    """The seed of the draws of one Laplace posterior (shared by its linearised and ``-nn`` rows, which
+    so predict from the same draws): ``seed + 500 + 10 * (structure's place) + (prior's place)``."""
+    return cfg["seed"] + 500 + 10 * cfg["laplace_structures"].index(structure) + PRIORS.index(prior)
+
+
+def method_names(cfg: dict[str, Any]) -> list[str]:
+    """The rows of the tables, in order."""
+    names = ms.method_names()
+    for structure in cfg["laplace_structures"]:
+        names += [f"Laplace-{structure} (wd)", f"Laplace-{structure} (evidence)", f"Laplace-{structure}-nn (wd)"]
+    if cfg.get("dropout_rates"):
+        names.append(DROPOUT)
+    return names + [f"Ensemble ({cfg['ensemble_members']})"]
+
+
+def rotate(images: torch.Tensor, degrees: float) -> torch.Tensor:
+    """``images`` ``(n, 1, 28, 28)`` rotated anticlockwise by ``degrees`` (bilinear, the corners filled with 0)."""
+    return TF.rotate(images, float(degrees), interpolation=TF.InterpolationMode.BILINEAR, fill=0.0)
+
+
+def test_sets(cfg: dict[str, Any], data: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{angle: (images, labels)}``: the whole test set at 0 and the first ``shift_images`` rotated."""
+    x, y = data["test"]
+    n = min(cfg["shift_images"], len(y))
+    sets = {0: (x, y)}
+    sets.update({int(a): (rotate(x[:n], a), y[:n]) for a in cfg["shift_angles"]})
+    return sets
+
+
+def evaluate(logits_of, sets: dict[int, tuple[torch.Tensor, torch.Tensor]], three: int, n_bins: int = 10) -> dict:
+    """Scores of one method on every test set, from ``logits_of(x) -> (S, n, 10)``.
+
+    Returns the paper's scores on every set (``shift``, by angle; ``scores`` = angle 0), the per-image
+    NLL and Brier score on every set (for paired standard errors), the logit variance, calibration
+    curve and mean class probabilities of test image ``three`` (the MNIST chapter's ambiguous 3) on
+    the whole test set, and the seconds the predictions took.
+    """
+    started = time.perf_counter()
+    out: dict[str, Any] = {"shift": {}, "per_image": {}}
+    for angle, (x, y) in sets.items():
+        logits = logits_of(x)
+        probs = torch.softmax(logits.double(), dim=-1)
+        out["shift"][angle] = metrics.all_scores(probs, y, n_bins=n_bins)
+        mean = metrics.predictive(probs)
+        truth = mean.gather(1, y[:, None])[:, 0]
+        out["per_image"][angle] = {"nll": -torch.log(truth.clamp_min(metrics.NLL_FLOOR)),
+                                   "brier": ((mean - torch.nn.functional.one_hot(y, mean.shape[1])) ** 2).sum(1)}
+        if angle == 0:
+            out["scores"] = out["shift"][0]
+            out["logits_variance"] = metrics.logits_variance(logits)
+            out["curve"] = metrics.calibration_curve(probs, y, n_bins=n_bins)
+            out["three_probs"] = mean[three].float()
+    out["n_samples"] = int(logits.shape[0])
+    out["predict_seconds"] = time.perf_counter() - started
+    return out
+
+
+def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
+                 device: torch.device | None = None) -> tuple[dict[str, baselines.LaplacePosterior], pd.DataFrame]:
+    """The Laplace posteriors ``{"<structure> (<prior>)": posterior}`` and a table of their prior
+    precision, the log likelihood at the MAP (the sum over the training set), the log evidence, the
+    effective number of parameters ``gamma = sum_i N lambda_i / (N lambda_i + alpha)``, the fraction
+    of flat directions (GGN eigenvalues at most 1e-10 of the largest, where the posterior is the
+    prior), the norm of the gradient of the log posterior at the MAP under that prior (0 at a
+    stationary point, which the approximation assumes; Adam's 20 epochs need not reach one, and the
+    evidence's alpha is not the one the MAP was fitted with) and the fitting seconds."""
+    device = device or ms.default_device()
+    net = lenet5().to(device)
+    x, y = (t.to(device) for t in data["train"])
+    if x.shape[0] != cfg["n_train"]:
+        raise ValueError(f"the config says n_train = {cfg['n_train']}, the data has {x.shape[0]} training images")
+    theta = theta_map.to(device)
+    started = time.perf_counter()
+    log_lik = baselines.log_likelihood(net, "categorical", theta, x, y, input_shape=ms.INPUT_SHAPE)
+    log_lik_seconds = time.perf_counter() - started
+    grad = baselines.log_likelihood_gradient(net, "categorical", theta, x, y, input_shape=ms.INPUT_SHAPE).double()
+    posteriors, rows = {}, []
+    for structure in cfg["laplace_structures"]:
+        started = time.perf_counter()
+        base = baselines.fit_laplace(net, "categorical", theta, x, prior_precision=weight_decay_prior(cfg),
+                                     structure=structure, input_shape=ms.INPUT_SHAPE)
+        eigenvalues = base.ggn_eigenvalues()
+        fit_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        alpha = baselines.optimise_prior_precision(base, bounds=tuple(cfg["evidence_bounds"]))
+        search_seconds = time.perf_counter() - started
+        for prior, post in (("wd", base), ("evidence", base.with_prior_precision(alpha))):
+            a = post.prior_precision
+            rows.append({"structure": structure, "prior": prior, "prior_precision": a, "log_likelihood": log_lik,
+                         "log_evidence": post.log_marginal_likelihood(log_lik),
+                         "effective_parameters": float((eigenvalues / (eigenvalues + a)).sum()),
+                         "flat_fraction": float((eigenvalues <= 1e-10 * eigenvalues.max()).double().mean()),
+                         "gradient_norm": float((grad - a * theta.double()).norm()),
+                         "seconds": log_lik_seconds + fit_seconds + (search_seconds if prior == "evidence" else 0.0)})
+            posteriors[f"{structure} ({prior})"] = post
+    return posteriors, pd.DataFrame(rows).set_index(["structure", "prior"])
+
+
+def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
+                   progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+    """Train LeNet-5 with every dropout rate of ``cfg["dropout_rates"]`` (:func:`dropout_settings`; the
+    MAP's settings and seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
+    (``S = n_chains`` passes, masks from :func:`dropout_seed` ``"validation"``) on the validation set.
+
+    Returns one row per rate: the validation NLL and accuracy of the MC predictive, the seconds of the
+    training and of the validation passes, and ``selected`` (the lowest NLL; the first on a tie).
+    """
+    device = device or ms.default_device()
+    xv, yv = data["val"]
+    rows = []
+    for rate in cfg["dropout_rates"]:
+        fit = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
+                         cache_root=cache_root)
+        started = time.perf_counter()
+        masks = torch.Generator().manual_seed(dropout_seed(cfg, "validation"))
+        logits = baselines.mc_dropout_logits(lenet5(rate).to(device), fit["theta"].to(device), xv.to(device),
+                                             cfg["n_chains"], masks)
+        probs = torch.softmax(logits.cpu().double(), dim=-1)
+        scores = metrics.all_scores(probs, yv)
+        rows.append({"dropout": float(rate), "val_nll": scores["nll"], "val_accuracy": scores["accuracy"],
+                     "train_seconds": fit["seconds"], "val_seconds": time.perf_counter() - started})
+    table = pd.DataFrame(rows).set_index("dropout")
+    table["selected"] = table.index == table["val_nll"].idxmin()
+    return table
+
+
+def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
+              progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+    """Fit and score every method of :func:`method_names`.
+
+    The MAP, the ensemble's other MAPs and the SMP runs come from (or go to) the MNIST chapter's cache
+    (``<cache_root>/mnist/``); every method's scores and the table of Laplace fits are cached in
+    ``<cache_root>/mnist_baselines/`` by the whole config and the method's name. The Laplace
+    posteriors are fitted only when a Laplace row is not in the cache.
+
+    Returns ``evals`` (:func:`evaluate` per method), ``fit_seconds`` per method (MAP training, the SMP
+    run, the Laplace fit with the log likelihood and, for ``evidence``, the search for alpha; the
+    ensemble's trainings; MC dropout's trainings at every rate of its grid and its validation passes),
+    ``laplace`` (the table of :func:`fit_laplaces`), ``dropout`` (the table of :func:`select_dropout`),
+    the MAP fit and the index of the ambiguous 3.
+    """
+    device = device or ms.default_device()
+    mnist_cfg = mnist_settings(cfg)
+    fit = ms.fit_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
+    theta_map = fit["theta"]
+    chain = as_chain_model(lenet5().to(device), ms.INPUT_SHAPE)
+    net = lenet5().to(device)
+    sets = test_sets(cfg, data)
+    map_probs = torch.softmax(predict(chain, theta_map[None].to(device), sets[0][0].to(device)).cpu().double(), -1)
+    three = ms.ambiguous_three(map_probs, data["test"][1])
+    path = ms.smp_path(device)
+    names = method_names(cfg)
+
+    def key(name: str) -> dict[str, Any]:
+        # each method's key holds the settings it depends on: MC dropout's grid only in MC dropout's
+        settings = cfg if name.startswith(DROPOUT) else {k: v for k, v in cfg.items() if k != "dropout_rates"}
+        return {**settings, "method": name, "study_version": STUDY_VERSION, "mnist_study_version": ms.STUDY_VERSION,
+                "smp_path": path}
+
+    def score(theta_or_logits) -> dict:
+        if isinstance(theta_or_logits, torch.Tensor):  # parameter samples: the network's own predictive
+            theta = theta_or_logits.to(device)
+            return evaluate(lambda x: predict(chain, theta, x.to(device)).cpu(), sets, three)
+        return evaluate(lambda x: theta_or_logits(x.to(device)).cpu(), sets, three)
+
+    laplace: dict[str, Any] = {}
+
+    def laplace_fits():
+        if not laplace:
+            laplace["posteriors"], laplace["table"] = fit_laplaces(cfg, theta_map, data, device)
+        return laplace["posteriors"], laplace["table"]
+
+    laplace_table = None
+    if cfg["laplace_structures"]:
+        laplace_table = cached("mnist_baselines", key("Laplace fits"), lambda: laplace_fits()[1], root=cache_root,
+                               enabled=use_cache)
+    dropout_table = None
+    if cfg.get("dropout_rates"):
+        dropout_table = cached("mnist_baselines", key(f"{DROPOUT} selection"),
+                               lambda: select_dropout(cfg, data, device, use_cache, progress, cache_root),
+                               root=cache_root, enabled=use_cache)
+    evals, fit_seconds = {}, {}
+    for name in tqdm(names, desc="methods", disable=not progress):
+        if name == "MAP":
+            compute = lambda: score(theta_map[None])  # noqa: E731
+            fit_seconds[name] = fit["seconds"]
+        elif name.startswith("SMP-"):
+            variant = name.removeprefix("SMP-")
+            index = ms.study_variants(mnist_cfg).index(variant)
+            run = cached("mnist", ms.run_key(mnist_cfg, variant, 0, path),
+                         lambda variant=variant, index=index: ms.run_variant(mnist_cfg, variant, theta_map, data, index,
+                                                                             device, None, progress, replicate=0),
+                         root=cache_root, enabled=use_cache)
+            compute = lambda run=run: score(run.theta[~run.diverged])  # noqa: E731
+            fit_seconds[name] = run.elapsed
+        elif name.startswith("Laplace-"):
+            label, prior = name.removeprefix("Laplace-").removesuffix(")").split(" (")
+            structure, own_network = label.removesuffix("-nn"), label.endswith("-nn")
+            seed = laplace_seed(cfg, structure, prior)
+
+            def compute(structure=structure, prior=prior, own_network=own_network, seed=seed):
+                post = laplace_fits()[0][f"{structure} ({prior})"]
+                samples = post.sample(cfg["n_chains"], torch.Generator().manual_seed(seed)).to(device)
+                if own_network:
+                    return score(samples)
+                return score(lambda x: baselines.linearised_logits(net, theta_map.to(device), samples, x,
+                                                                    input_shape=ms.INPUT_SHAPE))
+
+            fit_seconds[name] = float(laplace_table.loc[(structure, prior), "seconds"])
+        elif name == DROPOUT:
+            rate = float(dropout_table.index[dropout_table["selected"]][0])
+
+            def compute(rate=rate):
+                theta = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=False,
+                                   cache_root=cache_root)["theta"].to(device)
+                dropped = lenet5(rate).to(device)
+                return score(lambda x: baselines.mc_dropout_logits(
+                    dropped, theta, x, cfg["n_chains"], torch.Generator().manual_seed(dropout_seed(cfg, "test"))))
+
+            fit_seconds[name] = float(dropout_table["train_seconds"].sum() + dropout_table["val_seconds"].sum())
+        else:  # the ensemble: member 0 is the MAP
+            members, seconds = [theta_map], [fit["seconds"]]
+            for m in range(1, cfg["ensemble_members"]):
+                member = ms.fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}, data, device, use_cache=use_cache,
+                                    progress=False, cache_root=cache_root)
+                members.append(member["theta"])
+                seconds.append(member["seconds"])
+            compute = lambda members=members: score(torch.stack(members))  # noqa: E731
+            fit_seconds[name] = float(sum(seconds))
+        evals[name] = cached("mnist_baselines", key(name), compute, root=cache_root, enabled=use_cache)
+    return {"evals": evals, "fit_seconds": fit_seconds, "laplace": laplace_table, "dropout": dropout_table,
+            "map": fit, "three": three}
+
+
+def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
+    """The chapter's tables from :func:`run_study`.
+
+    ``scores``: the paper's metrics on the whole test set, the logit variance and the seconds to fit
+    and to predict (the test set and the rotated sets); ``shift``: accuracy, NLL, Brier score and ECE
+    per method and angle (0 is the whole test set); ``three``: the mean class probabilities of the
+    ambiguous 3; ``laplace``: the Laplace fits; ``dropout``: MC dropout's choice of rate.
+    """
+    evals = study["evals"]
+    names = list(evals)
+    scores = pd.DataFrame([evals[n]["scores"] for n in names], index=names)[list(metrics.SCORE_KEYS)]
+    scores["logits_variance"] = [evals[n]["logits_variance"] for n in names]
+    scores["fit_seconds"] = [study["fit_seconds"][n] for n in names]
+    scores["predict_seconds"] = [evals[n]["predict_seconds"] for n in names]
+    scores.index.name = "method"
+    shift = pd.DataFrame([{"method": n, "angle": a, **{k: s[k] for k in ("accuracy", "nll", "brier", "ece")}}
+                          for n in names for a, s in evals[n]["shift"].items()]).set_index(["method", "angle"])
+    three = pd.DataFrame({n: evals[n]["three_probs"].double().numpy() for n in names}).T
+    three.index.name, three.columns.name = "method", "class"
+    out = {"scores": scores, "shift": shift, "three": three}
+    if study["laplace"] is not None:
+        out["laplace"] = study["laplace"]
+    if study.get("dropout") is not None:
+        out["dropout"] = study["dropout"]
+    return out
+
+
+def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
+    """Per test set (angle) and per metric (NLL, Brier score): the best method, the runner-up and the
+    best SMP variant (when it is neither), each lead in standard errors of the mean per-image
+    difference (paired over the test images, so it measures the test set's sampling error only),
+    resolved from ``resolved_at``."""
+    from .baseline_study import paired_lead
+
+    rows = []
+    angles = list(next(iter(evals.values()))["per_image"])
+    for angle in angles:
+        for metric in ("nll", "brier"):
+            per_image = {n: e["per_image"][angle][metric].double() for n, e in evals.items()}
+            ranked = sorted(per_image, key=lambda n: float(per_image[n].mean()))
+            best = ranked[0]
+            smp = [n for n in ranked if n.startswith("SMP-")]
+            comparisons = [("runner-up", ranked[1])]
+            if smp and smp[0] not in ranked[:2]:  # the best SMP variant, unless it is one of the two
+                comparisons.append(("best SMP", smp[0]))
+            for what, other in comparisons:
+                lead = paired_lead((per_image[other] - per_image[best]).numpy())
+                rows.append({"angle": angle, "metric": metric, "best": best,
+                             "best_value": float(per_image[best].mean()), "compared": what, "other": other,
+                             "other_value": float(per_image[other].mean()), "lead_se": lead,
+                             "resolved": bool(lead >= resolved_at)})
+    return pd.DataFrame(rows)
+
+
+def leads_over(evals: dict[str, dict], reference: str = "MAP", metric: str = "nll") -> pd.DataFrame:
+    """``method x angle``: by how many standard errors each method's mean per-image ``metric`` is
+    below the ``reference``'s (paired over the test images; positive: better than the reference,
+    NaN for the reference itself)."""
+    from .baseline_study import paired_lead
+
+    angles = list(evals[reference]["per_image"])
+    table = pd.DataFrame(
+        {angle: {name: (float("nan") if name == reference else paired_lead(
+            (evals[reference]["per_image"][angle][metric] - e["per_image"][angle][metric]).double().numpy()))
+            for name, e in evals.items()} for angle in angles})
+    table.index.name, table.columns.name = "method", "angle"
+    return table

@@ -1,0 +1,36 @@
+"""The book's API reference (book/api.md) lists every export of smp_core and documents each one."""
+
+import inspect
+import re
+from pathlib import Path
+
+import smp_core
+
+API_PAGE = Path(__file__).resolve().parents[2] / "book" / "api.md"
+
+
+def _target(name: str) -> str:
+    obj = getattr(smp_core, name)
+    return obj.__name__ if inspect.ismodule(obj) else f"{obj.__module__}.{name}"
+
+
+def test_the_importing_list_is_smp_cores_exports_exactly():
+    page = API_PAGE.read_text()
+    section = page.split("## Importing", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"\{py:\w+\}`(\w+) <([\w.]+)>`", section)
+    assert sorted(name for name, _ in listed) == sorted(smp_core.__all__)
+    assert all(target == _target(name) for name, target in listed)
+
+
+def test_every_export_is_documented_by_an_auto_directive():
+    """Each export is named by its own ``auto*::`` directive, or its module is documented with
+    ``:members:`` (all of them, or a list that names it)."""
+    page = API_PAGE.read_text()
+    named = set(re.findall(r"\.\. auto(?:function|class|exception|data):: ([\w.]+)", page))
+    whole = set(re.findall(r"\.\. automodule:: ([\w.]+)\n   :members:\n", page))
+    listed = {f"{module}.{member.strip()}" for module, members in
+              re.findall(r"\.\. automodule:: ([\w.]+)\n   :members: (.+)\n", page) for member in members.split(",")}
+    for name in smp_core.__all__:
+        target = _target(name)
+        module = target if inspect.ismodule(getattr(smp_core, name)) else target.rsplit(".", 1)[0]
+        assert target in named or module in whole or target in listed, f"book/api.md does not document {target}"

@@ -1,0 +1,104 @@
+"""Random streams per chain: chain i's trajectory depends only on the seed and i."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from smp_core.likelihoods import get_likelihood
+from smp_core.models import toy_mlp
+from smp_core.recursion import run_smp
+from smp_core.streams import COVARIATE, RESPONSE, ChainStreams, check_seed, mix64
+
+
+def _splitmix64(z: int) -> int:
+    m = 2**64
+    z = (z + 0x9E3779B97F4A7C15) % m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % m
+    return z ^ (z >> 31)
+
+
+def test_mix64_is_splitmix64_in_wrapping_int64():
+    values = [0, 1, -1, 2**63 - 1, -(2**63), 123456789, -987654321] + list(range(-500, 500, 7))
+    got = mix64(torch.tensor(values)).tolist()
+    assert [g % 2**64 for g in got] == [_splitmix64(v % 2**64) for v in values]
+
+
+def test_uniforms_normals_and_covariates_have_their_laws():
+    s = ChainStreams(7, 0, 50)
+    n = 4000 * 50
+    u = s.uniforms(RESPONSE, 1, 4000, 1, "cpu").flatten()
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) / math.sqrt(1 / 12 / n) < 4.5
+    assert abs(float((u ** 2).mean()) - 1 / 3) / math.sqrt((1 / 5 - 1 / 9) / n) < 4.5
+    z = s.normals(RESPONSE, 1, 4000, 1, "cpu").flatten()
+    assert abs(float(z.mean())) / math.sqrt(1 / n) < 4.5
+    assert abs(float((z ** 2).mean()) - 1) / math.sqrt(2 / n) < 4.5
+    idx = s.covariates(1, 4000, 7, "cpu").flatten()
+    counts = torch.bincount(idx, minlength=7).double()
+    chi2 = float(((counts - n / 7) ** 2 / (n / 7)).sum())
+    assert chi2 < 6 + 4.5 * math.sqrt(12)  # 6 degrees of freedom: mean 6, sd sqrt(12)
+    # neighbouring chains, steps and purposes are uncorrelated
+    a = s.uniforms(COVARIATE, 1, 4000, 1, "cpu")[..., 0]
+    for other in (a[:, 1:], a[1:], s.uniforms(RESPONSE, 1, 4000, 1, "cpu")[..., 0]):
+        x, y = a[: other.shape[0], : other.shape[1]].flatten(), other.flatten()
+        r = float(torch.corrcoef(torch.stack([x, y]))[0, 1])
+        assert abs(r) * math.sqrt(x.numel()) < 4.5
+
+
+def test_a_chains_draws_do_not_depend_on_the_other_chains_or_the_blocks():
+    whole = ChainStreams(3, 0, 10)
+    part = ChainStreams(3, 4, 5)
+    assert torch.equal(whole.uniforms(RESPONSE, 1, 12, 3, "cpu")[:, 4:9], part.uniforms(RESPONSE, 1, 12, 3, "cpu"))
+    one_go = whole.covariates(1, 12, 30, "cpu")
+    assert torch.equal(one_go, torch.cat([whole.covariates(1, 5, 30, "cpu"), whole.covariates(6, 7, 30, "cpu")]))
+    assert not torch.equal(one_go, ChainStreams(4, 0, 10).covariates(1, 12, 30, "cpu"))
+
+
+def test_seeds_are_integers_in_range():
+    import numpy as np
+
+    assert check_seed(np.int64(5)) == 5 and check_seed(torch.tensor(5)) == 5
+    for bad in (1.5, 5.0, True, -1, 2**63, "3", torch.Generator(), np.float64(2)):
+        with pytest.raises(ValueError, match="seed"):
+            check_seed(bad)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("name, network, cuda_graph", [
+    ("none", "mlp", False), ("fixed-diag", "mlp", False), ("ema-block", "mlp", False),
+    ("periodic-dense", "mlp", False), ("ema-kfac", "mlp", False), ("fixed-diag", "mlp", True),
+    ("none", "cnn", None), ("periodic-diag", "cnn", None), ("ema-diag", "cnn", False),
+    ("fixed-diag", "gaussian", False),
+])
+def test_a_run_equals_its_chain_ranges_run_apart(name, network, cuda_graph):
+    # S chains in one run, bit for bit the concatenation of two runs over chains 0..6 and 7..S-1 with the
+    # same seed (float64), on the step-by-step loop, the step blocks and the compiled step (cnn, None)
+    if network == "cnn":
+        net, lik, shape, x = _cnn(), "categorical", (1, 6, 6), torch.rand(30, 1, 6, 6, dtype=torch.float64)
+    elif network == "gaussian":
+        net, lik, shape = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2)).double(), None, None
+        lik, x = get_likelihood("gaussian", sigma=0.3), torch.rand(30, 2, dtype=torch.float64)
+    else:
+        torch.manual_seed(0)
+        net, lik, shape, x = toy_mlp().double(), "bernoulli", None, torch.rand(30, 2, dtype=torch.float64) * 2 - 1
+    kw = dict(preconditioner=name, tau=0.3, n_steps=25, seed=9, period=10, check_every=10, input_shape=shape,
+              ridge=0.01, progress=False, cuda_graph=cuda_graph)
+    whole = run_smp(net, lik, x, n_chains=12, **kw)
+    head = run_smp(net, lik, x, n_chains=7, **kw)
+    tail = run_smp(net, lik, x, n_chains=5, first_chain=7, **kw)
+    assert whole.n_diverged == 0 and whole.config["first_chain"] == 0 and tail.config["first_chain"] == 7
+    apart = torch.cat([head.theta, tail.theta])
+    if name == "none" or name.endswith("-diag") or name == "ema-block":
+        assert torch.equal(whole.theta, apart)
+    else:
+        # MKL's batched matrix products and eigh choose their kernels by the batch's size (a 9 x 9 batch of
+        # 12 and one of 7 round differently, even on one thread), so dense and kfac agree to rounding
+        assert torch.allclose(whole.theta, apart, rtol=1e-10, atol=1e-12)
+    assert not torch.equal(head.theta[:5], tail.theta)  # the chains differ
