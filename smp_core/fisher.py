@@ -209,6 +209,12 @@ def _linear_and_conv_layers(model: ChainModel) -> tuple[list[tuple[nn.Module, st
             if isinstance(layer, nn.Conv2d) and (layer.groups != 1 or layer.padding_mode != "zeros"
                                                  or isinstance(layer.padding, str)):
                 return None, f"the convolution {prefix!r} has groups, a padding mode or string padding"
+            weight_frozen = not layer.weight.requires_grad
+            bias_frozen = layer.bias is not None and not layer.bias.requires_grad
+            if weight_frozen and (layer.bias is None or bias_frozen):
+                continue  # frozen: not sampled, no Kronecker block
+            if weight_frozen or bias_frozen:
+                return None, f"{prefix!r} is partly frozen (its weight and bias are sampled together or not at all)"
             own = [f"{prefix}.{p}" if prefix else p for p in ("weight", "bias")]
             weight, bias = (own[0] if own[0] in names else None), (own[1] if layer.bias is not None else None)
             if weight is None or (bias is not None and bias not in names):
@@ -242,10 +248,10 @@ def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
     """The :class:`~smp_core.preconditioners.KroneckerLayer` of every ``Linear`` / ``Conv2d`` layer of a model,
     in the order of its parameters, for the ``kfac`` structure.
 
-    Any module qualifies whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
-    zero padding) layers, each called once per forward pass on a batch whose rows are the examples
-    (checked when the factors are computed). Raises ``ValueError`` naming what stands in the way
-    otherwise (normalisation layers, embeddings, shared weights, ...).
+    Any module qualifies whose sampled (not frozen) parameters all belong to ``nn.Linear`` and
+    ``nn.Conv2d`` (``groups=1``, zero padding) layers, each called once per forward pass on a batch
+    whose rows are the examples (checked when the factors are computed). Raises ``ValueError`` naming
+    what stands in the way otherwise (normalisation layers, embeddings, shared weights, ...).
     """
     return tuple(kron for *_, kron in _kronecker_modules(model))
 

@@ -5,7 +5,9 @@ SMP runs ``S`` chains of a network with ``d`` parameters as one ``(S, d)`` tenso
 ``torch.nn.Module`` (in ``named_parameters()`` order, the order
 ``torch.nn.utils.parameters_to_vector`` uses), so that block-diagonal preconditioners
 (Section 3.1.1 of the paper: one block per layer weight and per layer bias) and
-per-layer reporting need no knowledge of the network.
+per-layer reporting need no knowledge of the network. Parameters with ``requires_grad=False`` are
+frozen: they are not in the layout, so SMP leaves them where they are (last-layer SMP on a
+pretrained network, say).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class ParamEntry:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Names, shapes and offsets of every parameter of a module in its flat vector."""
+    """Names, shapes and offsets of every sampled parameter (``requires_grad=True``) in the flat vector."""
 
     entries: tuple[ParamEntry, ...]
 
@@ -40,11 +42,15 @@ class ParamLayout:
     def from_module(cls, module: nn.Module) -> ParamLayout:
         entries, offset = [], 0
         for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
             n = param.numel()
             entries.append(ParamEntry(name, tuple(param.shape), offset, offset + n))
             offset += n
         if not entries:
-            raise ValueError("the module has no parameters: there is nothing for SMP to sample")
+            frozen = any(True for _ in module.parameters())
+            raise ValueError("every parameter of the module has requires_grad=False: there is nothing for SMP to "
+                             "sample" if frozen else "the module has no parameters: there is nothing for SMP to sample")
         return cls(tuple(entries))
 
     @property
@@ -62,8 +68,9 @@ class ParamLayout:
         return tuple(slice(e.start, e.stop) for e in self.entries)
 
     def flatten(self, module: nn.Module) -> torch.Tensor:
-        """The module's current parameters as one detached flat vector of length ``d``."""
-        return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+        """The module's current sampled parameters as one detached flat vector of length ``d``."""
+        params = dict(module.named_parameters())
+        return torch.cat([params[e.name].detach().reshape(-1) for e in self.entries])
 
     def split(self, theta: torch.Tensor) -> list[torch.Tensor]:
         """Views of a batch ``theta`` of shape ``(B, d)`` as ``(B, *shape)`` tensors, one per entry."""
@@ -77,11 +84,12 @@ class ParamLayout:
         return {e.name: theta[e.start : e.stop].view(e.shape) for e in self.entries}
 
     def load_into(self, module: nn.Module, theta: torch.Tensor) -> nn.Module:
-        """Copy a flat vector ``(d,)`` into the module's parameters (in place) and return the module."""
+        """Copy a flat vector ``(d,)`` into the module's sampled parameters (in place) and return the module."""
         params = self.unflatten(theta)
         with torch.no_grad():
             for name, p in module.named_parameters():
-                p.copy_(params[name])
+                if name in params:
+                    p.copy_(params[name])
         return module
 
 

@@ -703,13 +703,16 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
     :class:`FunctionalChainModel`.
 
     ``input_shape`` (one input, no batch dimension) is needed unless the module is an ``nn.Linear``
-    or an ``nn.Sequential`` whose first layer is ``Linear``.
+    or an ``nn.Sequential`` whose first layer is ``Linear``. Parameters with ``requires_grad=False`` are
+    frozen (left out of the layout, never sampled); a module with frozen parameters takes
+    :class:`FunctionalChainModel`, which calls it with the sampled ones substituted.
     """
     if hasattr(module, "vjp") and hasattr(module, "layout"):
         return module  # already a chain model
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    if mlp_supported(module):
+    frozen = any(not p.requires_grad for p in module.parameters())
+    if mlp_supported(module) and not frozen:
         return MLPChainModel(module)
     if input_shape is None:
         first = next(iter(module.modules()))
@@ -720,7 +723,7 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
         else:
             raise ValueError(f"input_shape is needed for a {type(first).__name__} (the shape of one input, "
                              "without the batch dimension, e.g. (1, 28, 28))")
-    if sequential_supported(module):
+    if sequential_supported(module) and not frozen:
         from .fused import FusedSequentialChainModel, fused_supported, fused_unavailable
 
         first = next(module.parameters(), None)
