@@ -42,7 +42,6 @@ from . import toy_study as ts
 from .baselines import fit_laplace, linearised_logits
 from .toy import make_grid, make_toy_data
 
-STUDY_VERSION = 6  # bump when a change to this module changes its results (invalidates the cache)
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
 SECOND_NUTS = "NUTS, second chain"
 NOT_RANKED = ("NUTS", "NUTS-mean", "MAP", SECOND_NUTS)  # the reference, point estimates, the reference again

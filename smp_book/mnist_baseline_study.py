@@ -40,9 +40,8 @@ from smp_core.models import as_chain_model, lenet5, predict
 from . import baselines
 from . import mnist_study as ms
 from .config import MNIST_BASELINE_KEYS
-from .results import cached
+from .results import cached, code_hash
 
-STUDY_VERSION = 2  # bump when a change to this module changes its results (invalidates the cache)
 PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
 DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
 
@@ -231,8 +230,7 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     def key(name: str) -> dict[str, Any]:
         # each method's key holds the settings it depends on: MC dropout's grid only in MC dropout's
         settings = cfg if name.startswith(DROPOUT) else {k: v for k, v in cfg.items() if k != "dropout_rates"}
-        return {**settings, "method": name, "study_version": STUDY_VERSION, "mnist_study_version": ms.STUDY_VERSION,
-                "smp_path": path}
+        return {**settings, "method": name, "code": code_hash(__name__), "smp_path": path}
 
     def score(theta_or_logits) -> dict:
         if isinstance(theta_or_logits, torch.Tensor):  # parameter samples: the network's own predictive

@@ -30,15 +30,8 @@ from smp_core.recursion import residual_variance_ratio, run_smp
 
 from .config import MNIST_TAU, MNIST_VARIANTS
 from .mnist import mnist_tensors
-from .results import cached, config_key, summarise_replicates, variance_components
+from .results import cached, code_hash, config_key, summarise_replicates, variance_components
 
-STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
-# Per variant, beyond STUDY_VERSION: bumped when a change alters that variant's runs only. periodic-kfac 2:
-# a kfac factor on which LAPACK's float32 eigh fails (raises, or returns NaN) is decomposed in float64 instead
-# of stopping its chain (smp_core.preconditioners._eigh_per_chain); such a failure always stopped a chain, and
-# the fixed-kfac and ema-kfac runs lost none, so theirs are unchanged (checked for this repository's laptop
-# caches: a cached fixed-kfac or ema-kfac run elsewhere that stopped chains may predate the retry; delete it).
-VARIANT_VERSIONS = {"periodic-kfac": 2}
 INPUT_SHAPE = (1, 28, 28)
 FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
 DIAGONAL_METHODS = tuple(f"SMP-{v}" for v in MNIST_VARIANTS if v != "none")
@@ -108,7 +101,7 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
 def map_key(cfg: dict[str, Any]) -> dict[str, Any]:
     """The cache key of the MAP fit: the data sizes and split, the seed, the ``map_*`` settings."""
     key = {k: cfg[k] for k in ("n_train", "n_val", "n_test", "split_seed", "seed") if k in cfg}
-    key.update({k: v for k, v in cfg.items() if k.startswith("map_")}, part="map", study_version=STUDY_VERSION)
+    key.update({k: v for k, v in cfg.items() if k.startswith("map_")}, part="map", code=code_hash(__name__))
     return key
 
 
@@ -183,15 +176,12 @@ def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
 
 
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
-    """The cache key of one SMP run: its scale's settings, the variant, the replicate, the study
-    version (and the variant's, :data:`VARIANT_VERSIONS`) and :func:`smp_path`. The number of
+    """The cache key of one SMP run: its scale's settings, the variant, the replicate, the code it runs
+    (:func:`~smp_book.results.code_hash`) and :func:`smp_path`. The number of
     replicates is left out, so that asking for more replicates reuses the ones already run, and so are
     the ``step_law_*`` settings, which no run uses (:func:`step_law_at_map`)."""
     settings = {k: v for k, v in cfg.items() if k != "smp_replicates" and not k.startswith("step_law_")}
-    key = {**settings, "part": variant, "replicate": replicate, "study_version": STUDY_VERSION, "smp_path": path}
-    if variant in VARIANT_VERSIONS:  # (absent otherwise, so that the other variants' cached runs still match)
-        key["variant_version"] = VARIANT_VERSIONS[variant]
-    return key
+    return {**settings, "part": variant, "replicate": replicate, "code": code_hash(__name__), "smp_path": path}
 
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
@@ -567,7 +557,7 @@ def growth_key(cfg: dict[str, Any], variant: str, path: str) -> dict[str, Any]:
     """The key of one growth run (one checkpoint, extended through the grid of K): the settings
     without the grid, so that a longer grid extends the same run."""
     settings = {k: v for k, v in cfg.items() if k not in ("growth_steps", "n_steps", "smp_replicates")}
-    return {**settings, "part": f"growth-{variant}", "study_version": STUDY_VERSION, "smp_path": path}
+    return {**settings, "part": f"growth-{variant}", "code": code_hash(__name__), "smp_path": path}
 
 
 def growth_point(theta: torch.Tensor, data: dict, zero_mask: torch.Tensor,
@@ -833,7 +823,7 @@ def step_law_key(cfg: dict[str, Any], variant: str, device: torch.device, draw_s
     return {**map_key(cfg), "part": f"step law {variant}", "ridge": cfg["ridge"],
             "step_law_draws": cfg["step_law_draws"], "step_law_eval": cfg["step_law_eval"],
             "step_law_batch": STEP_LAW_BATCH, "device": torch.device(device).type,
-            "seed": step_law_seed(cfg, draw_set), "study_version": STUDY_VERSION}
+            "seed": step_law_seed(cfg, draw_set), "code": code_hash(__name__)}
 
 
 def step_law_seed(cfg: dict[str, Any], draw_set: int = 0) -> int:

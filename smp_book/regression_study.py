@@ -44,7 +44,6 @@ from .baselines import fit_laplace, linearised_logits
 
 __all__ = [
     "REGIONS",
-    "STUDY_VERSION",
     "DESIGNS",
     "curve",
     "gap_data",
@@ -69,7 +68,6 @@ __all__ = [
     "prior_sensitivity",
 ]
 
-STUDY_VERSION = 3  # 2: float64 statistics, rounding warnings counted, Fisher spectrum, prior sensitivity; 3: designs
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
 DESIGNS = ("empirical", "uniform", "smoothed")

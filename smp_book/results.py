@@ -2,11 +2,14 @@
 
 Every study writes ``results/<scale>/<study>/``: CSV tables, figures and ``manifest.json`` (git
 hash, config, seeds, package versions, device, threads, wall time). Long computations are cached
-under ``.cache/<study>/`` by a hash of their config, so rerunning a notebook reuses them.
+under ``.cache/<study>/`` by a hash of their config, so rerunning a notebook reuses them; the keys
+hold :func:`code_hash` of the code that computes them, so a change to that code recomputes them.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import json
 import os
@@ -23,6 +26,55 @@ import pandas as pd
 import torch
 
 PACKAGES = ("torch", "numpy", "jax", "numpyro", "scipy", "pandas", "matplotlib", "smp_core")
+
+
+_CORE = Path(__file__).resolve().parents[1] / "smp_core"
+_BOOK = Path(__file__).resolve().parent
+
+
+def _normalised_code(path: Path) -> bytes:
+    """A Python file's syntax tree without comments and docstrings (so that prose edits keep caches)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree).encode()
+
+
+def _book_imports(path: Path) -> set[str]:
+    """The modules of ``smp_book`` that a module of it imports (relative or absolute)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 or node.module == "smp_book":
+                names |= {node.module} if node.module and node.level == 1 else {a.name for a in node.names}
+            elif node.module and node.module.startswith("smp_book."):
+                names.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("smp_book.")}
+    return {n for n in names if (_BOOK / f"{n}.py").exists()}
+
+
+@functools.cache
+def code_hash(module: str) -> str:
+    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``, say) depends on: every file
+    of ``smp_core`` (the C++ kernel included) and ``module`` with the ``smp_book`` modules it imports,
+    transitively. Comments and docstrings do not count. Cache keys hold it instead of version numbers."""
+    todo, seen = [module.removeprefix("smp_book.")], set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += sorted(_book_imports(_BOOK / f"{name}.py"))
+    files = sorted(_CORE.rglob("*.py")) + sorted((_CORE / "csrc").glob("*")) + [_BOOK / f"{n}.py" for n in sorted(seen)]
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        digest.update(_normalised_code(path) if path.suffix == ".py" else path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def results_dir(scale: str, study: str, root: str | os.PathLike = "results") -> Path:

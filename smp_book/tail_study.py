@@ -38,8 +38,7 @@ from .config import TOY_VARIANTS, toy_tau
 from .toy import make_toy_data
 from .toy_study import one_class_brier, replicate_seeds
 
-STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
-CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would change the random stream
+CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would move the divergence checks
 RECURSION, TO_INFINITY = "recursion", "recursion + tail to inf"
 SCORE_COLUMNS = ["accuracy", "brier", "nll", "ece", "mutual_info", "logits_variance", "params_variance", "seconds"]
 
@@ -95,7 +94,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = False) -
     n_steps, stops = cfg["n_steps"], sorted(cfg["tail_from"])
     if not stops or stops[-1] >= n_steps or stops[0] < 1 or any(k % CHECK_EVERY for k in stops):
         raise ValueError(f"every K0 of tail_from must be a multiple of {CHECK_EVERY} (a divergence check, so that "
-                         f"the random stream is unbroken) in [1, K = {n_steps}), got {stops}")
+                         f"the checks are the full run's) in [1, K = {n_steps}), got {stops}")
     seeds = replicate_seeds(cfg["seed"], replicate)
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
     x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])
@@ -234,8 +233,8 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
     device = device or ms.default_device()
     n_steps, check_from = cfg["n_steps"], tail_cfg["check_from"]
     if not 0 < check_from < n_steps or check_from % CHECK_EVERY:
-        raise ValueError(f"check_from must be a multiple of {CHECK_EVERY} (a divergence check, so that the random "
-                         f"stream is the chapter run's) in (0, K = {n_steps}), got {check_from}")
+        raise ValueError(f"check_from must be a multiple of {CHECK_EVERY} (a divergence check, so that the "
+                         f"checks are the chapter run's) in (0, K = {n_steps}), got {check_from}")
     x_train, labels = data["train"][0].to(device), data["test"][1]
     path, folder = ms.smp_path(device), cfg.get("study", "mnist")
     names = mnist_sampler_names(tail_cfg, n_steps)

@@ -23,7 +23,6 @@ from .config import TOY_VARIANTS, toy_tau
 from .results import summarise_replicates
 from .toy import make_grid, make_toy_data
 
-STUDY_VERSION = 1  # bump when a change to this module changes its results (invalidates the cache)
 SCORE_COLUMNS = list(metrics.SCORE_KEYS)
 VARIANCE_COLUMNS = ["params_variance", "logits_variance"]
 

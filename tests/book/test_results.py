@@ -108,3 +108,32 @@ def test_variance_components_bad_input_names_the_problem():
     full = pd.MultiIndex.from_product([[0, 1], [0, 1]], names=["map", "replicate"])
     with pytest.raises(ValueError, match="NaN"):
         variance_components(pd.DataFrame({"y": [1.0, np.nan, 2.0, 3.0]}, index=full))
+
+
+def test_code_hash_follows_the_code_not_its_prose(tmp_path, monkeypatch):
+    from smp_book import results
+
+    book, core = tmp_path / "smp_book", tmp_path / "smp_core"
+    book.mkdir(), core.mkdir(), (core / "csrc").mkdir()
+    (core / "recursion.py").write_text("def step(x):\n    return x + 1\n")
+    (book / "study.py").write_text('"""A study."""\nfrom .helper import h\n\ndef run():\n    return h()  # note\n')
+    (book / "helper.py").write_text("def h():\n    return 1\n")
+    (book / "other.py").write_text("def o():\n    return 2\n")
+    monkeypatch.setattr(results, "_BOOK", book)
+    monkeypatch.setattr(results, "_CORE", core)
+
+    def fresh():
+        results.code_hash.cache_clear()
+        return results.code_hash("smp_book.study")
+
+    base = fresh()
+    (book / "study.py").write_text('"""Another docstring."""\nfrom .helper import h\n\ndef run():\n    return h()\n')
+    (book / "other.py").write_text("def o():\n    return 3\n")  # not imported by the study
+    assert fresh() == base
+    (book / "helper.py").write_text("def h():\n    return 2\n")  # imported: the results change
+    assert fresh() != base
+    (book / "helper.py").write_text("def h():\n    return 1\n")
+    assert fresh() == base
+    (core / "recursion.py").write_text("def step(x):\n    return x + 2\n")  # the library: every study
+    assert fresh() != base
+    results.code_hash.cache_clear()
