@@ -5,7 +5,6 @@ Runs on CUDA when a GPU is present and on the CPU otherwise, with no code change
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import tempfile
@@ -26,7 +25,7 @@ from smp_core.fused import FusedSequentialChainModel
 from smp_core.memory import retain_freed_memory
 from smp_core.models import as_chain_model, lenet5, predict
 from smp_core.preconditioners import build_preconditioner, ema_refresh_applies, preconditioner_from_name
-from smp_core.recursion import residual_variance_ratio, run_smp
+from smp_core.recursion import Fisher, RunOptions, residual_variance_ratio, run_smp
 
 from .config import MNIST_TAU, MNIST_VARIANTS
 from .mnist import mnist_tensors
@@ -205,9 +204,9 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     return run_smp(net, "categorical", x, theta0=theta0.to(device),
                    preconditioner=variant_preconditioner(cfg, variant) if preconditioner is None else preconditioner,
                    tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"] if n_steps is None else n_steps,
-                   n_chains=cfg["n_chains"], seed=smp_seed(cfg, index, replicate), fisher="empirical",
-                   fisher_data=fisher_data, input_shape=INPUT_SHAPE,
-                   checkpoint=checkpoint, checkpoint_every=cfg.get("checkpoint_every"), progress=progress)
+                   n_chains=cfg["n_chains"], seed=smp_seed(cfg, index, replicate),
+                   fisher=Fisher("empirical", *fisher_data), progress=progress,
+                   options={"checkpoint": checkpoint, "checkpoint_every": cfg.get("checkpoint_every")})
 
 
 def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
@@ -601,13 +600,13 @@ def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: di
     nothing; a K inserted below one already run cannot be had from the checkpoint (``run_smp`` then
     raises: delete the checkpoint to start the run again). Every K must be a multiple of
     ``run_smp``'s ``check_every`` (50): the run is resumed at whole blocks of steps, so that its
-    random stream is that of a run of K steps.
+    divergence checks are those of a run of K steps.
     """
     device = device or default_device()
     grid = list(cfg["growth_steps"])
     if not grid or any(b <= a for a, b in zip(grid, grid[1:], strict=False)) or grid[0] < 1:
         raise ValueError(f"growth_steps must be increasing positive step counts, got {grid}")
-    block = inspect.signature(run_smp).parameters["check_every"].default
+    block = RunOptions().check_every
     if any(k % block for k in grid):
         raise ValueError(f"every K of growth_steps must be a multiple of {block} (run_smp's check_every), got {grid}")
     key = growth_key(cfg, variant, smp_path(device))

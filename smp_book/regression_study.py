@@ -37,8 +37,8 @@ from smp_core import metrics
 from smp_core.fisher import estimate_fisher
 from smp_core.likelihoods import Gaussian
 from smp_core.models import as_chain_model, predict
-from smp_core.preconditioners import ROUNDED_STATISTIC_WARNING, parse_preconditioner_name
-from smp_core.recursion import DivergenceError, run_smp
+from smp_core.preconditioners import ROUNDED_STATISTIC_WARNING, parse_preconditioner_name, preconditioner_from_name
+from smp_core.recursion import DivergenceError, Fisher, run_smp
 
 from .baselines import fit_laplace, linearised_logits
 
@@ -404,16 +404,17 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     def run_setting(label: str, v: int, preconditioner: str, ridge: float, pool: torch.Tensor,
                     fisher_x: torch.Tensor, taus: list[float]) -> None:
         structured = preconditioner != "none" and not preconditioner.endswith("-diag")
-        options = {"statistic_dtype": cfg["statistic_dtype"]} if structured else {}
+        precond = preconditioner_from_name(preconditioner, ridge=ridge,
+                                           statistic_dtype=cfg["statistic_dtype"] if structured else None)
         for t, tau in enumerate(taus):
             t0 = time.perf_counter()
             draws = None
             with warnings.catch_warnings(record=True) as caught:  # diverged chains are counted in `diverged`
                 warnings.simplefilter("always")
                 try:
-                    run = run_smp(net, Gaussian(noise), pool, preconditioner=preconditioner, tau=tau, ridge=ridge,
+                    run = run_smp(net, Gaussian(noise), pool, preconditioner=precond, tau=tau,
                                   n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t,
-                                  n_obs=len(x), fisher_data=(fisher_x, None), progress=progress, **options)
+                                  n_obs=len(x), fisher=Fisher("model", fisher_x), progress=progress)
                     draws = run.samples()
                     diverged[(label, tau)] = int(run.diverged.sum())
                 except DivergenceError:

@@ -36,7 +36,7 @@ from smp_core.tail import add_gaussian_tail
 
 from .config import TOY_VARIANTS, toy_tau
 from .toy import make_toy_data
-from .toy_study import one_class_brier, replicate_seeds
+from .toy_study import one_class_brier, replicate_seeds, toy_preconditioner
 
 CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would move the divergence checks
 RECURSION, TO_INFINITY = "recursion", "recursion + tail to inf"
@@ -111,10 +111,9 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = False) -
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = Path(tmp) / "run.pt"
             for k in [*stops, n_steps]:
-                res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=variant, tau=toy_tau(variant),
-                              n_steps=k, n_chains=cfg["n_chains"], seed=seeds["smp"] + index, ridge=cfg["ridge"],
-                              beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"],
-                              checkpoint=checkpoint, progress=progress)
+                res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=toy_preconditioner(cfg, variant),
+                              tau=toy_tau(variant), n_steps=k, n_chains=cfg["n_chains"], seed=seeds["smp"] + index,
+                              options={"checkpoint": checkpoint}, progress=progress)
                 started = time.perf_counter()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # diverged chains are counted below
@@ -264,8 +263,7 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # diverged chains are counted below
                 samples[name] = add_gaussian_tail(run, lenet5().to(device), "categorical", x_train, k_to=k_to,
-                                                  n_scores=tail_cfg["tail_scores"], input_shape=ms.INPUT_SHAPE,
-                                                  seed=seed)
+                                                  n_scores=tail_cfg["tail_scores"], seed=seed)
             seconds[name] = run.elapsed + time.perf_counter() - started
         diverged[f"SMP-{variant}"] = res.n_diverged
         logits = {name: ms.logits_on_test_set(torch.nan_to_num(samples[name]), data, device) for name in names}

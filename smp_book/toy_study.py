@@ -17,6 +17,7 @@ import torch
 
 from smp_core import metrics
 from smp_core.models import as_chain_model, predict, toy_mlp
+from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import residual_variance_ratio, run_smp
 
 from .config import TOY_VARIANTS, toy_tau
@@ -89,9 +90,15 @@ def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, vari
                 progress: bool = True):
     """One SMP variant on the toy MLP from ``theta0`` with the study's settings and the paper's ``tau``
     for its structure (:func:`~smp_core.recursion.run_smp`)."""
-    return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=variant, tau=toy_tau(variant),
-                   n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed, ridge=cfg["ridge"],
-                   beta=cfg["beta"], period=cfg["period"], ema_init=cfg["ema_init"], progress=progress)
+    return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=toy_preconditioner(cfg, variant),
+                   tau=toy_tau(variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed,
+                   progress=progress)
+
+
+def toy_preconditioner(cfg: dict[str, Any], variant: str):
+    """The preconditioner of a toy variant with the chapter's settings (ridge, beta, T, the EMA's start)."""
+    return preconditioner_from_name(variant, ridge=cfg["ridge"], beta=cfg["beta"], period=cfg["period"],
+                                    ema_init=cfg["ema_init"])
 
 
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,

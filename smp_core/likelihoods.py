@@ -4,7 +4,7 @@ Each likelihood works on the network output ``out`` of shape ``(B, m)`` and prov
 
 * ``sample(out, generator)``: draws ``Y ~ f(. | x)`` (the predictive-resampling step of
   Algorithm 1),
-* ``noise_width(out_dim)``, ``noise_from_uniforms(u)`` and ``sample_from_noise(out, noise)``: the
+* ``noise_width(out_dim)``, ``noise_from_uniforms(u, dtype)`` and ``sample_from_noise(out, noise)``: the
   same draw split in two, the randomness first (``noise_width`` uniforms per response, from the
   chain's own stream of :mod:`smp_core.streams`, turned into uniforms or standard normals) and
   then a deterministic transform of it; the recursion draws every response this way
@@ -45,9 +45,10 @@ def _one_uniform_width(self, out_dim: int) -> int:
     return 1
 
 
-def _the_uniform(self, u: torch.Tensor) -> torch.Tensor:
-    """``(..., 1)`` uniforms to the ``(...)`` noise of ``sample_from_noise`` (``noise_from_uniforms``)."""
-    return u[..., 0]
+def _the_uniform(self, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(..., 1)`` float64 uniforms to the ``(...)`` noise of ``sample_from_noise`` in ``dtype``
+    (``noise_from_uniforms``), kept below 1 where ``dtype`` would round them up to it."""
+    return u[..., 0].to(dtype).clamp_(max=1 - torch.finfo(dtype).eps / 2)
 
 
 def _check_finite(out: torch.Tensor, what: str = "network output") -> None:
@@ -182,10 +183,10 @@ class Gaussian:
         """One standard normal per output."""
         return out_dim
 
-    def noise_from_uniforms(self, u: torch.Tensor) -> torch.Tensor:
-        """Standard normals ``Phi^-1(u) = sqrt(2) erfinv(2u - 1)`` from uniforms ``(..., m)`` (not
-        ``torch.special.ndtri``, whose CPU loops round by the position in the batch)."""
-        return torch.erfinv(2 * u - 1).mul_(math.sqrt(2))
+    def noise_from_uniforms(self, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Standard normals ``Phi^-1(u) = sqrt(2) erfinv(2u - 1)`` in ``dtype`` from float64 uniforms
+        ``(..., m)`` (not ``torch.special.ndtri``, whose CPU loops round by the position in the batch)."""
+        return torch.erfinv(2 * u - 1).mul_(math.sqrt(2)).to(dtype)
 
     def sample_from_noise(self, out: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
         """``Y = g + sigma Z`` for the standard normals ``noise`` ``(B, m)``."""

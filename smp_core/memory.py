@@ -1,4 +1,4 @@
-"""Keep freed memory in the process for reuse: the CPU allocator setting the recursion relies on.
+"""Keep freed memory in the process for reuse: a CPU allocator setting that speeds up long runs.
 
 Every SMP step allocates and frees the same few megabytes of activations and patches (about 25 MB
 per LeNet-5 step with S = 100). With glibc's default, adaptive thresholds, whether the freed top
@@ -9,8 +9,9 @@ fixes the two thresholds with ``mallopt``: blocks up to 32 MB come from the heap
 of freed heap stays mapped for the next step. The process keeps its peak memory instead of
 handing it back between steps; nothing else changes.
 
-:func:`~smp_core.recursion.run_smp` calls it for runs on the CPU. Set ``SMP_RETAIN_FREED_MEMORY=0`` to
-leave the allocator alone. On systems without glibc it does nothing.
+It is an explicit opt-in: nothing in ``smp_core`` calls it (importing or running the library
+changes no process-wide setting); the book's LeNet-5 runs do. ``SMP_RETAIN_FREED_MEMORY=0`` turns
+the call into a no-op. On systems without glibc it does nothing.
 """
 
 from __future__ import annotations

@@ -183,9 +183,15 @@ def _check_out(out: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
 
 
 def _output_dim(module: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """The number of outputs of one input of shape ``input_shape``; a ``ValueError`` naming that shape
+    when the module cannot take it (instead of torch's message from deep inside the module)."""
     param = next(module.parameters())
-    with torch.no_grad():
-        out = module(torch.zeros(1, *input_shape, dtype=param.dtype, device=param.device))
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(1, *input_shape, dtype=param.dtype, device=param.device))
+    except (RuntimeError, ValueError, IndexError) as error:
+        raise ValueError(f"the module cannot take inputs of shape {tuple(input_shape)} (one input, as x_train's "
+                         f"rows have it): {error}") from error
     return int(out[0].numel())
 
 

@@ -20,14 +20,16 @@ all chains, S when per chain): ``(diag,)`` with ``diag`` of shape ``(C, d)`` for
 ``(M,)`` with ``M`` of shape ``(C, d, d)`` for ``dense``, one ``(C, n_b, n_b)`` matrix per block
 for ``block``, the pairs ``(A_1, G_1, A_2, G_2, ...)`` of ``(C, p_l, p_l)`` and ``(C, o_l, o_l)``
 matrices for ``kfac`` (:class:`KroneckerLayer`) and ``()`` for ``none``. Statistics are plain
-tensors, so the EMA is a map over the tuple. A :class:`Preconditioner` is the small bundle of pure functions ``init``,
-``update`` and ``solve`` that the recursion calls, modelled on optax's
-``GradientTransformation``.
+tensors, so the EMA is a map over the tuple. A :class:`Preconditioner` is plain data (a structure,
+a strategy and their settings) whose methods ``init``, ``update`` and ``solve`` the recursion calls,
+modelled on optax's ``GradientTransformation``; :func:`none`, :func:`fixed`, :func:`ema` and
+:func:`periodic` build one.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -444,8 +446,8 @@ def _redo_failed(m: torch.Tensor, ridge: float, failed: torch.Tensor, result: to
 ROUNDED_STATISTIC_WARNING = (
     "a float32 Fisher statistic came out indefinite by more than the ridge (rounding: its largest eigenvalues "
     "dwarf the ridge, or a chain is diverging); it was solved with its positive part in float64. To keep what "
-    "rounding loses, build the preconditioner with statistic_dtype=torch.float64 (run_smp takes it too) or use a "
-    "larger ridge")
+    "rounding loses, build the preconditioner with statistic_dtype=torch.float64 (e.g. "
+    "smp_core.preconditioners.fixed('dense', statistic_dtype=torch.float64)) or use a larger ridge")
 
 
 def _spd_inverse(m: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -595,7 +597,12 @@ def ema_diagonal_rule(beta: float, ridge: float) -> ElementwiseRule:
 
 @dataclass(frozen=True)
 class Preconditioner:
-    """A preconditioner as pure functions, called by :func:`smp_core.recursion.run_smp`.
+    """A structure combined with a temporal strategy and their settings (Section 3.1.1): plain data,
+    picklable, with the pure functions the recursion calls as methods (optax's ``init`` / ``update``).
+
+    Build one with :func:`none`, :func:`fixed`, :func:`ema` or :func:`periodic` (or
+    :func:`preconditioner_from_name`); :func:`~smp_core.recursion.run_smp` binds a structure given by name to
+    the model's layout (``structure_for``).
 
     * ``init(theta0, curvature) -> state``: ``theta0`` ``(S, d)``; ``curvature(theta)`` returns the
       Fisher statistic at parameters ``theta`` ``(C, d)`` over the preconditioner's data set.
@@ -603,42 +610,132 @@ class Preconditioner:
       parameters and the score just used, so that ``P_{k+1}`` is ``F_k``-measurable.
     * ``solve(state, v, out=None) -> P^{-1} v`` for ``v`` ``(S, d)``; ``out``, an optional buffer
       that is not ``v``, may receive the result (the caller must use the returned tensor).
-    * ``elementwise`` (optional): for the preconditioners whose ``P^{-1}`` acts entry by entry
-      (``none`` and every ``diag``), an :class:`ElementwiseRule` that performs the step (and, for
-      EMA, the update) on any piece of the parameter vector. The recursion then applies it layer by
-      layer and block of chains by block of chains while the score piece is still in cache, and
-      never forms the ``(S, d)`` score (see
-      :meth:`smp_core.models.SequentialChainModel.vjp_apply_`).
-    * ``update_every`` (optional): ``0`` when ``update`` never changes the state (``none``,
-      ``fixed``), ``T`` when it changes it only at steps ``k`` that are multiples of ``T``
-      (``periodic``), ``None`` (the default) when it may change it at any step. With an
-      element-wise rule, a known value lets the recursion run blocks of steps without calling
-      ``update`` in between (CUDA graphs).
-    * ``statistic_dtype`` (optional): the dtype in which the statistic and its factorisation are kept,
-      ``None`` for the chains' own; ``solve`` then returns ``P^{-1} v`` in ``v``'s dtype. A ``curvature``
-      should compute its Fisher in that dtype (``run_smp`` passes it to
-      :func:`smp_core.fisher.estimate_fisher`); ``init`` casts whatever it gets.
+    * ``elementwise``: for ``none`` and every ``diag``, an :class:`ElementwiseRule` that performs the
+      step (and, for EMA, the update) on any piece of the parameter vector, so the recursion never
+      forms the ``(S, d)`` score (``elementwise_step=False`` turns that fast path off).
+    * ``update_every``: ``0`` when ``update`` never changes the state (``none``, ``fixed``), ``T``
+      for ``periodic``, ``None`` for the EMA (any step): what lets the recursion run blocks of steps.
     """
 
-    name: str
-    structure: Structure
-    strategy: str
-    ridge: float
-    init: Callable[[torch.Tensor, Curvature | None], PreconditionerState]
-    update: Callable[[PreconditionerState, int, torch.Tensor, torch.Tensor, Curvature | None],
-                     PreconditionerState]
-    solve: Callable[..., torch.Tensor]
-    needs_curvature: bool
-    hyper: dict[str, Any] = field(default_factory=dict)
-    elementwise: ElementwiseRule | None = None
-    update_every: int | None = None
+    structure: Structure | str
+    strategy: str = "fixed"
+    ridge: float = 1e-4
+    beta: float = 0.98
+    period: int = 500
+    ema_init: str = "fisher"
+    ema_refresh: int = 1
     statistic_dtype: torch.dtype | None = None
+    elementwise_step: bool = True
+
+    @property
+    def name(self) -> str:
+        return name_of(self.structure_name, self.strategy)
+
+    @property
+    def structure_name(self) -> str:
+        return self.structure if isinstance(self.structure, str) else self.structure.name
+
+    @property
+    def needs_curvature(self) -> bool:
+        return self.structure_name != "none" and not (self.strategy == "ema" and self.ema_init == "identity")
+
+    @property
+    def hyper(self) -> dict[str, Any]:
+        """The settings that define it, as a run's config records them."""
+        if self.structure_name == "none":
+            return {}
+        hyper: dict[str, Any] = {"ridge": self.ridge}
+        if self.statistic_dtype is not None:
+            hyper["statistic_dtype"] = str(self.statistic_dtype).removeprefix("torch.")
+        if self.strategy == "periodic":
+            hyper["period"] = self.period
+        if self.strategy == "ema":
+            hyper.update(beta=self.beta, ema_init=self.ema_init)
+            if self.ema_refresh > 1:
+                hyper["ema_refresh"] = self.ema_refresh
+        return hyper
+
+    @property
+    def update_every(self) -> int | None:
+        if self.structure_name == "none" or self.strategy == "fixed":
+            return 0
+        return self.period if self.strategy == "periodic" else None
+
+    @property
+    def elementwise(self) -> ElementwiseRule | None:
+        if not self.elementwise_step or self.structure_name not in ("none", "diag"):
+            return None
+        if self.structure_name == "none":
+            return IDENTITY_RULE
+        return ema_diagonal_rule(self.beta, self.ridge) if self.strategy == "ema" else STORED_INVERSE_RULE
+
+    def _bound(self) -> Structure:
+        if isinstance(self.structure, str):
+            raise ValueError(f"the '{self.name}' preconditioner is not bound to a model yet: run_smp binds it "
+                             "(or pass structure=smp_core.fisher.structure_for(model, name))")
+        return self.structure
+
+    def _kept(self, stat: Stat) -> Stat:
+        """The statistic in ``statistic_dtype``."""
+        return stat if self.statistic_dtype is None else tuple(m.to(self.statistic_dtype) for m in stat)
+
+    def _fisher(self, curvature: Curvature | None, theta: torch.Tensor) -> Stat:
+        if curvature is None:
+            raise ValueError(f"the {self.name} preconditioner needs a Fisher estimate over a data set (curvature)")
+        return self._kept(curvature(theta))
+
+    def init(self, theta0: torch.Tensor, curvature: Curvature | None) -> PreconditionerState:
+        struct = self._bound()
+        if struct.name == "none":
+            return PreconditionerState((), ())
+        if self.strategy in ("fixed", "periodic"):
+            stat = self._fisher(curvature, _shared_theta(theta0))
+            return PreconditionerState(stat, struct.factorize(stat, self.ridge))
+        n_chains = theta0.shape[0]  # EMA: I_1 is the Fisher at theta_0 or the identity, one row per chain
+        if self.ema_init == "identity":
+            stat = struct.identity(n_chains, self.statistic_dtype or theta0.dtype, theta0.device)
+        else:
+            stat = self._fisher(curvature, _shared_theta(theta0))
+            stat = tuple(m.expand(n_chains, *m.shape[1:]).clone() for m in stat)
+        return PreconditionerState(stat, struct.factorize(stat, self.ridge) if self.ema_refresh > 1 else ())
+
+    def update(self, state: PreconditionerState, k: int, theta: torch.Tensor, score: torch.Tensor | None,
+               curvature: Curvature | None) -> PreconditionerState:
+        struct = self._bound()
+        if struct.name == "none" or self.strategy == "fixed":
+            return state
+        if self.strategy == "periodic":
+            if k % self.period != 0:
+                return state
+            stat = self._fisher(curvature, theta)
+            return PreconditionerState(stat, struct.factorize(stat, self.ridge))
+        # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k
+        kept = score if self.statistic_dtype is None else score.to(self.statistic_dtype)
+        stat = struct.ema_update_(state.stat, kept, self.beta)
+        if self.ema_refresh > 1:  # the statistic every step; its factorisation every ema_refresh steps
+            return PreconditionerState(stat, struct.factorize(stat, self.ridge) if k % self.ema_refresh == 0
+                                       else state.factor)
+        return PreconditionerState(stat, ())
+
+    def solve(self, state: PreconditionerState, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        struct = self._bound()
+        if struct.name == "none":
+            return v
+        own = v.dtype
+        if self.statistic_dtype is not None:  # solve in the statistic's dtype, return in v's
+            v, out = v.to(self.statistic_dtype), None
+        if self.strategy == "ema" and self.ema_refresh == 1:
+            result = struct.solve(state.stat, self.ridge, v, out)
+        else:
+            result = struct.apply(state.factor, v, out)
+        return result.to(own)
 
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
-        if self.structure.name == "none":
-            return self.structure.to_dense(())
-        m = self.structure.to_dense(state.stat)
+        struct = self._bound()
+        if struct.name == "none":
+            return struct.to_dense(())
+        m = struct.to_dense(state.stat)
         return m + self.ridge * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
 
 
@@ -649,17 +746,69 @@ def _shared_theta(theta0: torch.Tensor) -> torch.Tensor:
     return theta0
 
 
-def _require(curvature: Curvature | None, name: str) -> Curvature:
-    if curvature is None:
-        raise ValueError(f"the {name} preconditioner needs a Fisher estimate over a data set (curvature)")
-    return curvature
+def _checked(structure: Structure | str, strategy: str, *, ridge=1e-4, beta=0.98, period=500, ema_init="fisher",
+             ema_refresh=1, statistic_dtype=None) -> Preconditioner:
+    """A :class:`Preconditioner` with every setting checked (a ``ValueError`` names the bad one), even
+    the settings its strategy does not use."""
+    name = structure if isinstance(structure, str) else structure.name
+    if name not in STRUCTURES:
+        raise ValueError(f"unknown preconditioner structure {name!r}; choose one of {STRUCTURES}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
+    try:
+        ridge_value = float(ridge)  # a numpy scalar or a 0-d tensor too
+    except (TypeError, ValueError, RuntimeError):
+        ridge_value = float("nan")
+    if isinstance(ridge, bool) or not (math.isfinite(ridge_value) and ridge_value >= 0):
+        raise ValueError(f"the ridge lambda must be a finite number >= 0, got {ridge!r}")
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 < beta < 1:
+        raise ValueError(f"the EMA weight beta must lie in (0, 1), got {beta!r}")
+    for what, value in (("the period T", period), ("ema_refresh (steps between factorisations)", ema_refresh)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value or value < 1:
+            raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    if ema_init not in ("fisher", "identity"):
+        raise ValueError(f"ema_init must be 'fisher' or 'identity', got {ema_init!r}")
+    statistic_dtype = _as_statistic_dtype(statistic_dtype, name)
+    if ema_refresh > 1 and not ema_refresh_applies(name_of(name, strategy)):
+        raise ValueError(f"ema_refresh = {ema_refresh} applies to the EMA of block, dense and kfac only, not to "
+                         f"'{name_of(name, strategy)}'" + (": the diagonal EMA's solve is element-wise and exact at "
+                                                          "every step" if name == "diag" else ""))
+    if name == "none":
+        ridge_value = 0.0
+    return Preconditioner(structure, strategy, ridge_value, float(beta), int(period), ema_init, int(ema_refresh),
+                          statistic_dtype)
+
+
+def none() -> Preconditioner:
+    """``P = I``: the plain recursion (SMP-none)."""
+    return _checked("none", "fixed")
+
+
+def fixed(structure: str, *, ridge: float = 1e-4, statistic_dtype: torch.dtype | str | None = None) -> Preconditioner:
+    """``P = I_hat(theta_0) + lambda I``: the Fisher at the start over a data set, once (``SMP-fixed-<structure>``)."""
+    return _checked(structure, "fixed", ridge=ridge, statistic_dtype=statistic_dtype)
+
+
+def ema(structure: str, *, beta: float = 0.98, ridge: float = 1e-4, init: str = "fisher", refresh: int = 1,
+        statistic_dtype: torch.dtype | str | None = None) -> Preconditioner:
+    """``I_{k+1} = beta I_k + (1 - beta) s_k s_k^T`` from the chain's own scores (``SMP-ema-<structure>``); ``init``:
+    ``I_1`` is the Fisher at theta_0 (``"fisher"``) or the identity; ``refresh``: factorise every so
+    many steps (block, dense and kfac; see :func:`build_preconditioner`)."""
+    return _checked(structure, "ema", ridge=ridge, beta=beta, ema_init=init, ema_refresh=refresh,
+                    statistic_dtype=statistic_dtype)
+
+
+def periodic(structure: str, *, period: int = 500, ridge: float = 1e-4,
+             statistic_dtype: torch.dtype | str | None = None) -> Preconditioner:
+    """The Fisher recomputed every ``period`` steps at each chain's current theta (``SMP-periodic-<structure>``)."""
+    return _checked(structure, "periodic", ridge=ridge, period=period, statistic_dtype=statistic_dtype)
 
 
 def build_preconditioner(
     structure: str,
     strategy: str | None = None,
     *,
-    dim: int,
+    dim: int | None = None,
     blocks: Sequence[slice] = (),
     layers: Sequence[KroneckerLayer] = (),
     ridge: float = 1e-4,
@@ -669,12 +818,13 @@ def build_preconditioner(
     ema_refresh: int = 1,
     statistic_dtype: torch.dtype | str | None = None,
 ) -> Preconditioner:
-    """Compose a structure with a temporal strategy (Section 3.1.1).
+    """Compose a structure with a temporal strategy (Section 3.1.1), every setting checked.
 
     Args:
         structure: ``"none"``, ``"diag"``, ``"block"``, ``"dense"`` or ``"kfac"``.
         strategy: ``"fixed"``, ``"ema"`` or ``"periodic"`` (ignored, and may be omitted, for ``none``).
-        dim: number of parameters ``d``.
+        dim: number of parameters ``d``; ``None`` leaves the structure unbound (``run_smp`` binds it
+            to the model).
         blocks: the parameter blocks for ``block`` (``ParamLayout.block_slices``).
         layers: the layers for ``kfac`` (:func:`smp_core.fisher.kronecker_layers`). Its EMA folds in
             the Kronecker factors of each step's score (see :meth:`Structure.ema_update_`) and solves
@@ -688,160 +838,29 @@ def build_preconditioner(
             the default) or ``"identity"``.
         ema_refresh: beyond the paper, for the EMA of ``block``, ``dense`` and ``kfac``: factorise the
             statistic only every so many steps and solve with the last factorisation in between
-            (1, the default: solve with the current statistic at every step, the paper's rule). The
-            statistic itself still folds in every step's score. A factorisation from an earlier step
-            is still known before the step that uses it, so the martingale property holds; it saves
-            the per-step eigendecompositions that make ``ema-kfac`` slow for LeNet-5's large layers
-            (KFAC's usual practice of refreshing its inverses every few steps).
+            (1, the default: the paper's rule). A factorisation from an earlier step is still known
+            before the step that uses it, so the martingale property holds; it saves the per-step
+            eigendecompositions that make ``ema-kfac`` slow for LeNet-5's large layers.
         statistic_dtype: beyond the paper, for ``block``, ``dense`` and ``kfac``: keep the statistic
-            (the Fisher, or the EMA's running sum) and its factorisation in this dtype (e.g.
-            ``torch.float64``; or its name) while the chains run in theirs; ``None`` (the default):
-            the chains' dtype. In float32 a statistic loses eigenvalues below about ``1e-7`` times its
-            largest to rounding; where that nears the ridge (a large block or dense statistic of few
-            scores, as an EMA keeps) ``P^{-1}`` is wrong in the small directions, and where it exceeds
-            the ridge a ``block`` or ``dense`` ``P`` can come out indefinite: its Cholesky
-            factorisation fails, and the factorisation or solve warns (see :func:`_redo_failed`).
-            ``kfac`` factorises through eigendecompositions that set negative eigenvalues to 0, which
-            lose the small directions without a warning (only its EMA with ``ema_refresh = 1`` solves
-            its small layers by a Cholesky factorisation of the block, and warns there as ``block``
-            does). In float64 the loss is ``1e-16``
-            times the largest eigenvalue. The cost: float64 products for the update and the solve,
-            and float64 copies of the per-example vectors while the Fisher is summed
-            (``benchmarks/bench_statistic_dtype.py``). A dtype named here is recorded in ``hyper`` and
-            so in a run's config and checkpoint key, even the chains' own (``run_smp``, which knows the
-            chains' dtype, takes that as the default and records nothing).
+            and its factorisation in this dtype (e.g. ``torch.float64``) while the chains run in theirs;
+            ``None``: the chains' dtype. In float32 a statistic loses eigenvalues below about ``1e-7``
+            times its largest to rounding; where that exceeds the ridge a ``block`` or ``dense`` ``P``
+            can come out indefinite and its factorisation warns (:func:`_redo_failed`); ``kfac`` sets
+            negative eigenvalues to 0 without a warning. The cost of float64:
+            ``benchmarks/bench_statistic_dtype.py``. A run whose chains are in this dtype already
+            records nothing (the default's config and checkpoints).
 
     Returns:
         A :class:`Preconditioner`.
     """
-    if structure not in STRUCTURES:
-        raise ValueError(f"unknown preconditioner structure {structure!r}; choose one of {STRUCTURES}")
     if structure == "none":
         strategy = "fixed" if strategy is None else strategy
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
-    try:
-        ridge_value = float(ridge)  # a numpy scalar or a 0-d tensor too
-    except (TypeError, ValueError, RuntimeError):
-        ridge_value = float("nan")
-    if isinstance(ridge, bool) or not (math.isfinite(ridge_value) and ridge_value >= 0):
-        raise ValueError(f"the ridge lambda must be a finite number >= 0, got {ridge!r}")
-    ridge = ridge_value
-    if not 0 < beta < 1:
-        raise ValueError(f"the EMA weight beta must lie in (0, 1), got {beta}")
-    if int(period) < 1:
-        raise ValueError(f"the period T must be a positive integer, got {period}")
-    if ema_init not in ("fisher", "identity"):
-        raise ValueError(f"ema_init must be 'fisher' or 'identity', got {ema_init!r}")
-    if int(ema_refresh) != ema_refresh or ema_refresh < 1:
-        raise ValueError(f"ema_refresh must be a positive integer (steps between factorisations), got {ema_refresh}")
-    ema_refresh = int(ema_refresh)
-    statistic_dtype = _as_statistic_dtype(statistic_dtype, structure)
-    if ema_refresh > 1 and not ema_refresh_applies(name_of(structure, strategy)):
-        raise ValueError(f"ema_refresh = {ema_refresh} applies to the EMA of block, dense and kfac only, not to "
-                         f"'{strategy}-{structure}'" + (": the diagonal EMA's solve is element-wise and exact at "
-                                                       "every step" if structure == "diag" else ""))
-    struct = Structure(structure, dim, tuple(blocks) if structure == "block" else (),
-                       tuple(layers) if structure == "kfac" else ())
-    name = name_of(structure, strategy)
-    hyper = {"ridge": ridge}
-    if statistic_dtype is not None:  # (recorded only when set: earlier configs and checkpoints keep their keys)
-        hyper["statistic_dtype"] = str(statistic_dtype).removeprefix("torch.")
-
-    def kept(stat: Stat) -> Stat:
-        """The statistic in ``statistic_dtype``."""
-        return stat if statistic_dtype is None else tuple(m.to(statistic_dtype) for m in stat)
-
-    def in_own_dtype(solve: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``solve``, taking and returning ``v`` in its own dtype whatever the statistic's."""
-        if statistic_dtype is None:
-            return solve
-        return lambda state, v, out=None: solve(state, v.to(statistic_dtype)).to(v.dtype)
-
-    if structure == "none":
-        return Preconditioner(
-            name, struct, "fixed", 0.0,
-            init=lambda theta0, curvature: PreconditionerState((), ()),
-            update=lambda state, k, theta, score, curvature: state,
-            solve=lambda state, v, out=None: v,
-            needs_curvature=False, hyper={}, elementwise=IDENTITY_RULE, update_every=0,
-        )
-
-    # fixed and periodic diag keep 1 / (F + ridge) as their factor
-    stored_inverse = STORED_INVERSE_RULE if structure == "diag" else None
-
-    apply_factor = in_own_dtype(lambda state, v, out=None: struct.apply(state.factor, v, out))
-
-    if strategy == "fixed":
-        def init(theta0, curvature):
-            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
-            return PreconditionerState(stat, struct.factorize(stat, ridge))
-
-        return Preconditioner(
-            name, struct, strategy, ridge, init=init,
-            update=lambda state, k, theta, score, curvature: state,
-            solve=apply_factor, needs_curvature=True, hyper=hyper, elementwise=stored_inverse, update_every=0,
-            statistic_dtype=statistic_dtype,
-        )
-
-    if strategy == "periodic":
-        def init(theta0, curvature):
-            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
-            return PreconditionerState(stat, struct.factorize(stat, ridge))
-
-        def update(state, k, theta, score, curvature):
-            if k % period != 0:
-                return state
-            stat = kept(_require(curvature, name)(theta))
-            return PreconditionerState(stat, struct.factorize(stat, ridge))
-
-        return Preconditioner(
-            name, struct, strategy, ridge, init=init, update=update, solve=apply_factor,
-            needs_curvature=True, hyper={**hyper, "period": int(period)}, elementwise=stored_inverse,
-            update_every=int(period), statistic_dtype=statistic_dtype,
-        )
-
-    # EMA: I_{k+1} = beta I_k + (1 - beta) s_k s_k^T, applied after step k.
-    def init(theta0, curvature):
-        n_chains = theta0.shape[0]
-        if ema_init == "identity":
-            stat = struct.identity(n_chains, statistic_dtype or theta0.dtype, theta0.device)
-        else:
-            stat = kept(_require(curvature, name)(_shared_theta(theta0)))
-            stat = tuple(m.expand(n_chains, *m.shape[1:]).clone() for m in stat)
-        return PreconditionerState(stat, ())
-
-    def folded(stat: Stat, score: torch.Tensor) -> Stat:
-        """The EMA's statistic after folding in ``score`` (in place), in the statistic's dtype."""
-        return struct.ema_update_(stat, score if statistic_dtype is None else score.to(statistic_dtype), beta)
-
-    hyper = {**hyper, "beta": beta, "ema_init": ema_init}
-    if ema_refresh > 1:
-        # the statistic every step; its factorisation every ema_refresh steps (and at the start)
-        def init_refreshed(theta0, curvature):
-            stat = init(theta0, curvature).stat
-            return PreconditionerState(stat, struct.factorize(stat, ridge))
-
-        def update_refreshed(state, k, theta, score, curvature):
-            stat = folded(state.stat, score)
-            return PreconditionerState(stat, struct.factorize(stat, ridge) if k % ema_refresh == 0 else state.factor)
-
-        return Preconditioner(
-            name, struct, strategy, ridge, init=init_refreshed, update=update_refreshed, solve=apply_factor,
-            needs_curvature=ema_init == "fisher", hyper={**hyper, "ema_refresh": ema_refresh},
-            statistic_dtype=statistic_dtype,
-        )
-
-    def update(state, k, theta, score, curvature):
-        return PreconditionerState(folded(state.stat, score), ())
-
-    return Preconditioner(
-        name, struct, strategy, ridge, init=init, update=update,
-        solve=in_own_dtype(lambda state, v, out=None: struct.solve(state.stat, ridge, v, out)),
-        needs_curvature=ema_init == "fisher", hyper=hyper,
-        elementwise=ema_diagonal_rule(beta, ridge) if structure == "diag" else None,
-        statistic_dtype=statistic_dtype,
-    )
+    struct: Structure | str = structure
+    if dim is not None and structure in STRUCTURES:
+        struct = Structure(structure, dim, tuple(blocks) if structure == "block" else (),
+                           tuple(layers) if structure == "kfac" else ())
+    return _checked(struct, strategy, ridge=ridge, beta=beta, period=period, ema_init=ema_init,
+                    ema_refresh=ema_refresh, statistic_dtype=statistic_dtype)
 
 
 def statistic_dtype_of(dtype: torch.dtype | str | None, name: str = "statistic_dtype") -> torch.dtype | None:

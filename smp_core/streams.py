@@ -4,10 +4,12 @@ Every random number of a run is a hash of ``(seed, chain, purpose, step, slot)``
 generator: SplitMix64's finaliser, four rounds), computed with int64 tensor arithmetic on the chains'
 device. So chain ``i`` follows the same trajectory whether it runs among 10 chains or 10,000, in one
 batch or split over processes, step by step or in blocks of steps, and after a resume from a
-checkpoint: nothing but the step counter is state. The trajectories themselves are then equal bit for
-bit for ``none`` and the ``diag`` preconditioners on every execution path (the model's arithmetic is
-per chain); ``block`` with small blocks too, while ``dense``, ``kfac`` and large blocks agree to
-rounding only (MKL picks its batched matrix kernels by the batch's size).
+checkpoint: nothing but the step counter is state. Within one execution path, a chain's trajectory
+is then the same bit for bit whatever the other chains for ``none`` and the ``diag`` preconditioners
+(the model's arithmetic is per chain), and for ``block`` with small blocks; ``dense``, ``kfac`` and
+large blocks agree to rounding only (MKL picks its batched matrix kernels by the batch's size).
+Across paths (step by step, blocks, the compiled step) the numbers drawn are the same and the
+trajectories agree to rounding.
 
 A purpose separates the uses of one step (the covariate's index, the response's noise, the Gaussian
 tail's draws), so no two uses share a number.
@@ -24,6 +26,7 @@ import torch
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # SplitMix64's constants, as signed int64
 _C1 = 0xBF58476D1CE4E5B9 - 2**64
 _C2 = 0x94D049BB133111EB - 2**64
+_SEED_SALT = 0x2545F4914F6CDD1D  # sets a seed's key apart from any chain's index
 
 COVARIATE, RESPONSE, TAIL_COVARIATE, TAIL_RESPONSE, TAIL_WEIGHT = range(5)
 MAX_SEED = 2**63 - 1
@@ -67,9 +70,9 @@ class ChainStreams(NamedTuple):
 
     def bits(self, purpose: int, first_step: int, n: int, width: int, device) -> torch.Tensor:
         """``(n, S, width)`` int64 hashes for steps ``first_step, ..., first_step + n - 1``."""
-        key = mix64(torch.tensor(self.seed, dtype=torch.long, device=device))
+        key = mix64(mix64(torch.tensor(self.seed, dtype=torch.long, device=device)) ^ _SEED_SALT)
         chains = torch.arange(self.first_chain, self.first_chain + self.n_chains, device=device)
-        z = mix64(key ^ mix64(chains))[None, :, None]
+        z = mix64(key + chains)[None, :, None]  # the seed's key offset by the chain: no (seed, chain) symmetry
         z = mix64(z + (purpose << 40) + torch.arange(first_step, first_step + n, device=device)[:, None, None])
         return mix64(z + torch.arange(width, device=device))
 
@@ -91,7 +94,7 @@ class ChainStreams(NamedTuple):
                        purpose: int = RESPONSE) -> torch.Tensor:
         """The noise ``likelihood.sample_from_noise`` turns into responses, ``(n, S, ...)`` in ``dtype``."""
         u = self.uniforms(purpose, first_step, n, likelihood.noise_width(out_dim), device)
-        return likelihood.noise_from_uniforms(u).to(dtype)
+        return likelihood.noise_from_uniforms(u, dtype)
 
 
 def has_noise(likelihood) -> bool:

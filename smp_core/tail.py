@@ -41,10 +41,11 @@ import torch
 from torch import nn
 
 from ._progress import progress_bar, trigamma
+from .fast_paths import _accepts_out
 from .likelihoods import check_output_dim, get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
-from .recursion import SMPResult, _accepts_out, _as_count, check_training_inputs
+from .recursion import SMPResult, _as_count, as_tensor_input, check_training_inputs
 from .streams import TAIL_COVARIATE, TAIL_RESPONSE, TAIL_WEIGHT, ChainStreams, check_seed, has_noise
 
 
@@ -87,7 +88,6 @@ def gaussian_tail(
     n_scores: int = 1000,
     seed: int = 0,
     first_chain: int = 0,
-    input_shape: tuple[int, ...] | None = None,
     progress: bool = False,
 ) -> torch.Tensor:
     """``theta_K`` plus one draw of the Gaussian tail from step ``k_from`` to ``k_to`` per chain.
@@ -110,8 +110,9 @@ def gaussian_tail(
     Returns:
         ``(S, d)``: ``theta + sqrt(v) P^{-1} M^{-1/2} sum_j eps_j s_j`` (module docstring).
     """
+    x_train = as_tensor_input("x_train", x_train)
     check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
-    net = as_chain_model(model, input_shape)
+    net = as_chain_model(model, tuple(x_train.shape[1:]))
     lik = get_likelihood(likelihood)
     dim = net.layout.dim
     if theta.ndim != 2 or theta.shape[1] != dim:
@@ -151,35 +152,13 @@ def gaussian_tail(
 
 def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likelihood, x_train: torch.Tensor, *,
                       k_to: int | None = None, n_scores: int = 1000, seed: int = 0,
-                      input_shape: tuple[int, ...] | None = None, progress: bool = False) -> torch.Tensor:
+                      progress: bool = False) -> torch.Tensor:
     """The hybrid sample: a finished run's ``theta_K`` plus the Gaussian tail to ``k_to`` (``None``:
     infinity), with the run's own ``tau``, ``N``, ``K`` and final preconditioner.
 
     ``model``, ``likelihood`` and ``x_train`` must be those of the run. Diverged chains stay NaN.
     """
-    if result.precond_state is None:
-        raise ValueError("this SMPResult does not carry its final preconditioner state (a result made before "
-                         "smp_core.tail existed, e.g. from an old cache): rerun it, or call gaussian_tail "
-                         "with the preconditioner and its state")
     cfg = result.config
-    check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
-    net = as_chain_model(model, input_shape)
-    precond = result.preconditioner or _rebuild_preconditioner(net, cfg)
-    return gaussian_tail(net, likelihood, x_train, result.theta, precond, result.precond_state,
+    return gaussian_tail(model, likelihood, x_train, result.theta, result.preconditioner, result.precond_state,
                          tau=cfg["tau"], k_from=cfg["n_steps"], k_to=k_to, n_obs=cfg["n_obs"], n_scores=n_scores,
-                         seed=seed, first_chain=cfg.get("first_chain", 0), input_shape=input_shape,
-                         progress=progress)
-
-
-def _rebuild_preconditioner(net: ChainModel, cfg: dict) -> Preconditioner:
-    """The preconditioner of a run from its config (a result loaded from a cache has its state only)."""
-    from .fisher import kronecker_layers
-    from .preconditioners import preconditioner_from_name
-
-    name = cfg["preconditioner"]
-    if net.layout.dim != cfg["d"]:
-        raise ValueError(f"the run had d = {cfg['d']} parameters, this model has {net.layout.dim}")
-    hyper = {key: cfg[key] for key in ("ridge", "beta", "period", "ema_init", "ema_refresh", "statistic_dtype")
-             if key in cfg}
-    layers = kronecker_layers(net) if name.endswith("-kfac") else ()
-    return preconditioner_from_name(name, dim=net.layout.dim, blocks=net.layout.block_slices, layers=layers, **hyper)
+                         seed=seed, first_chain=cfg["first_chain"], progress=progress)

@@ -167,13 +167,13 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
     from smp_core import recursion
 
     advanced = []
-    real_advance = recursion.advance_smp
+    real_advance = recursion.SMP.advance
 
-    def spy(state, *args, until, **kwargs):
+    def spy(self, state, until, **kwargs):
         advanced.append((state.step, until))
-        return real_advance(state, *args, until=until, **kwargs)
+        return real_advance(self, state, until, **kwargs)
 
-    monkeypatch.setattr(recursion, "advance_smp", spy)
+    monkeypatch.setattr(recursion.SMP, "advance", spy)
     longer = ms.run_growth({**cfg, "growth_steps": [50, 100, 150]}, "none", theta0, data, 0, zero, **kw)
     assert longer.loc[[50, 100]].equals(table)
     assert advanced == [(100, 150)]  # only the new steps were run, from the checkpoint at K = 100

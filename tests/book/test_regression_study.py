@@ -10,7 +10,8 @@ import torch
 from smp_book import regression_study as rs
 from smp_book.config import get_config
 from smp_core.models import as_chain_model
-from smp_core.recursion import run_smp
+from smp_core.preconditioners import preconditioner_from_name
+from smp_core.recursion import Fisher, run_smp
 
 
 def test_gap_data_regions_shapes_and_seed():
@@ -102,7 +103,7 @@ def small_run():
 
     def recording_run_smp(net, likelihood, covariates, **kwargs):
         calls.append({"preconditioner": kwargs["preconditioner"], "covariates": covariates,
-                      "fisher_x": kwargs["fisher_data"][0], "n_obs": kwargs["n_obs"], "seed": kwargs["seed"]})
+                      "fisher_x": kwargs["fisher"].x, "n_obs": kwargs["n_obs"], "seed": kwargs["seed"]})
         return run_smp(net, likelihood, covariates, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -149,7 +150,7 @@ def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured
     for (preconditioner, covariates, fisher_x, v), grid in zip(expected, taus, strict=True):
         for t in range(len(grid)):
             call = next(calls)
-            assert call["preconditioner"] == preconditioner
+            assert call["preconditioner"].name == preconditioner
             assert torch.equal(call["covariates"], covariates) and torch.equal(call["fisher_x"], fisher_x)
             assert call["n_obs"] == cfg["n_train"] and call["seed"] == base + 100 + 10 * v + t
     assert next(calls, None) is None
@@ -271,9 +272,10 @@ def tiny_map():
     assert null.shape[1] == theta0.numel() - 6
 
     def outside_share(preconditioner, tau, ridge, covariates=None, fisher_x=None):
-        run = run_smp(net, Gaussian(0.1), x if covariates is None else covariates, preconditioner=preconditioner,
-                      tau=tau, ridge=ridge, n_steps=50, n_chains=20, seed=1, progress=False, n_obs=len(x),
-                      fisher_data=(x if fisher_x is None else fisher_x, None))
+        run = run_smp(net, Gaussian(0.1), x if covariates is None else covariates, tau=tau, n_steps=50, n_chains=20,
+                      seed=1, progress=False, n_obs=len(x),
+                      preconditioner=preconditioner_from_name(preconditioner, ridge=ridge),
+                      fisher=Fisher("model", x if fisher_x is None else fisher_x, None))
         delta = run.theta - theta0
         return float(((delta @ null).norm(dim=1) / delta.norm(dim=1)).median())
 

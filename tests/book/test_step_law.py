@@ -18,6 +18,7 @@ from smp_book.step_law import draw_steps, predicted_variances, top_share
 from smp_core import run_smp
 from smp_core.layout import ParamLayout
 from smp_core.models import toy_mlp
+from smp_core.preconditioners import preconditioner_from_name
 from smp_core.tail import tail_variance
 
 Z_LIMIT = 4.0  # a handful of z-tests per test: a false alarm has probability below 1e-3
@@ -42,8 +43,8 @@ def _flat(net: nn.Module) -> torch.Tensor:
 
 def _fixed(net, likelihood, x, structure, ridge=0.05):
     """A fixed preconditioner built from the model-expected Fisher at the module's parameters."""
-    res = run_smp(net, likelihood, x, preconditioner=f"fixed-{structure}", tau=0.1, n_steps=1, n_chains=1,
-                  ridge=ridge, seed=0, progress=False)
+    res = run_smp(net, likelihood, x, tau=0.1, n_steps=1, n_chains=1,
+                  seed=0, progress=False, preconditioner=preconditioner_from_name(f"fixed-{structure}", ridge=ridge))
     p = res.preconditioner.dense_matrix(res.precond_state)[0]
     return res, p
 
@@ -114,8 +115,8 @@ def test_predicted_variances_match_a_run():
     both standard errors."""
     net, x, _ = _linear_problem()
     n_steps, tau, chains = 30, 0.8, 3000
-    run = run_smp(net, "gaussian", x, preconditioner="fixed-dense", tau=tau, n_steps=n_steps, n_chains=chains,
-                  ridge=0.05, seed=7, progress=False)
+    run = run_smp(net, "gaussian", x, tau=tau, n_steps=n_steps, n_chains=chains,
+                  seed=7, progress=False, preconditioner=preconditioner_from_name("fixed-dense", ridge=0.05))
     theta = _flat(net)
     x_eval = torch.randn(20, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     phi = torch.cat([x_eval, torch.ones(20, 1, dtype=torch.float64)], 1)

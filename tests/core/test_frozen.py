@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from smp_core import add_gaussian_tail, as_chain_model, predict
+from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import run_smp
 
 
@@ -24,7 +25,8 @@ def test_a_frozen_body_runs_as_its_head_alone_on_the_bodys_features(name):
     x = torch.rand(40, 2, dtype=torch.float64) * 2 - 1
     features = torch.tanh(net[0](x)).detach()
     frozen_before = [p.clone() for p in net[0].parameters()]
-    kw = dict(preconditioner=name, tau=0.3, n_steps=30, n_chains=6, seed=5, period=10, ridge=0.01, progress=False)
+    kw = dict(tau=0.3, n_steps=30, n_chains=6, seed=5, progress=False,
+              preconditioner=preconditioner_from_name(name, period=10, ridge=0.01))
     whole = run_smp(net, "bernoulli", x, **kw)
     alone = run_smp(head, "bernoulli", features, **kw)
     assert whole.theta.shape == (6, 5) and whole.config["d"] == 5

@@ -18,12 +18,23 @@ from smp_core import lenet5, run_smp
 from smp_core.fused import FusedSequentialChainModel, fused_supported, fused_unavailable
 from smp_core.likelihoods import get_likelihood
 from smp_core.models import SequentialChainModel, as_chain_model
-from smp_core.preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule, ema_diagonal_rule
-from smp_core.recursion import DivergenceError
+from smp_core.preconditioners import (
+    IDENTITY_RULE,
+    STORED_INVERSE_RULE,
+    ElementwiseRule,
+    ema_diagonal_rule,
+    preconditioner_from_name,
+)
+from smp_core.recursion import DivergenceError, Fisher
 
 pytestmark = pytest.mark.skipif(fused_unavailable() is not None, reason=f"no fused kernel: {fused_unavailable()}")
 
 TOL = dict(rtol=1e-10, atol=1e-12)
+
+
+def _with(kw, **options):
+    """``kw`` with more run options (fields of smp_core.RunOptions) merged into its ``options``."""
+    return {**kw, "options": {**kw.get("options", {}), **options}}
 
 
 def _networks():
@@ -185,7 +196,7 @@ def test_a_diverging_run_is_caught():
     torch.manual_seed(1)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
     x = torch.rand(20, 1, 6, 6)
-    kw = dict(input_shape=(1, 6, 6), n_steps=40, n_chains=5, seed=0, check_every=10, progress=False)
+    kw = dict(n_steps=40, n_chains=5, seed=0, progress=False, options=dict(check_every=10))
     with pytest.raises(DivergenceError, match="all 5 chains diverged by step 10"):
         run_smp(net, "categorical", x, tau=1e6, **kw)
     assert run_smp(net, "categorical", x, tau=0.5, **kw).config["step_blocks"] is True
@@ -204,8 +215,9 @@ def test_default_cpu_run_takes_the_whole_step_and_matches_the_torch_path(monkeyp
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).double()
     x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
     for name in ["none", "fixed-diag", "periodic-diag", "ema-diag"]:
-        kw = dict(input_shape=(1, 6, 6), preconditioner=name, tau=0.5, n_steps=30, n_chains=5, seed=2, period=7,
-                  check_every=10, fisher="empirical", fisher_data=(x, y), progress=False)
+        kw = dict(tau=0.5, n_steps=30, n_chains=5, seed=2, progress=False,
+                  preconditioner=preconditioner_from_name(name, period=7), fisher=Fisher("empirical", x, y),
+                  options=dict(check_every=10))
         calls.clear()
         default = run_smp(net, "categorical", x, **kw)
         assert isinstance(as_chain_model(net, (1, 6, 6)), FusedSequentialChainModel)
@@ -215,7 +227,7 @@ def test_default_cpu_run_takes_the_whole_step_and_matches_the_torch_path(monkeyp
             patch.setenv("SMP_CORE_FUSED", "0")
             plain_model = as_chain_model(net, (1, 6, 6))
             assert type(plain_model) is SequentialChainModel
-            torch_path = run_smp(plain_model, "categorical", x, cuda_graph=True, **kw)
+            torch_path = run_smp(plain_model, "categorical", x, **_with(kw, cuda_graph=True))
         assert ((default.theta - plain_model.layout.flatten(net)).abs().amax(1) > 1e-3).all()  # every chain moved
         assert torch.allclose(default.theta, torch_path.theta, rtol=1e-9, atol=1e-11), name
 

@@ -11,9 +11,14 @@ from smp_core.fisher import kronecker_layers
 from smp_core.likelihoods import Gaussian, get_likelihood
 from smp_core.models import as_chain_model, toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
-from smp_core.recursion import DivergenceError, advance_smp, init_smp, residual_variance_ratio, run_smp
+from smp_core.recursion import SMP, DivergenceError, Fisher, residual_variance_ratio, run_smp
 
 Z_MAX = 4.5  # two-sided p = 7e-6 per z-score: family-wise false alarm about 2e-3 over the ~300 z-scores here
+
+
+def _with(kw, **options):
+    """``kw`` with more run options (fields of smp_core.RunOptions) merged into its ``options``."""
+    return {**kw, "options": {**kw.get("options", {}), **options}}
 
 
 def _linear_gaussian(generator, n=8, sigma=0.5):
@@ -78,8 +83,9 @@ def test_linear_gaussian_moments_match_the_closed_form(name, cuda_graph, generat
         if fused_unavailable() is not None:
             pytest.skip(f"no fused kernel: {fused_unavailable()}")
         model = FusedSequentialChainModel(net, (2,))
-    result = run_smp(model, lik, x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11,
-                     ridge=ridge, period=40, progress=False, cuda_graph=cuda_graph)
+    result = run_smp(model, lik, x, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=11, progress=False,
+                     preconditioner=preconditioner_from_name(name, ridge=ridge, period=40),
+                     options=dict(cuda_graph=cuda_graph))
     assert result.n_diverged == 0
     assert result.config.get("step_blocks", False) is (cuda_graph is not False)
     n = x.shape[0]
@@ -97,8 +103,8 @@ def test_covariates_from_another_pool_than_the_fishers_data(name, generator):
     pool_design = torch.cat([pool, torch.ones(20, 1, dtype=torch.float64)], dim=1)
     pool_fisher = pool_design.T @ pool_design / 20 / lik.sigma**2
     tau, n_steps, n_chains, ridge, n_obs = 0.7, 150, 4000, 1e-3, x.shape[0]
-    result = run_smp(net, lik, pool, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=12,
-                     ridge=ridge, n_obs=n_obs, fisher_data=(x, None), progress=False)
+    result = run_smp(net, lik, pool, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=12, n_obs=n_obs, progress=False,
+                     preconditioner=preconditioner_from_name(name, ridge=ridge), fisher=Fisher("model", x))
     assert result.n_diverged == 0
     _assert_linear_gaussian_moments(result, net, name, fisher, pool_fisher, tau, n_steps, n_obs, ridge)
 
@@ -113,8 +119,9 @@ def test_martingale_mean_of_the_toy_network(name, refresh):
     net = toy_mlp().double()
     gen = torch.Generator().manual_seed(5)
     x = torch.rand(100, 2, generator=gen, dtype=torch.float64) * 2 - 1
-    result = run_smp(net, "bernoulli", x, preconditioner=name, tau=0.3, n_steps=60, n_chains=3000,
-                     seed=3, period=20, ema_refresh=refresh, progress=False)
+    result = run_smp(net, "bernoulli", x, tau=0.3, n_steps=60, n_chains=3000,
+                     seed=3, progress=False, preconditioner=preconditioner_from_name(name, period=20,
+                                                                                     ema_refresh=refresh))
     assert result.config.get("ema_refresh", 1) == refresh
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     # At tau = 0.3 a chain in a few thousand runs away (over seeds 0-7: 0 to 2 of 3000 per run, with any
@@ -160,8 +167,8 @@ def test_divergence_is_detected_reported_and_never_averaged():
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     threshold = float((base.theta - theta0).abs().amax(1).median())
     with pytest.warns(UserWarning, match="diverged"):
-        res = run_smp(net, "bernoulli", x, tau=1.0, n_steps=100, n_chains=200, seed=4, check_every=10,
-                      divergence_threshold=threshold, progress=False)
+        res = run_smp(net, "bernoulli", x, tau=1.0, n_steps=100, n_chains=200, seed=4, progress=False,
+                      options=dict(check_every=10, divergence_threshold=threshold))
     assert 0 < res.n_diverged < 200
     assert torch.isnan(res.theta[res.diverged]).all()
     assert torch.isfinite(res.theta[~res.diverged]).all()
@@ -183,11 +190,12 @@ def test_frozen_chains_with_a_nan_preconditioner_stay_frozen(name):
     layers = kronecker_layers(model) if name.endswith("kfac") else ()
     precond = preconditioner_from_name(name, dim=20, layers=layers, ema_init="identity")
     theta0 = model.layout.flatten(net).expand(8, 20).clone()
-    state = init_smp(model, lik, theta0, precond, None, seed=0)
+    sampler = SMP(model, lik, x, preconditioner=precond, tau=0.3)
+    state = sampler.init(theta0, n_chains=8, seed=0)
     for m in state.precond.stat:
         m[2] = float("nan")
     state.diverged_step[2] = 0
-    advance_smp(state, model, lik, x, precond, None, tau=0.3, n_obs=50, until=40, check_every=10)
+    sampler.advance(state, 40, check_every=10)
     assert torch.equal(state.theta[2], theta0[2])
     others = torch.arange(8) != 2
     assert torch.isfinite(state.theta[others]).all()
@@ -206,8 +214,8 @@ def test_fused_diagonal_update_equals_solve_then_add(name):
     kw = dict(dim=20, ridge=1e-2, period=7)
     fused = preconditioner_from_name(name, **kw)
     assert fused.elementwise is not None
-    plain = dataclasses.replace(fused, elementwise=None)
-    run = dict(tau=0.3, n_steps=40, n_chains=12, seed=5, check_every=10, progress=False)
+    plain = dataclasses.replace(fused, elementwise_step=False)
+    run = dict(tau=0.3, n_steps=40, n_chains=12, seed=5, progress=False, options=dict(check_every=10))
     a = run_smp(net, "bernoulli", x, preconditioner=fused, **run)
     b = run_smp(net, "bernoulli", x, preconditioner=plain, **run)
     assert not torch.equal(a.theta, a.theta[:1].expand_as(a.theta))  # the chains moved apart
@@ -240,8 +248,9 @@ def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypat
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
     model = SequentialChainModel(net, (1, 6, 6))  # the batched torch model (test_fused.py: the compiled kernel)
     x, y = torch.rand(30, 1, 6, 6), torch.randint(0, 3, (30,))
-    kw = dict(preconditioner=name, tau=0.5, n_steps=40, n_chains=10, seed=2, period=15, check_every=10,
-              fisher="empirical", fisher_data=(x, y), progress=False)
+    kw = dict(tau=0.5, n_steps=40, n_chains=10, seed=2, progress=False,
+              preconditioner=preconditioner_from_name(name, period=15), fisher=Fisher("empirical", x, y),
+              options=dict(check_every=10))
     fused = run_smp(model, "categorical", x, **kw)
     plain = run_smp(WithoutFusedUpdate(model), "categorical", x, **kw)
     theta0 = model.layout.flatten(net)
@@ -276,21 +285,21 @@ def test_non_contiguous_theta0_and_objects_without_out_arguments():
 def test_checkpoint_resumes_and_extends_a_run(tmp_path):
     net = toy_mlp()
     x = torch.rand(50, 2) * 2 - 1
-    kw = dict(preconditioner="periodic-dense", tau=0.1, n_chains=16, seed=9, period=20, check_every=25,
-              progress=False)
+    kw = dict(tau=0.1, n_chains=16, seed=9, progress=False,
+              preconditioner=preconditioner_from_name("periodic-dense", period=20), options=dict(check_every=25))
     full = run_smp(net, "bernoulli", x, n_steps=100, **kw)
     path = tmp_path / "run.pt"
-    run_smp(net, "bernoulli", x, n_steps=50, checkpoint=path, checkpoint_every=25, **kw)
+    run_smp(net, "bernoulli", x, n_steps=50, **_with(kw, checkpoint=path, checkpoint_every=25))
     first_saved = torch.load(path, weights_only=False)["elapsed"]
-    resumed = run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **kw)
+    resumed = run_smp(net, "bernoulli", x, n_steps=100, **_with(kw, checkpoint=path))
     assert torch.equal(full.theta, resumed.theta)
     # the elapsed time of a resumed run includes the time spent before the resume
     saved = torch.load(path, weights_only=False)["elapsed"]
     assert resumed.elapsed >= saved > first_saved > 0
     with pytest.raises(ValueError, match="other settings"):
-        run_smp(net, "bernoulli", x, n_steps=100, checkpoint=path, **{**kw, "tau": 0.2})
+        run_smp(net, "bernoulli", x, n_steps=100, **_with({**kw, "tau": 0.2}, checkpoint=path))
     with pytest.raises(ValueError, match="beyond n_steps"):
-        run_smp(net, "bernoulli", x, n_steps=10, checkpoint=path, **kw)
+        run_smp(net, "bernoulli", x, n_steps=10, **_with(kw, checkpoint=path))
 
 
 def test_checkpoint_resumes_a_fused_ema_run(tmp_path):
@@ -299,12 +308,12 @@ def test_checkpoint_resumes_a_fused_ema_run(tmp_path):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
     x, y = torch.rand(30, 1, 6, 6), torch.randint(0, 3, (30,))
-    kw = dict(preconditioner="ema-diag", tau=0.05, n_chains=6, seed=4, check_every=10, input_shape=(1, 6, 6),
-              fisher="empirical", fisher_data=(x, y), progress=False)
+    kw = dict(preconditioner="ema-diag", tau=0.05, n_chains=6, seed=4, progress=False, fisher=Fisher("empirical", x, y),
+              options=dict(check_every=10))
     full = run_smp(net, "categorical", x, n_steps=60, **kw)
     path = tmp_path / "ema.pt"
-    run_smp(net, "categorical", x, n_steps=30, checkpoint=path, checkpoint_every=10, **kw)
-    resumed = run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw)
+    run_smp(net, "categorical", x, n_steps=30, **_with(kw, checkpoint=path, checkpoint_every=10))
+    resumed = run_smp(net, "categorical", x, n_steps=60, **_with(kw, checkpoint=path))
     assert full.n_diverged == 0
     assert torch.equal(full.theta, resumed.theta)
     assert not torch.equal(full.theta[0], full.theta[1])
@@ -330,8 +339,10 @@ def _small_cnn():
 def _reference_loop(model, lik, x, theta0, precond, curvature, *, tau, n_steps, seed):
     """Algorithm 1 written out plainly (score, solve, add, update at every step), each step's random
     numbers drawn from the chains' streams one step at a time."""
-    state = init_smp(model, lik, theta0, precond, curvature, seed)
-    theta, pstate, streams, n = state.theta, state.precond, state.streams, x.shape[0]
+    from smp_core.streams import ChainStreams
+
+    theta, streams, n = theta0.clone(), ChainStreams(seed, 0, theta0.shape[0]), x.shape[0]
+    pstate = precond.init(theta0, curvature)
     for k in range(1, n_steps + 1):
         row = streams.covariates(k, 1, n, theta.device)[0]
         eps = streams.response_noise(lik, k, 1, model.out_dim, theta.device, theta.dtype)[0]
@@ -363,9 +374,10 @@ def test_step_blocks_equal_the_plain_recursion_on_the_same_noise(name, network):
     model, lik = as_chain_model(net, shape), get_likelihood(lik_name)
     assert hasattr(model, "vjp_apply_") is (network == "cnn")
     n_steps, n_chains, tau = 30, 5, 0.5
-    kw = dict(preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=2, period=7,
-              check_every=10, trace_every=4, fisher="empirical", fisher_data=(x, y), progress=False)
-    blocks = run_smp(model, lik, x, cuda_graph=True, **kw)
+    kw = dict(tau=tau, n_steps=n_steps, n_chains=n_chains, seed=2, progress=False,
+              preconditioner=preconditioner_from_name(name, period=7), fisher=Fisher("empirical", x, y),
+              options=dict(check_every=10, trace_every=4))
+    blocks = run_smp(model, lik, x, **_with(kw, cuda_graph=True))
     precond = preconditioner_from_name(name, dim=model.layout.dim, period=7)
     theta0 = model.layout.flatten(net).expand(n_chains, -1).contiguous()
 
@@ -374,7 +386,7 @@ def test_step_blocks_equal_the_plain_recursion_on_the_same_noise(name, network):
 
     reference = _reference_loop(model, lik, x, theta0, precond, curvature if precond.needs_curvature else None,
                                 tau=tau, n_steps=n_steps, seed=2)
-    loop = run_smp(model, lik, x, cuda_graph=False, **kw)
+    loop = run_smp(model, lik, x, **_with(kw, cuda_graph=False))
     assert blocks.config["step_blocks"] is True and "step_blocks" not in loop.config
     assert ((blocks.theta - theta0).abs().amax(1) > 1e-3).all()  # every chain moved
     assert torch.allclose(blocks.theta, reference, rtol=1e-9, atol=1e-11)
@@ -385,23 +397,24 @@ def test_step_blocks_equal_the_plain_recursion_on_the_same_noise(name, network):
 def test_step_blocks_are_reproducible_and_resume_from_a_checkpoint(tmp_path, monkeypatch):
     net = _small_cnn()
     x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
-    kw = dict(preconditioner="periodic-diag", tau=0.3, n_chains=6, seed=4, period=20, check_every=10,
-              input_shape=(1, 6, 6), fisher="empirical", fisher_data=(x, y), progress=False, cuda_graph=True)
+    kw = dict(tau=0.3, n_chains=6, seed=4, progress=False,
+              preconditioner=preconditioner_from_name("periodic-diag", period=20), fisher=Fisher("empirical", x, y),
+              options=dict(check_every=10, cuda_graph=True))
     full = run_smp(net, "categorical", x, n_steps=60, **kw)
     assert torch.equal(full.theta, run_smp(net, "categorical", x, n_steps=60, **kw).theta)
     path = tmp_path / "blocks.pt"
-    run_smp(net, "categorical", x, n_steps=30, checkpoint=path, checkpoint_every=10, **kw)
+    run_smp(net, "categorical", x, n_steps=30, **_with(kw, checkpoint=path, checkpoint_every=10))
     with monkeypatch.context() as patch:
         import smp_core.recursion as recursion
 
         def no_fresh_start(*args):
             raise AssertionError("the run started again instead of resuming")
 
-        patch.setattr(recursion, "init_smp", no_fresh_start)
-        resumed = run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **kw)
+        patch.setattr(recursion.SMP, "init", no_fresh_start)
+        resumed = run_smp(net, "categorical", x, n_steps=60, **_with(kw, checkpoint=path))
     assert torch.equal(full.theta, resumed.theta)
     # the step-by-step loop draws the same random numbers: it resumes the blocks' checkpoint
-    looped = run_smp(net, "categorical", x, n_steps=60, checkpoint=path, **{**kw, "cuda_graph": False})
+    looped = run_smp(net, "categorical", x, n_steps=60, **_with(kw, cuda_graph=False, checkpoint=path))
     assert torch.allclose(looped.theta, full.theta, rtol=1e-9, atol=1e-11)
 
 
@@ -409,12 +422,12 @@ def test_step_blocks_on_a_cpu_only_when_asked():
     net = toy_mlp()
     x = torch.rand(40, 2) * 2 - 1
     kw = dict(preconditioner="fixed-diag", tau=0.3, n_steps=20, n_chains=4, seed=1, progress=False)
-    default, loop = run_smp(net, "bernoulli", x, **kw), run_smp(net, "bernoulli", x, cuda_graph=False, **kw)
+    default, loop = run_smp(net, "bernoulli", x, **kw), run_smp(net, "bernoulli", x, **_with(kw, cuda_graph=False))
     assert "step_blocks" not in default.config
     assert torch.equal(default.theta, loop.theta)
-    assert run_smp(net, "bernoulli", x, cuda_graph=True, **kw).config["step_blocks"] is True
+    assert run_smp(net, "bernoulli", x, **_with(kw, cuda_graph=True)).config["step_blocks"] is True
     with pytest.raises(ValueError, match="cuda_graph=True needs blocks of steps, but the 'ema-block'"):
-        run_smp(net, "bernoulli", x, cuda_graph=True, **{**kw, "preconditioner": "ema-block"})
+        run_smp(net, "bernoulli", x, **_with({**kw, "preconditioner": "ema-block"}, cuda_graph=True))
 
     class OwnLikelihood:  # a user's likelihood written without the noise methods
         def __init__(self):
@@ -434,31 +447,32 @@ def test_step_blocks_on_a_cpu_only_when_asked():
 def test_captured_blocks_equal_uncaptured_blocks_on_cuda(network, lik_name, monkeypatch):
     # the default (cuda_graph=None) takes the blocks on a GPU for these networks; a capture that fails
     # warns and goes on uncaptured, so the test also checks that every block length was captured
-    import smp_core.recursion as recursion
+    from smp_core import fast_paths
 
     torch.manual_seed(0)
     if network == "cnn":
         net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).cuda()
-        x, y, shape = torch.rand(30, 1, 6, 6, device="cuda"), torch.randint(0, 3, (30,), device="cuda"), (1, 6, 6)
+        x, y = torch.rand(30, 1, 6, 6, device="cuda"), torch.randint(0, 3, (30,), device="cuda")
     else:
-        net, shape = toy_mlp().cuda(), None
+        net = toy_mlp().cuda()
         x = torch.rand(30, 2, device="cuda") * 2 - 1
         y = torch.randint(0, 2, (30,), device="cuda").float()
         if lik_name == "gaussian":
             y = torch.randn(30, device="cuda")
     captures = []
-    capture = recursion._StepBlocks._capture
+    capture = fast_paths.StepBlocks._capture
 
     def counted(self, *args):
         graph = capture(self, *args)
         captures.append(graph is not None)
         return graph
 
-    monkeypatch.setattr(recursion._StepBlocks, "_capture", counted)
+    monkeypatch.setattr(fast_paths.StepBlocks, "_capture", counted)
     for name in ("none", "fixed-diag", "periodic-diag", "ema-diag"):
         # ridge 1e-2: with the paper's 1e-4 some chains of the Gaussian MLP diverge (tiny Fisher entries)
-        kw = dict(preconditioner=name, tau=0.3, n_steps=80, n_chains=6, seed=4, period=20, check_every=10,
-                  ridge=1e-2, input_shape=shape, fisher="empirical", fisher_data=(x, y), progress=False)
+        kw = dict(tau=0.3, n_steps=80, n_chains=6, seed=4, progress=False,
+                  preconditioner=preconditioner_from_name(name, period=20, ridge=1e-2),
+                  fisher=Fisher("empirical", x, y), options=dict(check_every=10))
         captures.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -467,7 +481,7 @@ def test_captured_blocks_equal_uncaptured_blocks_on_cuda(network, lik_name, monk
         assert captured.config["step_blocks"] is True
         assert captures and all(captures), name
         with monkeypatch.context() as patch:
-            patch.setattr(recursion._StepBlocks, "_MAX_GRAPHS", 0)  # nothing is captured
+            patch.setattr(fast_paths.StepBlocks, "_MAX_GRAPHS", 0)  # nothing is captured
             uncaptured = run_smp(net, lik_name, x, **kw)
         assert captured.n_diverged == 0
         assert not torch.equal(captured.theta, captured.theta[:1].expand_as(captured.theta))  # the chains moved
@@ -497,27 +511,25 @@ def test_residual_variance_ratio():
         (dict(seed=-1), r"seed must be in \[0, 2\*\*63\)"),
         (dict(seed=True), "seed must be an integer"),
         (dict(seed=torch.Generator()), "seed must be an integer"),
-        (dict(first_chain=-1), "first_chain must be a whole number >= 0"),
+        (dict(options=dict(first_chain=-1)), "first_chain must be a whole number >= 0"),
         (dict(fisher="expected"), "fisher must be 'model'.*or 'empirical'"),  # refused even where unused
-        (dict(ema_init="zeros"), "ema_init"),  # refused even for a preconditioner that has no EMA
-        (dict(trace_every=0), "trace_every must be a whole number >= 1"),
-        (dict(checkpoint_every=1.5), "checkpoint_every must be a whole number >= 1"),
+        (dict(options=dict(trace_every=0)), "trace_every must be a whole number >= 1"),
+        (dict(options=dict(checkpoint_every=1.5)), "checkpoint_every must be a whole number >= 1"),
         (dict(preconditioner="ema_block"), "unknown preconditioner"),
         (dict(preconditioner="fixed-diag", fisher="empirical"), "needs labels"),
         (dict(preconditioner="fixed-kron"), "unknown preconditioner structure"),
         (dict(theta0=torch.zeros(19)), "d = 20 parameters"),
         (dict(theta0=torch.full((20,), float("nan"))), "theta0 contains NaN"),
-        (dict(check_every=0), "check_every"),  # would loop for ever
+        (dict(options=dict(check_every=0)), "check_every"),  # would loop for ever
         (dict(n_obs=-10), "n_obs"),  # gamma_k = tau / (N + k) negative for k < 10
         (dict(n_obs=2.5), "n_obs"),
-        (dict(divergence_threshold=float("nan")), "divergence_threshold"),  # would switch the check off
-        (dict(divergence_threshold=0.0), "divergence_threshold"),
-        (dict(n_obs=None, check_every=2.5), "check_every"),
-        (dict(preconditioner="fixed-diag", ridge=float("inf")), "ridge"),  # P^-1 = 0: no chain would move
-        (dict(preconditioner="fixed-diag", ridge=float("nan")), "ridge"),
+        (dict(options=dict(divergence_threshold=float("nan"))), "divergence_threshold"),  # would switch it off
+        (dict(options=dict(divergence_threshold=0.0)), "divergence_threshold"),
+        (dict(n_obs=None, options=dict(check_every=2.5)), "check_every"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, match):
+    # (a preconditioner's own settings are checked where it is built: tests/core/test_preconditioners.py)
     x = torch.rand(10, 2)
     with pytest.raises(ValueError, match=match):
         run_smp(toy_mlp(), "bernoulli", x, **{"n_steps": 5, "n_chains": 2, "progress": False, **kwargs})
@@ -531,6 +543,35 @@ def test_bad_data_gets_a_clear_error():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         run_smp(toy_mlp(), "bernoulli", torch.zeros(10, 2), n_steps=5, n_chains=3, progress=False)
+
+
+def test_bad_objects_get_a_type_error_and_arrays_are_taken():
+    import numpy as np
+
+    x, net = torch.rand(10, 2), toy_mlp()
+    kw = dict(n_steps=3, n_chains=2, progress=False)
+    for kwargs, match in [(dict(options=dict(check_evry=5)), r"unknown field\(s\) \['check_evry'\]"),
+                          (dict(options=5), "options must be a smp_core.RunOptions or a dict"),
+                          (dict(fisher=3), "fisher must be 'model', 'empirical' or a smp_core.Fisher"),
+                          (dict(preconditioner=3), "preconditioner must be a name"),
+                          (dict(progress="yes"), "progress must be True or False"),
+                          (dict(options=dict(cuda_graph="no")), "cuda_graph must be True, False or None")]:
+        with pytest.raises(TypeError, match=match):
+            run_smp(net, "bernoulli", x, **{**kw, **kwargs})
+    with pytest.raises(TypeError, match="x_train must be a tensor or an array, got str"):
+        run_smp(net, "bernoulli", "data.csv", **kw)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        run_smp("net", "bernoulli", x, **kw)
+    # a numpy array (or nested lists) for the data, numpy integers for counts and seeds: the same run
+    same = run_smp(net, "bernoulli", x.numpy(), n_steps=np.int64(3), n_chains=np.int32(2), seed=np.uint8(0),
+                   progress=False)
+    assert torch.equal(same.theta, run_smp(net, "bernoulli", x, **kw).theta)
+    # a preconditioner's settings are checked when it is built, even those its strategy does not use
+    with pytest.raises(ValueError, match="ema_init must be 'fisher' or 'identity'"):
+        preconditioner_from_name("fixed-diag", ema_init="zeros")
+    for ridge in (float("inf"), float("nan"), True):  # P^-1 = 0 would move no chain; NaN would poison them
+        with pytest.raises(ValueError, match="ridge"):
+            preconditioner_from_name("fixed-diag", ridge=ridge)
 
 
 def test_a_network_the_likelihood_cannot_use_is_refused():
@@ -554,7 +595,8 @@ def test_training_mode_dropout_and_batch_norm_are_refused():
             net[2].train()  # one layer switched back is enough to refuse
             run_smp(net, "bernoulli", x, n_steps=5, n_chains=2, progress=False)
         net.eval()
-        kw = dict(n_steps=20, n_chains=3, seed=1, progress=False, cuda_graph=False)  # step by step: one order of draws
+        kw = dict(n_steps=20, n_chains=3, seed=1, progress=False,
+                  options=dict(cuda_graph=False))  # step by step: one order of draws
         evaluated = run_smp(net, "bernoulli", x, **kw)
         if isinstance(layer, nn.Dropout):  # in eval mode dropout is the identity: the run without it
             plain = nn.Sequential(net[0], net[1], net[3])
@@ -562,37 +604,39 @@ def test_training_mode_dropout_and_batch_norm_are_refused():
 
 
 def test_a_checkpoint_of_another_network_or_fisher_data_is_refused(tmp_path):
+    import numpy as np
+
     x = torch.rand(30, 2) * 2 - 1
     y = (x[:, 0] > 0).float()
-    kw = dict(preconditioner="fixed-diag", fisher="empirical", tau=0.1, n_chains=4, seed=3, check_every=10,
-              progress=False)
+    kw = dict(preconditioner="fixed-diag", tau=0.1, n_chains=4, seed=3, progress=False)
     gelu = toy_mlp()
     tanh = nn.Sequential(*[nn.Tanh() if isinstance(m, nn.GELU) else m for m in gelu])  # the same parameters
     path = tmp_path / "run.pt"
-    run_smp(gelu, "bernoulli", x, n_steps=20, checkpoint=path, fisher_data=(x, y), **kw)
+    resume = dict(check_every=10, checkpoint=path)
+    fisher = Fisher("empirical", x, y)
+    run_smp(gelu, "bernoulli", x, n_steps=20, fisher=fisher, options=resume, **kw)
     saved = path.read_bytes()
     with pytest.raises(ValueError, match="another network"):
-        run_smp(tanh, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **kw)
+        run_smp(tanh, "bernoulli", x, n_steps=40, fisher=fisher, options=resume, **kw)
     with pytest.raises(ValueError, match="another fisher_data"):
-        run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, 1 - y), **kw)
+        run_smp(gelu, "bernoulli", x, n_steps=40, fisher=Fisher("empirical", x, 1 - y), options=resume, **kw)
     assert path.read_bytes() == saved  # nothing overwritten
-    resumed = run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **kw)
-    assert torch.equal(resumed.theta, run_smp(gelu, "bernoulli", x, n_steps=40, fisher_data=(x, y), **kw).theta)
+    resumed = run_smp(gelu, "bernoulli", x, n_steps=40, fisher=fisher, options=resume, **kw)
+    uninterrupted = run_smp(gelu, "bernoulli", x, n_steps=40, fisher=fisher, options=dict(check_every=10), **kw)
+    assert torch.equal(resumed.theta, uninterrupted.theta)
     # nor under another seed, first chain or number of chains (a numpy integer seed is the same seed)
-    import numpy as np
-
-    for other in ({"seed": 4}, {"first_chain": 1}, {"n_chains": 5}):
+    for other, more in (({"seed": 4}, {}), ({}, {"first_chain": 1}), ({"n_chains": 5}, {})):
         with pytest.raises(ValueError, match="other settings"):
-            run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y), **{**kw, **other})
-    assert torch.equal(run_smp(gelu, "bernoulli", x, n_steps=40, checkpoint=path, fisher_data=(x, y),
-                               **{**kw, "seed": np.int64(3)}).theta, resumed.theta)
+            run_smp(gelu, "bernoulli", x, n_steps=40, fisher=fisher, options={**resume, **more}, **{**kw, **other})
+    again = run_smp(gelu, "bernoulli", x, n_steps=40, fisher=fisher, options=resume, **{**kw, "seed": np.int64(3)})
+    assert torch.equal(again.theta, resumed.theta)
     gaussian = tmp_path / "gaussian.pt"
     net = nn.Sequential(nn.Linear(2, 1))
-    run_smp(net, get_likelihood("gaussian", sigma=1.0), x, n_steps=10, checkpoint=gaussian, n_chains=2,
-            progress=False)
+    run_smp(net, get_likelihood("gaussian", sigma=1.0), x, n_steps=10, n_chains=2, progress=False,
+            options=dict(checkpoint=gaussian))
     with pytest.raises(ValueError, match="another likelihood"):
-        run_smp(net, get_likelihood("gaussian", sigma=2.0), x, n_steps=20, checkpoint=gaussian, n_chains=2,
-                progress=False)
+        run_smp(net, get_likelihood("gaussian", sigma=2.0), x, n_steps=20, n_chains=2, progress=False,
+                options=dict(checkpoint=gaussian))
 
 
 def test_whole_numbers_of_any_type_are_taken_for_counts():
@@ -600,12 +644,13 @@ def test_whole_numbers_of_any_type_are_taken_for_counts():
 
     x, net = torch.rand(10, 2), toy_mlp()
     kw = dict(n_steps=20, n_chains=2, seed=4, progress=False)
-    reference = run_smp(net, "bernoulli", x, n_obs=10, check_every=5, **kw)
+    reference = run_smp(net, "bernoulli", x, n_obs=10, **_with(kw, check_every=5))
     for n_obs, check_every in ((np.int64(10), np.int32(5)), (10.0, 5.0)):
-        same = run_smp(net, "bernoulli", x, n_obs=n_obs, check_every=check_every, **kw)
+        same = run_smp(net, "bernoulli", x, n_obs=n_obs, **_with(kw, check_every=check_every))
         assert torch.equal(same.theta, reference.theta) and same.config["n_obs"] == 10
-    run_smp(toy_mlp(), "bernoulli", x, preconditioner="fixed-diag", ridge=np.float32(1e-3), **kw)
-    run_smp(toy_mlp(), "bernoulli", x, divergence_threshold=float("inf"), **kw)  # only non-finite chains stop
+    run_smp(toy_mlp(), "bernoulli", x, **kw, preconditioner=preconditioner_from_name("fixed-diag",
+                                                                                     ridge=np.float32(1e-3)))
+    run_smp(toy_mlp(), "bernoulli", x, **_with(kw, divergence_threshold=float("inf")))  # only non-finite chains stop
 
 
 @pytest.mark.parametrize("name", ["fixed-dense", "ema-block", "periodic-kfac"])
@@ -618,29 +663,23 @@ def test_a_float64_statistic_runs_float32_chains_and_resumes(name, tmp_path):
     take its checkpoint."""
     net = toy_mlp()
     x = torch.rand(40, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    kw = dict(preconditioner=name, tau=0.05, n_chains=8, seed=4, period=10, check_every=10, ridge=0.1,
-              progress=False)
-    plain = run_smp(net, "bernoulli", x, n_steps=30, **kw)
-    double = run_smp(net, "bernoulli", x, n_steps=30, statistic_dtype=torch.float64, **kw)
+    kw = dict(tau=0.05, n_chains=8, seed=4, progress=False)
+    single = preconditioner_from_name(name, period=10, ridge=0.1)
+    wide = preconditioner_from_name(name, period=10, ridge=0.1, statistic_dtype="float64")
+    plain = run_smp(net, "bernoulli", x, n_steps=30, preconditioner=single, **kw)
+    double = run_smp(net, "bernoulli", x, n_steps=30, preconditioner=wide, **kw)
     assert double.theta.dtype == torch.float32
     assert all(m.dtype == torch.float64 for m in double.precond_state.stat)
     assert double.config["statistic_dtype"] == "float64" and "statistic_dtype" not in plain.config
     torch.testing.assert_close(double.theta, plain.theta, rtol=1e-4, atol=1e-5)
     path = tmp_path / "run.pt"
-    run_smp(net, "bernoulli", x, n_steps=20, statistic_dtype="float64", checkpoint=path, checkpoint_every=10, **kw)
-    resumed = run_smp(net, "bernoulli", x, n_steps=30, statistic_dtype="float64", checkpoint=path, **kw)
+    run_smp(net, "bernoulli", x, n_steps=20, preconditioner=wide, options=dict(checkpoint=path, checkpoint_every=10),
+            **kw)
+    resumed = run_smp(net, "bernoulli", x, n_steps=30, preconditioner=wide, options=dict(checkpoint=path), **kw)
     assert torch.equal(resumed.theta, double.theta)
     assert all(m.dtype == torch.float64 for m in resumed.precond_state.stat)
     with pytest.raises(ValueError, match="other settings"):
-        run_smp(net, "bernoulli", x, n_steps=30, checkpoint=path, **kw)
-
-
-def test_statistic_dtype_with_a_preconditioner_object_is_refused():
-    net = toy_mlp()
-    precond = preconditioner_from_name("fixed-dense", dim=as_chain_model(net).layout.dim)
-    with pytest.raises(ValueError, match="build_preconditioner"):
-        run_smp(net, "bernoulli", torch.zeros(5, 2), preconditioner=precond, statistic_dtype=torch.float64,
-                n_steps=2, n_chains=2, progress=False)
+        run_smp(net, "bernoulli", x, n_steps=30, preconditioner=single, options=dict(checkpoint=path), **kw)
 
 
 def test_run_smp_sums_the_fisher_in_the_statistic_dtype_and_takes_the_chains_own_as_the_default(monkeypatch):
@@ -655,16 +694,74 @@ def test_run_smp_sums_the_fisher_in_the_statistic_dtype_and_takes_the_chains_own
                         lambda *a, **k: asked.append(k.get("dtype")) or real(*a, **k))
     net = toy_mlp()
     x = torch.rand(20, 2, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    kw = dict(preconditioner="fixed-block", tau=0.05, n_steps=3, n_chains=2, seed=0, progress=False)
-    run_smp(net, "bernoulli", x, statistic_dtype=torch.float64, **kw)
+    kw = dict(tau=0.05, n_steps=3, n_chains=2, seed=0, progress=False)
+
+    def block(dtype):
+        return preconditioner_from_name("fixed-block", statistic_dtype=dtype)
+
+    run_smp(net, "bernoulli", x, preconditioner=block(torch.float64), **kw)
     assert asked == [torch.float64]
-    same = run_smp(net, "bernoulli", x, statistic_dtype="float32", **kw)
+    same = run_smp(net, "bernoulli", x, preconditioner=block("float32"), **kw)
     assert asked[-1] is None and "statistic_dtype" not in same.config
     with pytest.raises(ValueError, match="coarser than the chains"):
-        run_smp(net.double(), "bernoulli", x.double(), statistic_dtype=torch.float32, **kw)
-    built = preconditioner_from_name("fixed-block", dim=as_chain_model(net).layout.dim,
-                                     blocks=as_chain_model(net).layout.block_slices, statistic_dtype=torch.float32)
-    with pytest.raises(ValueError, match="coarser than the chains"):  # a Preconditioner object too
-        run_smp(net.double(), "bernoulli", x.double(), **{**kw, "preconditioner": built})
+        run_smp(net.double(), "bernoulli", x.double(), preconditioner=block(torch.float32), **kw)
     with pytest.raises(ValueError, match="statistic_dtype must be"):
-        run_smp(net, "bernoulli", x, statistic_dtype="float16", **kw)
+        block("float16")
+
+
+def test_the_step_level_interface_equals_run_smp():
+    # SMP.init and SMP.advance driven from one's own loop (the README's example) give run_smp's samples
+    torch.manual_seed(0)
+    net, x = toy_mlp(), torch.rand(40, 2) * 2 - 1
+    sampler = SMP(net, "bernoulli", x, preconditioner="fixed-block", tau=0.3)
+    state = sampler.init(n_chains=20, seed=0)
+    for k in (25, 50, 75, 100):
+        assert sampler.advance(state, k) is state and state.step == k
+    whole = run_smp(net, "bernoulli", x, preconditioner="fixed-block", tau=0.3, n_steps=100, n_chains=20, seed=0,
+                    progress=False)
+    assert torch.equal(state.theta, whole.theta)
+    assert torch.equal(sampler.result(state, 0.0, {}).theta, whole.theta)
+    with pytest.raises(ValueError, match="until"):
+        sampler.advance(state, 50)  # no going back
+
+
+def test_inputs_the_module_cannot_take_are_named_before_torch_speaks():
+    cnn = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2 * 26 * 26, 3))
+    with pytest.raises(ValueError, match=r"cannot take inputs of shape \(1, 8, 8\)"):
+        run_smp(cnn, "categorical", torch.rand(10, 1, 8, 8), n_steps=2, n_chains=2, progress=False)
+
+
+def test_fisher_data_in_another_dtype_and_the_plain_loop_keeps_count():
+    torch.manual_seed(0)
+    net, x = toy_mlp(), torch.rand(30, 2) * 2 - 1
+    y = (x[:, 0] > 0).float()
+    wide = Fisher("empirical", x.double(), y.double())  # float64 Fisher data for float32 chains
+    a = run_smp(net, "bernoulli", x, preconditioner="fixed-diag", tau=0.2, n_steps=10, n_chains=3, fisher=wide,
+                progress=False)
+    b = run_smp(net, "bernoulli", x, preconditioner="fixed-diag", tau=0.2, n_steps=10, n_chains=3,
+                fisher=Fisher("empirical", x, y), progress=False)
+    assert torch.equal(a.theta, b.theta)
+    sampler = SMP(net, "bernoulli", x, preconditioner="none", tau=0.2)
+    state = sampler.init(n_chains=3, seed=1)
+    from smp_core.recursion import plain_steps
+
+    plain_steps(sampler.net, sampler.likelihood, sampler.x_train, sampler.precond, None, state, 5, tau=0.2, n_obs=30)
+    assert state.step == 5
+
+
+def test_a_checkpoint_names_the_settings_that_differ_and_knows_a_frozen_body(tmp_path):
+    torch.manual_seed(0)
+    net, x = toy_mlp(), torch.rand(30, 2) * 2 - 1
+    path = tmp_path / "run.pt"
+    kw = dict(n_chains=3, seed=1, progress=False, options=dict(checkpoint=path))
+    run_smp(net, "bernoulli", x, tau=0.2, n_steps=10, **kw)
+    with pytest.raises(ValueError, match=r"other settings \(tau\)"):
+        run_smp(net, "bernoulli", x, tau=0.3, n_steps=20, **kw)
+    frozen = tmp_path / "frozen.pt"
+    body = toy_mlp()
+    body[0].requires_grad_(False)
+    run_smp(body, "bernoulli", x, n_steps=10, n_chains=3, progress=False, options=dict(checkpoint=frozen))
+    with torch.no_grad():
+        body[0].weight.add_(1.0)  # another pretrained body, the same sampled parameters
+    with pytest.raises(ValueError, match="another network"):
+        run_smp(body, "bernoulli", x, n_steps=20, n_chains=3, progress=False, options=dict(checkpoint=frozen))

@@ -8,8 +8,14 @@ from torch import nn
 
 from smp_core.likelihoods import get_likelihood
 from smp_core.models import toy_mlp
+from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import run_smp
 from smp_core.streams import COVARIATE, RESPONSE, ChainStreams, check_seed, mix64
+
+
+def _with(kw, **options):
+    """``kw`` with more run options (fields of smp_core.RunOptions) merged into its ``options``."""
+    return {**kw, "options": {**kw.get("options", {}), **options}}
 
 
 def _splitmix64(z: int) -> int:
@@ -81,18 +87,19 @@ def test_a_run_equals_its_chain_ranges_run_apart(name, network, cuda_graph):
     # S chains in one run, bit for bit the concatenation of two runs over chains 0..6 and 7..S-1 with the
     # same seed (float64), on the step-by-step loop, the step blocks and the compiled step (cnn, None)
     if network == "cnn":
-        net, lik, shape, x = _cnn(), "categorical", (1, 6, 6), torch.rand(30, 1, 6, 6, dtype=torch.float64)
+        net, lik, x = _cnn(), "categorical", torch.rand(30, 1, 6, 6, dtype=torch.float64)
     elif network == "gaussian":
-        net, lik, shape = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2)).double(), None, None
+        net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2)).double()
         lik, x = get_likelihood("gaussian", sigma=0.3), torch.rand(30, 2, dtype=torch.float64)
     else:
         torch.manual_seed(0)
-        net, lik, shape, x = toy_mlp().double(), "bernoulli", None, torch.rand(30, 2, dtype=torch.float64) * 2 - 1
-    kw = dict(preconditioner=name, tau=0.3, n_steps=25, seed=9, period=10, check_every=10, input_shape=shape,
-              ridge=0.01, progress=False, cuda_graph=cuda_graph)
+        net, lik, x = toy_mlp().double(), "bernoulli", torch.rand(30, 2, dtype=torch.float64) * 2 - 1
+    kw = dict(tau=0.3, n_steps=25, seed=9, progress=False,
+              preconditioner=preconditioner_from_name(name, period=10, ridge=0.01),
+              options=dict(check_every=10, cuda_graph=cuda_graph))
     whole = run_smp(net, lik, x, n_chains=12, **kw)
     head = run_smp(net, lik, x, n_chains=7, **kw)
-    tail = run_smp(net, lik, x, n_chains=5, first_chain=7, **kw)
+    tail = run_smp(net, lik, x, n_chains=5, **_with(kw, first_chain=7))
     assert whole.n_diverged == 0 and whole.config["first_chain"] == 0 and tail.config["first_chain"] == 7
     apart = torch.cat([head.theta, tail.theta])
     if name == "none" or name.endswith("-diag") or name == "ema-block":
@@ -102,3 +109,22 @@ def test_a_run_equals_its_chain_ranges_run_apart(name, network, cuda_graph):
         # 12 and one of 7 round differently, even on one thread), so dense and kfac agree to rounding
         assert torch.allclose(whole.theta, apart, rtol=1e-10, atol=1e-12)
     assert not torch.equal(head.theta[:5], tail.theta)  # the chains differ
+
+
+def test_streams_of_other_seeds_share_no_chain():
+    # (seed, chain) pairs must not collide: seed a's chain b is not seed b's chain a, nor chain s of seed s
+    # the same stream for every s (a symmetric key would make both true)
+    firsts = torch.cat([ChainStreams(seed, 0, 10).uniforms(RESPONSE, 1, 3, 2, "cpu").permute(1, 0, 2).reshape(10, -1)
+                        for seed in range(10)])
+    assert torch.unique(firsts, dim=0).shape[0] == 100
+    a, b = ChainStreams(1, 0, 3).covariates(1, 50, 1000, "cpu"), ChainStreams(2, 0, 3).covariates(1, 50, 1000, "cpu")
+    assert not torch.equal(a[:, 2], b[:, 1]) and not torch.equal(a[:, 1], b[:, 2])
+
+
+def test_float32_classifier_noise_stays_below_one():
+    from smp_core.likelihoods import Bernoulli
+
+    u = torch.tensor([[0.5], [1 - 2.0**-60], [1 - 2.0**-30]], dtype=torch.float64)
+    noise = Bernoulli().noise_from_uniforms(u, torch.float32)
+    assert noise.dtype == torch.float32 and float(noise.max()) < 1.0
+    assert bool(Bernoulli().sample_from_noise(torch.full((3, 1), 30.0), noise).eq(1).all())  # p = 1 in float32
