@@ -10,7 +10,7 @@ NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mni
 GEN    := book/generated
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: book test venv lint unit notebooks nbval book-html mathjax browser-deps browser-test bench clean
+.PHONY: book test venv lint unit notebooks nbval book-html mathjax browser-deps browser-test bench bench-smoke clean
 
 venv: $(STAMP)
 
@@ -72,9 +72,26 @@ browser-deps:
 browser-test:
 	$(BIN)/python -m pytest -q tests/book/test_book_browser.py
 
+# The benchmarks, benchmarks/bench_NAME.py (tests/book/test_benchmarks.py checks that none is left out), and the
+# revision that bench_revisions.py compares the working tree with.
+BENCHMARKS ?= recursion mnist kfac statistic_dtype metrics baselines revisions
+BENCH_BASE ?= HEAD
+
+## make bench: every benchmark at full size, end to end (hours on 2 cores).
 bench: venv
-	$(BIN)/python benchmarks/bench_recursion.py
-	$(BIN)/python benchmarks/bench_mnist.py
+	$(BIN)/python -m smp_book.mnist data
+	@for b in $(BENCHMARKS); do \
+	  echo "== benchmark $$b"; \
+	  case $$b in revisions) extra="--base $(BENCH_BASE)";; *) extra="";; esac; \
+	  $(BIN)/python benchmarks/bench_$$b.py $$extra || exit 1; \
+	done
+
+## make bench-smoke: every benchmark with --smoke, at tiny sizes (a minute or two; offline).
+bench-smoke: venv
+	@for b in $(BENCHMARKS); do \
+	  echo "== benchmark $$b (smoke)"; \
+	  $(BIN)/python benchmarks/bench_$$b.py --smoke || exit 1; \
+	done
 
 clean:
 	rm -rf _build build $(GEN)

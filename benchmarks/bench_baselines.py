@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/bench_baselines.py                 # CPU, and CUDA when present
     .venv/bin/python benchmarks/bench_baselines.py --images 10000 --passes 100
+    .venv/bin/python benchmarks/bench_baselines.py --smoke        # every row at tiny sizes (seconds)
 
 Prints a markdown table. ``smp_book.baselines.mc_dropout_logits`` on LeNet-5 with dropout (p = 0.25
 before each fully connected layer, the MNIST baselines chapter's network) is timed twice on the same
@@ -26,6 +27,9 @@ import torch
 from smp_book.baselines import mc_dropout_logits
 from smp_book.results import cpu_model
 from smp_core import lenet5
+
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"images": 64, "passes": 3, "members": 2, "batch_size": 32, "repeats": 1}
 
 
 class _Unsplit(torch.nn.Sequential):
@@ -57,7 +61,12 @@ def main():
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="every row at tiny sizes, in seconds (times: noise)")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     torch.set_num_threads(args.threads)
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"

@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/bench_kfac.py                      # toy S=1000, K=5000; LeNet S=10 and 100
     .venv/bin/python benchmarks/bench_kfac.py --toy-steps 1000 --lenet-chains 10
+    .venv/bin/python benchmarks/bench_kfac.py --smoke               # every table at tiny sizes (seconds)
 
 Prints markdown tables:
 
@@ -15,6 +16,8 @@ Prints markdown tables:
   strategies, with the empirical Fisher of 600 examples, and ``ema-kfac`` factorised every
   ``--ema-refresh`` steps; dense and block do not fit in memory there (see the stored numbers per
   chain, printed first).
+
+The process opts in to ``smp_core.memory.retain_freed_memory()`` (as the MNIST study does on a CPU).
 """
 
 from __future__ import annotations
@@ -32,10 +35,14 @@ from smp_book.results import cpu_model  # noqa: E402
 from smp_book.toy import make_toy_data  # noqa: E402
 from smp_core import lenet5, run_smp, toy_mlp  # noqa: E402
 from smp_core.fisher import structure_for  # noqa: E402
+from smp_core.memory import retain_freed_memory  # noqa: E402
 from smp_core.models import SequentialChainModel, as_chain_model  # noqa: E402
-from smp_core.preconditioners import STRATEGIES  # noqa: E402
+from smp_core.preconditioners import STRATEGIES, ema  # noqa: E402
 
 TAU = {"block": 0.3, "dense": 0.1, "kfac": 0.3}
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"toy_chains": 4, "toy_steps": 10, "fit_steps": 20, "lenet_chains": [2], "lenet_steps": 2, "ema_refresh": 2,
+         "lenet_fisher_examples": 16, "repeats": 1}
 
 
 def stored_numbers(model) -> dict[str, int]:
@@ -49,10 +56,20 @@ def main() -> None:
     parser.add_argument("--lenet-chains", type=int, nargs="*", default=[10, 100])
     parser.add_argument("--lenet-steps", type=int, default=20)
     parser.add_argument("--ema-refresh", type=int, default=10)
+    parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of the toy network's MAP start")
+    parser.add_argument("--lenet-fisher-examples", type=int, default=600, help="the LeNet runs' empirical Fisher data")
+    parser.add_argument("--repeats", type=int, default=3, help="LeNet: runs of each length (the fastest is taken)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--smoke", action="store_true", help="every table at tiny sizes, in seconds (times: noise)")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.threads} threads\n")
+    retained = retain_freed_memory()  # what the MNIST study does on a CPU (run_smp leaves the allocator alone)
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.threads} threads; "
+          f"retain_freed_memory() in force: {retained}\n")
 
     toy, lenet = as_chain_model(toy_mlp()), SequentialChainModel(lenet5(), (1, 28, 28))
     print("Numbers in one chain's Fisher statistic\n")
@@ -64,7 +81,7 @@ def main() -> None:
     print(f"\nToy network, S = {args.toy_chains}, K = {args.toy_steps}: seconds of run_smp\n")
     print("| strategy | block | dense | kfac |\n| --- | ---: | ---: | ---: |", flush=True)
     x, y = make_toy_data(500, seed=0)
-    net = fit_toy_start(x, y)
+    net = fit_toy_start(x, y, args.fit_steps)
     for strategy in STRATEGIES:
         cells = []
         for structure in ("block", "dense", "kfac"):
@@ -73,13 +90,14 @@ def main() -> None:
             cells.append(f"{res.elapsed:.1f}" + (f" ({res.n_diverged} diverged)" if res.n_diverged else ""))
         print(f"| {strategy} | " + " | ".join(cells) + " |", flush=True)
 
-    print(f"\nLeNet-5: milliseconds per SMP step ({args.lenet_steps} steps, fastest of three)\n")
+    print(f"\nLeNet-5: milliseconds per SMP step ({args.lenet_steps} steps, fastest of {args.repeats})\n")
     print("| variant | " + " | ".join(f"S = {s}" for s in args.lenet_chains) + " |\n| --- |"
           + " ---: |" * len(args.lenet_chains), flush=True)
     variants = ("fixed-diag", "fixed-kfac", "periodic-kfac", "ema-kfac",
                 (f"ema-kfac, ema_refresh = {args.ema_refresh}",
-                 {"preconditioner": "ema-kfac", "ema_refresh": args.ema_refresh}))
-    table = {s: dict(bench_lenet(s, args.lenet_steps, variants=variants)) for s in args.lenet_chains}
+                 {"preconditioner": ema("kfac", refresh=args.ema_refresh)}))
+    table = {s: dict(bench_lenet(s, args.lenet_steps, variants=variants, repeats=args.repeats,
+                                 n_fisher=args.lenet_fisher_examples)) for s in args.lenet_chains}
     for name in table[args.lenet_chains[0]]:
         print(f"| {name} | " + " | ".join(f"{table[s][name]:.1f}" for s in args.lenet_chains) + " |")
     print("\n(periodic-kfac recomputes every T = 500 steps, so these steps reuse the factors of theta_0 as "

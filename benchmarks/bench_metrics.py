@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/bench_metrics.py                 # S in {200, 1000, 2000}, N = 200 points
     .venv/bin/python benchmarks/bench_metrics.py --points 50 --samples 100 400
+    .venv/bin/python benchmarks/bench_metrics.py --smoke           # every table at tiny sizes (seconds)
 
 Prints markdown tables, fastest of ``--repeats`` calls, on the CPU in float64 (as the metrics compute):
 
@@ -30,6 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from smp_book.results import cpu_model  # noqa: E402
 from smp_core import metrics  # noqa: E402
+
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"samples": [20], "points": 10, "repeats": 1}
 
 
 def fastest(call, repeats):
@@ -76,7 +80,12 @@ def main(argv=None):
     parser.add_argument("--samples", type=int, nargs="+", default=[200, 1000, 2000])
     parser.add_argument("--points", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="every table at tiny sizes, in seconds (times: noise)")
     args = parser.parse_args(argv)
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args(argv)
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     sigma = 0.1
     print(f"CPU: {cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"N = {args.points} points, sigma = {sigma}, fastest of {args.repeats}\n")

@@ -4,6 +4,7 @@ Usage (from the repository root; MNIST is fetched by the offline loader when mis
 
     .venv/bin/python benchmarks/bench_mnist.py                   # CPU, and CUDA when present
     .venv/bin/python benchmarks/bench_mnist.py --devices cpu --map-batches 300
+    .venv/bin/python benchmarks/bench_mnist.py --smoke           # every table at tiny sizes (seconds)
 
 Prints markdown tables. The MAP epoch time is measured on ``--map-batches`` batches of 48 (the
 paper's batch size) and scaled to the 54,000 training images; the SMP step is the difference of
@@ -11,12 +12,17 @@ two ``run_smp`` calls of different lengths (so the Fisher set-up cancels; each t
 three runs), divided by the extra steps. On a CPU it is timed twice: the default, the whole step
 run by the compiled kernel of ``smp_core.fused``, and the batched torch model it replaces (one
 kernel per layer for all chains, step by step). On a GPU also twice: step by step and in blocks
-of 50 steps replayed as CUDA graphs (``run_smp(cuda_graph=...)``). The paper-scale SMP-none time
+of 50 steps replayed as CUDA graphs (``run_smp(options={"cuda_graph": ...})``). The paper-scale SMP-none time
 (S = 100, K = 10^6, 10^8 score evaluations) is that step time times 10^6: a projection, labelled as
 such, not a measured run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
 chain (``--fisher-examples`` validation images) by the three paths of ``smp_core.fisher``: virtual
 rows (theta copied per example), one example at a time for all chains, and by layers (per chain,
 one batched forward and backward pass of the module; the path ``estimate_fisher`` takes for it).
+The process opts in to ``smp_core.memory.retain_freed_memory()`` on a CPU, as the MNIST study does.
+
+With ``--smoke`` every table runs at tiny sizes; the images are MNIST's when ``data/`` holds them
+(never downloaded then) and otherwise uniform noise of MNIST's shape and random labels (the times do
+not depend on the values), so that the smoke run works offline; the header says which.
 """
 
 from __future__ import annotations
@@ -30,15 +36,19 @@ import torch.nn.functional as F
 import smp_core.fisher as fisher_module
 from smp_book.mnist import mnist_tensors
 from smp_book.results import cpu_model
-from smp_core import as_chain_model, lenet5, run_smp
+from smp_core import Fisher, as_chain_model, lenet5, run_smp
 from smp_core.fused import fused_unavailable
 from smp_core.likelihoods import Categorical
+from smp_core.memory import retain_freed_memory
 from smp_core.models import SequentialChainModel
 from smp_core.preconditioners import Structure
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
 MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched torch, one by one",
               "graphs": "CUDA graphs"}
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"chains": 2, "steps": 2, "map_batches": 2, "map_warmup": 1, "val_images": 16, "fisher_examples": 8,
+         "repeats": 1}
 
 
 def _sync(device: torch.device) -> None:
@@ -46,7 +56,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
+def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000, warmup=20):
     torch.manual_seed(0)
     net = lenet5().to(device)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3, weight_decay=1e-3)
@@ -60,9 +70,9 @@ def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
             F.cross_entropy(net(x[idx]), y[idx]).backward()
             opt.step()
 
-    run(batches[:20])  # warm-up
+    run(batches[:warmup])
     _sync(device)
-    timed = batches[20 : 20 + n_batches]
+    timed = batches[warmup : warmup + n_batches]
     if len(timed) < n_batches:
         raise ValueError(f"only {len(timed)} batches after the warm-up; load more training images")
     started = time.perf_counter()
@@ -72,7 +82,7 @@ def bench_map_epoch(x, y, device, n_batches, batch=48, n_train=54_000):
     return per_batch * (n_train / batch)
 
 
-def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, mode):
+def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, mode, repeats=3):
     """Seconds per step. ``mode``: "compiled" (the CPU default: the whole step in the kernel of
     smp_core.fused), "batched" (the batched torch model, step by step: the CPU path without the
     kernel, and the GPU default without graphs) or "graphs" (CUDA graphs)."""
@@ -81,15 +91,15 @@ def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, mode):
     if mode == "batched":
         net = SequentialChainModel(net, (1, 28, 28))
     kw = dict(preconditioner=variant, tau=0.05, n_chains=n_chains, seed=0, progress=False,
-              input_shape=(1, 28, 28), fisher="empirical", fisher_data=(xv, yv), cuda_graph=cuda_graph)
+              fisher=Fisher("empirical", xv, yv), options={"cuda_graph": cuda_graph})
     x = x.to(device)
     # with CUDA graphs the first block of 50 steps is the warm-up and the second is captured: both
     # runs include them, so that the difference is replays only
     base = 105 if mode == "graphs" else 5
     run_smp(net, "categorical", x, n_steps=base, **kw)  # warm-up
-    # the fastest of three runs of each length: the least disturbed by other work on the machine
-    short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(3))
-    long = min(run_smp(net, "categorical", x, n_steps=base + n_steps, **kw).elapsed for _ in range(3))
+    # the fastest of `repeats` runs of each length: the least disturbed by other work on the machine
+    short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(repeats))
+    long = min(run_smp(net, "categorical", x, n_steps=base + n_steps, **kw).elapsed for _ in range(repeats))
     return (long - short) / n_steps
 
 
@@ -117,7 +127,7 @@ def bench_fisher(xv, yv, device, n_chains, n_examples):
         "virtual rows": lambda t, xs, ys: _virtual_rows(model, lik, t, xs, ys),
         # one example at a time for all chains (the general path for large models)
         "one example at a time": lambda t, xs, ys: fisher_module._fisher_example_by_example(
-            model, lik, t, xs, ys, "empirical", diag),
+            model, lik, t, xs, ys, "empirical", diag, t.dtype),
         # per chain, all examples in one forward and backward pass of the module (what estimate_fisher
         # takes for LeNet-5 from about 45 chains up, and for one chain)
         "by layers": lambda t, xs, ys: fisher_module.diagonal_empirical_fisher_by_layers(model, lik, t, xs, ys),
@@ -135,31 +145,58 @@ def bench_fisher(xv, yv, device, n_chains, n_examples):
     return rows
 
 
+def load_data(n_train, n_val, smoke):
+    """``(x, y), (xv, yv), source``: the first training and validation images of the paper's split; in a
+    smoke run, MNIST only when ``data/`` holds it (no download), otherwise a random stand-in."""
+    try:
+        data, _ = mnist_tensors("data", seed=0, subset=(n_train, n_val, 0), **({"download": False} if smoke else {}))
+        return data["train"], data["val"], "MNIST (data/)"
+    except RuntimeError:
+        if not smoke:
+            raise
+    gen = torch.Generator().manual_seed(0)
+    n = n_train + n_val
+    x, y = torch.rand(n, 1, 28, 28, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+    return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:]), "random stand-in for MNIST (no MNIST in data/)"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--devices", nargs="*", default=None, help="default: cpu, and cuda when available")
     parser.add_argument("--chains", type=int, default=100)
     parser.add_argument("--steps", type=int, default=200, help="a multiple of 50 (the CUDA-graph block)")
     parser.add_argument("--map-batches", type=int, default=200)
+    parser.add_argument("--map-warmup", type=int, default=20, help="MAP batches run before the timed ones")
+    parser.add_argument("--val-images", type=int, default=600, help="validation images: the SMP runs' Fisher data")
+    parser.add_argument("--repeats", type=int, default=3, help="SMP runs of each length (the fastest is taken)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fisher-examples", type=int, default=200)
     parser.add_argument("--variants", nargs="*", default=["none", "fixed-diag", "ema-diag", "periodic-diag"])
+    parser.add_argument("--smoke", action="store_true",
+                        help="every table at tiny sizes, in seconds (times mean nothing); offline")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     torch.set_num_threads(args.threads)
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
-    data, _ = mnist_tensors("data", seed=0, subset=(48 * (args.map_batches + 20), 600, 0))
-    (x, y), (xv, yv) = data["train"], data["val"]
+    retained = retain_freed_memory() if "cpu" in devices else False  # as the MNIST study on a CPU
+    (x, y), (xv, yv), source = load_data(48 * (args.map_batches + args.map_warmup),
+                                         max(args.val_images, args.fisher_examples), args.smoke)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"torch {torch.__version__}, {args.threads} CPU threads, {cpu_model()}, GPU: {gpu}, "
-          f"{time.strftime('%Y-%m-%d')}\n")
+          f"retain_freed_memory() in force: {retained}, {time.strftime('%Y-%m-%d')}\nImages: {source}\n")
     print("| device | MAP epoch (s, 54,000 images) |")
     print("|---|---|")
     for name in devices:
-        print(f"| {name} | {bench_map_epoch(x, y, torch.device(name), args.map_batches):.1f} |", flush=True)
+        seconds = bench_map_epoch(x, y, torch.device(name), args.map_batches, warmup=args.map_warmup)
+        print(f"| {name} | {seconds:.1f} |", flush=True)
     print(f"\nSMP step, LeNet-5 (d = 47,154), S = {args.chains}; periodic variants recompute the Fisher "
           f"every 500 steps, not included here\n")
-    print("| device | variant | steps | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
+    print("| device | variant | step run by | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
     print("|---|---|---|---|---|---|")
+    xf, yf = xv[: args.val_images], yv[: args.val_images]
     for name in devices:
         # on a GPU, the step-by-step loop and blocks of 50 steps replayed as CUDA graphs; on a CPU, the
         # compiled kernel (the default) and the batched torch model it replaces
@@ -169,7 +206,8 @@ def main():
                 if mode == "compiled" and fused_unavailable() is not None:
                     print(f"| {name} | SMP-{variant} | compiled kernel | not available: {fused_unavailable()} | | |")
                     continue
-                step = bench_smp_step(x, xv, yv, torch.device(name), variant, args.chains, args.steps, mode)
+                step = bench_smp_step(x, xf, yf, torch.device(name), variant, args.chains, args.steps, mode,
+                                      args.repeats)
                 paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
                 print(f"| {name} | SMP-{variant} | {MODE_NAMES[mode]} | {1000 * step:.2f} | {step * 1e6:.0f} | "
                       f"{paper} |", flush=True)

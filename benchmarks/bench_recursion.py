@@ -4,6 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python benchmarks/bench_recursion.py            # toy S=1000, K=5000, all 10 variants; LeNet S=100
     .venv/bin/python benchmarks/bench_recursion.py --steps 500 --variants none ema-block
+    .venv/bin/python benchmarks/bench_recursion.py --smoke     # every table at tiny sizes (seconds)
 
 Prints a markdown table. Times are wall-clock seconds of ``run_smp`` (Fisher set-up included) with
 ``torch.set_num_threads(--threads)``; the LeNet figure is milliseconds per recursion step (score of
@@ -12,7 +13,9 @@ that a per-step factorisation puts under the EMA variants: one batched Cholesky 
 solve of S symmetric positive-definite n x n matrices (LAPACK through torch), times K steps.
 Between them, a LeNet step split into its parts, the LeNet step with and without the allocator
 setting of ``smp_core.memory`` (fresh processes), and the two forms of the batched matrix-vector
-product of its fully connected layers.
+product of its fully connected layers. The process opts in to that allocator setting
+(``retain_freed_memory()``, as the MNIST study does on a CPU; ``run_smp`` leaves the allocator alone),
+so that the LeNet figures are those of the study's runs.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import torch
 
 from smp_book.results import cpu_model
 from smp_book.toy import make_toy_data
-from smp_core import lenet5, run_smp, toy_mlp
+from smp_core import Fisher, lenet5, run_smp, toy_mlp
+from smp_core.memory import retain_freed_memory
 
 # The paper's step-size scales (Section 3.2.3) and the targets of issue 2 (seconds, this 2-core CPU).
 TOY_VARIANTS = {
@@ -39,6 +43,9 @@ PAPER_SECONDS = {  # Table ex1_elapsed, 6 CPU threads (Julia)
     "ema-block": 163.4, "ema-dense": 186.2, "periodic-diag": 252.7, "periodic-block": 260.4,
     "periodic-dense": 286.6,
 }
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"chains": 4, "steps": 10, "fit_steps": 20, "lenet_chains": 2, "lenet_steps": 2, "lenet_fisher_examples": 16,
+         "repeats": 1, "blocks": 1, "block_calls": 2, "cholesky_repeats": 2}
 
 
 def fit_toy_start(x, y, steps=1500):
@@ -55,9 +62,9 @@ def fit_toy_start(x, y, steps=1500):
     return net
 
 
-def bench_toy(variants, n_chains, n_steps):
+def bench_toy(variants, n_chains, n_steps, fit_steps=1500):
     x, y = make_toy_data(500, seed=0)
-    net = fit_toy_start(x, y)
+    net = fit_toy_start(x, y, fit_steps)
     rows = []
     for name in variants:
         tau, target = TOY_VARIANTS[name]
@@ -67,7 +74,10 @@ def bench_toy(variants, n_chains, n_steps):
     return rows
 
 
-def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag", "periodic-diag")):
+def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag", "periodic-diag"), repeats=3,
+                n_fisher=600):
+    """Milliseconds per LeNet-5 step of each variant: the difference of two run lengths, each the fastest of
+    ``repeats`` runs, with the empirical Fisher of ``n_fisher`` of the random inputs."""
     torch.manual_seed(0)
     net = lenet5()
     x = torch.rand(2000, 1, 28, 28)
@@ -77,11 +87,11 @@ def bench_lenet(n_chains, n_steps, variants=("none", "fixed-diag", "ema-diag", "
         # a variant is a preconditioner name, or (label, run_smp keyword arguments with its preconditioner)
         name, options = (variant, {"preconditioner": variant}) if isinstance(variant, str) else variant
         kw = dict(tau=0.05, n_chains=n_chains, seed=0, progress=False,
-                  input_shape=(1, 28, 28), fisher="empirical", fisher_data=(x[:600], y[:600]), **options)
+                  fisher=Fisher("empirical", x[:n_fisher], y[:n_fisher]), **options)
         run_smp(net, "categorical", x, n_steps=3, **kw)  # warm-up
-        # the fastest of three runs of each length: the least disturbed by other work on the machine
-        t_short = min(run_smp(net, "categorical", x, n_steps=5, **kw).elapsed for _ in range(3))
-        t_long = min(run_smp(net, "categorical", x, n_steps=5 + n_steps, **kw).elapsed for _ in range(3))
+        # the fastest of `repeats` runs of each length: the least disturbed by other work on the machine
+        t_short = min(run_smp(net, "categorical", x, n_steps=5, **kw).elapsed for _ in range(repeats))
+        t_long = min(run_smp(net, "categorical", x, n_steps=5 + n_steps, **kw).elapsed for _ in range(repeats))
         rows.append((name, 1000 * (t_long - t_short) / n_steps))
     return rows
 
@@ -139,33 +149,42 @@ def bench_matvec(n_chains, shapes=((128, 256), (84, 128), (10, 84)), repeats=5, 
     return rows
 
 
-def _allocator_probe(n_chains, n_steps):
-    """Run in a subprocess: ms per LeNet-5 step (none) and minor page faults per step, one line."""
+def _allocator_probe(n_chains, n_steps, retain, repeats=3, n_fisher=600):
+    """Run in a subprocess: ms per LeNet-5 step (none) and minor page faults per step, one line.
+
+    ``retain``: call ``smp_core.memory.retain_freed_memory()`` first (``run_smp`` does not); the line
+    ends with whether its setting is in force."""
     import resource
 
-    ms = bench_lenet(n_chains, n_steps, variants=("none",))[0][1]
+    applied = retain_freed_memory() if retain else False
+    ms = bench_lenet(n_chains, n_steps, variants=("none",), repeats=repeats, n_fisher=n_fisher)[0][1]
     torch.manual_seed(0)
     x = torch.rand(2000, 1, 28, 28)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     run_smp(lenet5(), "categorical", x, preconditioner="none", n_steps=n_steps, n_chains=n_chains, seed=0,
-            progress=False, input_shape=(1, 28, 28))
+            progress=False)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / n_steps
-    print(f"{ms} {faults}")
+    print(f"{ms} {faults} {int(applied)}")
 
 
-def bench_allocator(n_chains, n_steps, threads, runs=3):
+def bench_allocator(n_chains, n_steps, threads, runs=3, repeats=3, n_fisher=600):
     """The LeNet step with glibc's default allocator thresholds and with smp_core.memory's, in fresh processes."""
     import subprocess
     import sys
 
     rows = []
-    for label, flag in (("glibc default (adaptive)", "0"), ("retain freed memory (smp_core default)", "1")):
+    for label, retain in (("glibc default (adaptive)", False), ("retain_freed_memory() (smp_core.memory)", True)):
         for _ in range(runs):
-            env = {**os.environ, "SMP_RETAIN_FREED_MEMORY": flag}
-            out = subprocess.run([sys.executable, __file__, "--allocator-probe", "--lenet-chains", str(n_chains),
-                                  "--lenet-steps", str(n_steps), "--threads", str(threads)],
-                                 env=env, capture_output=True, text=True, check=True).stdout.split()
-            rows.append((label, float(out[-2]), float(out[-1])))
+            command = [sys.executable, __file__, "--allocator-probe", "--lenet-chains", str(n_chains), "--lenet-steps",
+                       str(n_steps), "--threads", str(threads), "--repeats", str(repeats),
+                       "--lenet-fisher-examples", str(n_fisher)] + (["--retain-freed-memory"] if retain else [])
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"the allocator probe failed:\n{done.stderr[-3000:]}")
+            ms, faults, applied = done.stdout.split()[-3:]
+            # not in force where SMP_RETAIN_FREED_MEMORY=0 or without glibc: the row says so
+            shown = label if applied == str(int(retain)) else f"{label}, not in force here"
+            rows.append((shown, float(ms), float(faults)))
     return rows
 
 
@@ -195,51 +214,71 @@ def main():
     parser.add_argument("--chains", type=int, default=1000)
     parser.add_argument("--steps", type=int, default=5000)
     parser.add_argument("--variants", nargs="*", default=list(TOY_VARIANTS))
+    parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of the toy network's MAP start")
     parser.add_argument("--lenet-chains", type=int, default=100)
     parser.add_argument("--lenet-steps", type=int, default=200)
+    parser.add_argument("--lenet-fisher-examples", type=int, default=600, help="the LeNet runs' empirical Fisher data")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="LeNet: runs of each length (the fastest is taken), and processes per allocator setting")
+    parser.add_argument("--blocks", type=int, default=5, help="timed blocks of the parts and matvec tables")
+    parser.add_argument("--block-calls", type=int, default=50, help="calls per timed block")
+    parser.add_argument("--cholesky-repeats", type=int, default=200)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--skip-lenet", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="every table at tiny sizes, in seconds (times: noise)")
     parser.add_argument("--allocator-probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--retain-freed-memory", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.allocator_probe:
-        _allocator_probe(args.lenet_chains, args.lenet_steps)
+        _allocator_probe(args.lenet_chains, args.lenet_steps, args.retain_freed_memory, args.repeats,
+                         args.lenet_fisher_examples)
         return
+    retained = retain_freed_memory()  # what the MNIST study does on a CPU (run_smp leaves the allocator alone)
+    if args.smoke:
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     print(f"torch {torch.__version__}, {args.threads} threads, {cpu_model()} ({os.cpu_count()} cores), "
-          f"{time.strftime('%Y-%m-%d')}\n")
+          f"retain_freed_memory() in force: {retained}, {time.strftime('%Y-%m-%d')}\n")
     print(f"Toy recursion: S = {args.chains}, K = {args.steps} (paper: 6 Julia threads)\n")
     print("| variant | tau | seconds | target (s) | paper (s) | diverged |")
     print("|---|---|---|---|---|---|")
-    for name, tau, seconds, target, div in bench_toy(args.variants, args.chains, args.steps):
+    for name, tau, seconds, target, div in bench_toy(args.variants, args.chains, args.steps, args.fit_steps):
         tgt = "" if target is None else f"{target:.1f}"
         print(f"| SMP-{name} | {tau} | {seconds:.2f} | {tgt} | {PAPER_SECONDS[name]:.1f} | {div} |", flush=True)
     if not args.skip_lenet:
         print(f"\nLeNet-5 (d = 47,154), one recursion step, S = {args.lenet_chains} (target: 8 ms)\n")
         print("| variant | ms / step |")
         print("|---|---|")
-        for name, ms in bench_lenet(args.lenet_chains, args.lenet_steps):
+        for name, ms in bench_lenet(args.lenet_chains, args.lenet_steps, repeats=args.repeats,
+                                    n_fisher=args.lenet_fisher_examples):
             print(f"| SMP-{name} | {ms:.1f} |", flush=True)
-        print(f"\nThe parts of one LeNet-5 step, S = {args.lenet_chains} (fastest of 5 blocks of 50 calls)\n")
+        print(f"\nThe parts of one LeNet-5 step, S = {args.lenet_chains} (fastest of {args.blocks} blocks of "
+              f"{args.block_calls} calls)\n")
         print("| part | ms |")
         print("|---|---|")
-        for part, ms in bench_lenet_parts(args.lenet_chains):
+        for part, ms in bench_lenet_parts(args.lenet_chains, args.blocks, args.block_calls):
             print(f"| {part} | {ms:.2f} |", flush=True)
         print(f"\nOne LeNet-5 step (SMP-none, S = {args.lenet_chains}) in fresh processes, with glibc's adaptive "
-              "allocator thresholds and with the fixed ones smp_core sets (smp_core.memory); three processes each\n")
+              "allocator thresholds and with the fixed ones of smp_core.memory.retain_freed_memory() (an explicit "
+              f"opt-in); {args.repeats} processes each\n")
         print("| allocator | ms / step | page faults / step |")
         print("|---|---|---|")
-        for label, ms, faults in bench_allocator(args.lenet_chains, args.lenet_steps, args.threads):
+        for label, ms, faults in bench_allocator(args.lenet_chains, args.lenet_steps, args.threads, args.repeats,
+                                                 args.repeats, args.lenet_fisher_examples):
             print(f"| {label} | {ms:.1f} | {faults:.0f} |", flush=True)
         print(f"\nBatched matrix-vector product W_b h_b of the fully connected layers, S = {args.lenet_chains}: "
               "column form bmm(W, h) against the row form bmm(h^T, W^T) that smp_core uses\n")
         print("| W (out x in) | column (ms) | row (ms) |")
         print("|---|---|---|")
-        for n_out, n_in, column, row in bench_matvec(args.lenet_chains):
+        for n_out, n_in, column, row in bench_matvec(args.lenet_chains, repeats=args.blocks, inner=args.block_calls):
             print(f"| {n_out} x {n_in} | {column:.3f} | {row:.3f} |", flush=True)
     print(f"\nBatched Cholesky of S = {args.chains} SPD n x n matrices (the per-step cost of an EMA preconditioner)\n")
     print(f"| n | factorise (ms) | solve (ms) | x K = {args.steps} (s) |")
     print("|---|---|---|---|")
-    for n, fact, solve in bench_cholesky(args.chains):
+    for n, fact, solve in bench_cholesky(args.chains, repeats=args.cholesky_repeats):
         print(f"| {n} | {fact:.2f} | {solve:.2f} | {(fact + solve) * args.steps / 1000:.1f} |", flush=True)
 
 

@@ -1,9 +1,10 @@
-"""What a float64 statistic costs: ``statistic_dtype=torch.float64`` against the chains' float32.
+"""What a float64 statistic costs: a preconditioner's ``statistic_dtype=torch.float64`` against the chains' float32.
 
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/bench_statistic_dtype.py                  # toy S=1000, K=2000; wider MLP S=50, K=200
     .venv/bin/python benchmarks/bench_statistic_dtype.py --toy-steps 500 --wide-steps 50
+    .venv/bin/python benchmarks/bench_statistic_dtype.py --smoke     # every table at tiny sizes (seconds)
 
 Prints markdown tables of the seconds of ``run_smp`` (Fisher set-up included), fastest of
 ``--repeats`` runs, for the block, dense and kfac preconditioners with each temporal strategy,
@@ -17,7 +18,7 @@ with the statistic in float32 (the default: the chains' dtype) and in float64, a
 
 The column ``warned (f32)`` counts the RuntimeWarnings of failed float32 factorisations (see
 ``smp_core.preconditioners._redo_failed``): runs where the float32 statistic came out indefinite by
-more than the ridge.
+more than the ridge. The process opts in to ``smp_core.memory.retain_freed_memory()``.
 """
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ from smp_book.config import TOY_TAU  # noqa: E402
 from smp_book.results import cpu_model  # noqa: E402
 from smp_book.toy import make_toy_data  # noqa: E402
 from smp_core import run_smp  # noqa: E402
-from smp_core.preconditioners import STRATEGIES  # noqa: E402
+from smp_core.memory import retain_freed_memory  # noqa: E402
+from smp_core.preconditioners import STRATEGIES, preconditioner_from_name  # noqa: E402
 
+# --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
+SMOKE = {"toy_chains": 4, "toy_steps": 10, "wide_chains": 2, "wide_steps": 5, "fit_steps": 20, "repeats": 1}
 
 def fit_wide_start(x, y, steps=1500):
     """A 2-16-16-1 tanh MLP fitted to the toy data (prior N(0, I)), as a larger network's start."""
@@ -62,8 +66,8 @@ def timed(net, x, name, tau, n_chains, n_steps, dtype, repeats):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", RuntimeWarning)
             started = time.perf_counter()
-            run_smp(net, "bernoulli", x, preconditioner=name, tau=tau, n_steps=n_steps, n_chains=n_chains, seed=0,
-                    statistic_dtype=dtype, progress=False)
+            run_smp(net, "bernoulli", x, preconditioner=preconditioner_from_name(name, statistic_dtype=dtype), tau=tau,
+                    n_steps=n_steps, n_chains=n_chains, seed=0, progress=False)
             best = min(best, time.perf_counter() - started)
         if i == 0:
             warned = sum("indefinite by more than the ridge" in str(w.message) for w in caught)
@@ -89,15 +93,23 @@ def main() -> None:
     parser.add_argument("--wide-chains", type=int, default=50)
     parser.add_argument("--wide-steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of the networks' MAP starts")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--smoke", action="store_true", help="every table at tiny sizes, in seconds (times: noise)")
     args = parser.parse_args()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.threads} threads")
+    retained = retain_freed_memory()  # an explicit opt-in: run_smp leaves the allocator alone
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}; {args.threads} threads; "
+          f"retain_freed_memory() in force: {retained}")
     x, y = make_toy_data(500, seed=0)
-    table("Toy network, d = 20", fit_toy_start(x, y), x, ("block", "dense", "kfac"), TOY_TAU,
+    table("Toy network, d = 20", fit_toy_start(x, y, args.fit_steps), x, ("block", "dense", "kfac"), TOY_TAU,
           args.toy_chains, args.toy_steps, args.repeats)
-    table("MLP 2-16-16-1, d = 337", fit_wide_start(x, y), x, ("block", "kfac"), {"block": 0.1, "kfac": 0.1},
-          args.wide_chains, args.wide_steps, args.repeats)
+    table("MLP 2-16-16-1, d = 337", fit_wide_start(x, y, args.fit_steps), x, ("block", "kfac"),
+          {"block": 0.1, "kfac": 0.1}, args.wide_chains, args.wide_steps, args.repeats)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,70 @@
+"""Every benchmark script in benchmarks/ runs end to end: each `bench_*.py --smoke` (all its tables at tiny
+sizes, in seconds) exits with status 0, and none is left out of this list or of the Makefile's `make bench`.
+
+Left out: benchmarks/time_fresh_clone.sh. It times `make test` and `make book` in fresh clones (about an
+hour on 2 cores, and `make book` fetches MNIST and MathJax), so it has no smoke size, and it is not Python.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+# every benchmarks/bench_*.py (test_every_benchmark_is_listed checks that none is missing)
+SCRIPTS = [
+    "bench_baselines.py",
+    "bench_kfac.py",
+    "bench_metrics.py",
+    "bench_mnist.py",
+    "bench_recursion.py",
+    "bench_revisions.py",
+    "bench_statistic_dtype.py",
+]
+# seconds per smoke run; each takes a few seconds to about twenty on 2 cores
+TIMEOUT = 180
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_kernel():
+    """Build the compiled kernel of smp_core.fused here when it is not cached yet (about a minute), so that the
+    build does not count against the time limit of whichever script first runs LeNet-5 on the CPU."""
+    from smp_core.fused import fused_unavailable
+
+    fused_unavailable()
+
+
+def test_every_benchmark_is_listed():
+    found = sorted(p.name for p in BENCHMARKS.glob("bench_*.py"))
+    assert found == sorted(SCRIPTS), (
+        f"benchmarks/bench_*.py and SCRIPTS in {Path(__file__).name} differ: add a --smoke run of every new "
+        f"benchmark to SCRIPTS (not listed: {sorted(set(found) - set(SCRIPTS))}; "
+        f"listed but missing: {sorted(set(SCRIPTS) - set(found))})")
+
+
+def test_make_bench_runs_every_benchmark():
+    match = re.search(r"^BENCHMARKS \?= (.+)$", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+    assert match, "the Makefile has no BENCHMARKS ?= line"
+    listed = sorted(f"bench_{name}.py" for name in match.group(1).split())
+    assert listed == sorted(SCRIPTS), "the Makefile's BENCHMARKS (make bench, make bench-smoke) and SCRIPTS differ"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_smoke_run(script):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    try:
+        done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as error:
+        stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
+        pytest.fail(f"{script} --smoke ran past {TIMEOUT} s; stderr ends:\n{stderr[-3000:]}")
+    assert done.returncode == 0, (
+        f"{script} --smoke exited with status {done.returncode}; stderr ends:\n{done.stderr[-3000:]}")
+    assert "|---" in done.stdout or "| ---" in done.stdout, f"{script} --smoke printed no table:\n{done.stdout}"
