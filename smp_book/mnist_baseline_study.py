@@ -38,6 +38,7 @@ from smp_core import metrics
 from smp_core.models import as_chain_model, lenet5, predict
 
 from . import baselines
+from . import mnist_seeds_study as mss
 from . import mnist_study as ms
 from .config import MNIST_BASELINE_KEYS
 from .results import cached, code_hash
@@ -59,7 +60,7 @@ def weight_decay_prior(cfg: dict[str, Any]) -> float:
 
 def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
     """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself."""
-    return ms.map_seed(cfg, member)
+    return mss.map_seed(cfg, member)
 
 
 def dropout_seed(cfg: dict[str, Any], part: str) -> int:

@@ -55,7 +55,6 @@ def test_baselines_study_shares_the_toy_settings_and_seeds():
 
 def test_growth_study_shares_the_mnist_settings_but_s_and_k():
     from smp_book import mnist_study as ms
-
     for scale in SCALES:
         mnist, growth = get_config("mnist", scale), get_config("mnist_growth", scale)
         assert ms.map_key(growth) == ms.map_key(mnist)  # the same MAP, from the same cache
@@ -117,6 +116,7 @@ def test_mnist_baselines_study_shares_the_mnist_settings():
 
 
 def test_mnist_seeds_study_shares_the_mnist_settings():
+    from smp_book import mnist_seeds_study as mss
     from smp_book import mnist_study as ms
     from smp_book.config import MNIST_VARIANTS
 
@@ -126,6 +126,6 @@ def test_mnist_seeds_study_shares_the_mnist_settings():
             k: v for k, v in mnist.items() if k != "study"}
         assert seeds["map_seeds"] >= 2
         # every SMP run of every MAP and replicate draws its own random numbers
-        runs = [ms.smp_seed({**seeds, "seed": ms.map_seed(seeds, m)}, i, r) for m in range(seeds["map_seeds"])
+        runs = [ms.smp_seed({**seeds, "seed": mss.map_seed(seeds, m)}, i, r) for m in range(seeds["map_seeds"])
                 for r in range(seeds["smp_replicates"]) for i in range(len(MNIST_VARIANTS))]
         assert len(set(runs)) == len(runs)

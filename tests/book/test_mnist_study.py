@@ -5,6 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
+from smp_book import mnist_growth_study as mgs
+from smp_book import mnist_kfac_study as mks
+from smp_book import mnist_seeds_study as mss
 from smp_book import mnist_study as ms
 from smp_book.paper import paper_table
 from smp_core import metrics
@@ -134,8 +137,8 @@ def _tiny_mnist(seed=0):
 def test_reached_share_is_the_sum_of_the_squared_step_sizes():
     n_obs, n_steps = 500, 700
     direct = sum((n_obs + k) ** -2.0 for k in range(1, n_steps + 1)) / sum((n_obs + k) ** -2.0 for k in range(1, 10**6))
-    assert abs(ms.reached_share(n_obs, n_steps) - direct) < 2e-3  # the 10^6 terms leave out < 1/(N + 10^6)
-    assert abs(ms.reached_share(54_000, 10**4) - 10**4 / 64_000) < 1e-4
+    assert abs(mgs.reached_share(n_obs, n_steps) - direct) < 2e-3  # the 10^6 terms leave out < 1/(N + 10^6)
+    assert abs(mgs.reached_share(54_000, 10**4) - 10**4 / 64_000) < 1e-4
 
 
 def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
@@ -148,12 +151,12 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
     zero[:100] = True
     # (SMP-none: a preconditioned variant from a random network on random images kills every unit)
     kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
-    table = ms.run_growth(cfg, "none", theta0, data, 0, zero, **kw)
+    table = mgs.run_growth(cfg, "none", theta0, data, 0, zero, **kw)
     assert list(table.index) == [50, 100] and (table["method"] == "SMP-none").all()
     # the point at K = 100 of the extended run is a run of exactly 100 steps
     direct = ms.run_variant({**cfg, "n_steps": 100, "checkpoint_every": None}, "none", theta0, data, 0,
                             torch.device("cpu"), progress=False)
-    point = ms.growth_point(direct.theta, data, zero, torch.device("cpu"))
+    point = mgs.growth_point(direct.theta, data, zero, torch.device("cpu"))
     assert table.loc[100, "params_variance"] == point["params_variance"]
     assert table.loc[100, "mutual_info"] == point["mutual_info"]
     assert table.loc[100, "params_variance"] != table.loc[50, "params_variance"]  # the run went on
@@ -163,7 +166,7 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
              + (theta0.numel() - 100) * table.loc[100, "params_variance_other"]) / theta0.numel()
     assert abs(whole - table.loc[100, "params_variance"]) < 1e-9 * table.loc[100, "params_variance"]
     # a rerun is read from the cache; a longer grid extends the same checkpoint
-    assert ms.run_growth(cfg, "none", theta0, data, 0, zero, **kw).equals(table)
+    assert mgs.run_growth(cfg, "none", theta0, data, 0, zero, **kw).equals(table)
     from smp_core import recursion
 
     advanced = []
@@ -174,25 +177,25 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
         return real_advance(self, state, until, **kwargs)
 
     monkeypatch.setattr(recursion.SMP, "advance", spy)
-    longer = ms.run_growth({**cfg, "growth_steps": [50, 100, 150]}, "none", theta0, data, 0, zero, **kw)
+    longer = mgs.run_growth({**cfg, "growth_steps": [50, 100, 150]}, "none", theta0, data, 0, zero, **kw)
     assert longer.loc[[50, 100]].equals(table)
     assert advanced == [(100, 150)]  # only the new steps were run, from the checkpoint at K = 100
     # without the cache the same numbers come from a temporary checkpoint
-    uncached = ms.run_growth(cfg, "none", theta0, data, 0, zero, **{**kw, "cache_root": str(tmp_path / "no")},
+    uncached = mgs.run_growth(cfg, "none", theta0, data, 0, zero, **{**kw, "cache_root": str(tmp_path / "no")},
                              use_cache=False)
     assert uncached.drop(columns="seconds").equals(table.drop(columns="seconds"))
     assert not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match="increasing"):
-        ms.run_growth({**cfg, "growth_steps": [100, 50]}, "none", theta0, data, 0, zero, **kw)
+        mgs.run_growth({**cfg, "growth_steps": [100, 50]}, "none", theta0, data, 0, zero, **kw)
     with pytest.raises(ValueError, match="multiple of 50"):
-        ms.run_growth({**cfg, "growth_steps": [50, 120]}, "none", theta0, data, 0, zero, **kw)
+        mgs.run_growth({**cfg, "growth_steps": [50, 120]}, "none", theta0, data, 0, zero, **kw)
 
 
 def test_growth_against_linear_and_least_dispersed():
     import pandas as pd
 
     grid = [1_000, 10_000, 100_000]
-    shares = [ms.reached_share(54_000, k) for k in grid]
+    shares = [mgs.reached_share(54_000, k) for k in grid]
 
     def table(method, scale, se):
         df = pd.DataFrame({"method": method, "reached_share": shares, "mutual_info": [scale * s for s in shares],
@@ -200,11 +203,11 @@ def test_growth_against_linear_and_least_dispersed():
         return df
 
     linear = table("SMP-fixed-diag", 2.0, 0.01)
-    assert ms.growth_against_linear(linear, "mutual_info").tolist() == pytest.approx([1.0, 1.0, 1.0])
+    assert mgs.growth_against_linear(linear, "mutual_info").tolist() == pytest.approx([1.0, 1.0, 1.0])
     faster = linear.assign(mutual_info=linear["mutual_info"] * [1, 2, 4])
-    assert ms.growth_against_linear(faster, "mutual_info").tolist() == pytest.approx([1.0, 2.0, 4.0])
+    assert mgs.growth_against_linear(faster, "mutual_info").tolist() == pytest.approx([1.0, 2.0, 4.0])
     both = pd.concat([faster, table("SMP-periodic-diag", 3.0, 0.01), table("SMP-none", 0.0, 0.0)])
-    least = ms.least_dispersed(both)
+    least = mgs.least_dispersed(both)
     assert least["least"].tolist() == ["SMP-fixed-diag", "SMP-periodic-diag", "SMP-periodic-diag"]  # 2s, 4s, 8s vs 3s
     # at K = 10^3: 3 s - 2 s = s apart, s = share; z = s / (0.01 sqrt 2)
     assert least.loc[1_000, "lead_z"] == pytest.approx(shares[0] / (0.01 * math.sqrt(2)))
@@ -251,14 +254,14 @@ def test_growth_summary_ratios():
     t = pd.DataFrame({"method": "SMP-x", "reached_share": [0.1, 0.5], "params_variance": [1.0, 8.0],
                       "params_variance_zero_fisher": [0.0, 2.0], "logits_variance": [2.0, 4.0],
                       "mutual_info": [0.5, 0.5]}, index=pd.Index(grid, name="K"))
-    row = ms.growth_summary(t, zero_fraction=0.5).loc["SMP-x"]
+    row = mgs.growth_summary(t, zero_fraction=0.5).loc["SMP-x"]
     assert row["one-Fisher growth"] == pytest.approx(5.0) and row["params_variance growth"] == 8.0
     assert row["logits_variance growth"] == 2.0 and row["mutual_info growth"] == 1.0
     assert row["zero-Fisher share of params variance"] == pytest.approx(0.5 * 2.0 / 8.0)
     assert (row["from K"], row["to K"]) == (1_000, 100_000)
     assert "params_variance growth se" not in row  # no errors given, none made up
     with_se = t.assign(params_variance_se=[0.1, 0.4], largest_chain_share=[0.2, 0.7])
-    row = ms.growth_summary(with_se, zero_fraction=0.5).loc["SMP-x"]
+    row = mgs.growth_summary(with_se, zero_fraction=0.5).loc["SMP-x"]
     assert row["params_variance growth se"] == pytest.approx(8.0 * math.hypot(0.1, 0.05))
     assert row["largest chain share"] == 0.7
 
@@ -306,17 +309,17 @@ def test_kfac_against_diag_verdicts():
     variances = pd.DataFrame({"logits_variance": [0.0, 0.004, 0.5, 0.1, 11.0, 22.0], "params_variance": 1e-6},
                              index=scores.index)
     elapsed = pd.DataFrame({"seconds": [0.0, 60, 60, 700, 70, 1300]}, index=scores.index)
-    table = ms.structure_table(scores, variances, elapsed)
+    table = mks.structure_table(scores, variances, elapsed)
     assert table.loc["SMP-ema-kfac", ["strategy", "structure"]].tolist() == ["ema", "kfac"]
     assert table.loc["SMP-none", "strategy"] == "" and table.loc["MAP", "structure"] == ""
-    findings = ms.kfac_against_diag(table)
+    findings = mks.kfac_against_diag(table)
     assert list(findings.index) == ["fixed", "ema"]  # periodic has neither row
     assert findings.loc["fixed", "mi_kfac_over_diag"] == pytest.approx(0.5)
     assert findings.loc["ema", "logits_variance_kfac_over_diag"] == pytest.approx(2.0)
     assert findings["kfac less dispersed (smaller MI)"].tolist() == ["yes", "no"]
     assert findings["kfac lower NLL"].tolist() == ["yes", "no"]
     assert (findings["nll_map"] == 0.04).all()
-    assert ms.kfac_against_diag(table.drop(index=["SMP-fixed-kfac", "SMP-ema-kfac"])).empty
+    assert mks.kfac_against_diag(table.drop(index=["SMP-fixed-kfac", "SMP-ema-kfac"])).empty
 
 
 def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_path, monkeypatch):
@@ -330,7 +333,7 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
            "n_chains": 3, "n_steps": 30, "period": 10}
     data = _tiny_mnist(2)
     kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
-    study = ms.run_map_seeds(cfg, data, **kw)
+    study = mss.run_map_seeds(cfg, data, **kw)
     assert len(study["tables"]) == cfg["map_seeds"] == 2
     assert list(study["maps"]["seed"]) == [cfg["seed"], cfg["seed"] + 100]
     assert list(study["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
@@ -351,7 +354,7 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
     chapter = ms.run_replicates(mnist, theta0, data, **kw)
     assert [t["scores"].equals(r) for t, r in zip(chapter["tables"], runs[0], strict=True)] == [True, True]
     # MAP 1 is stored under the MNIST settings with the seed map_seed(cfg, 1)
-    member = ms.fit_map({**mnist, "seed": ms.map_seed(cfg, 1)}, data, **kw)
+    member = ms.fit_map({**mnist, "seed": mss.map_seed(cfg, 1)}, data, **kw)
     assert member["theta"].shape == theta0.shape and not torch.equal(member["theta"], theta0)
     # ... which the baselines chapter's ensemble member 1 uses, at every scale
     for scale in ("ci", "laptop", "paper"):
@@ -359,14 +362,14 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
         mnist_at_scale = {**{k: v for k, v in seeds.items() if k != "map_seeds"}, "study": "mnist"}
         for m in range(seeds["map_seeds"]):
             ensemble = {**mbs.mnist_settings(baselines), "seed": mbs.ensemble_seed(baselines, m)}
-            assert ms.map_key(ensemble) == ms.map_key({**mnist_at_scale, "seed": ms.map_seed(seeds, m)})
+            assert ms.map_key(ensemble) == ms.map_key({**mnist_at_scale, "seed": mss.map_seed(seeds, m)})
 
 
 def test_least_dispersed_per_map():
     def tables(mi):
         return {"scores": pd.DataFrame({"mutual_info": mi}, index=list(ms.DIAGONAL_METHODS))}
 
-    least = ms.least_dispersed_per_map([tables([0.02, 0.5, 0.04]), tables([0.06, 0.4, 0.03])])
+    least = mss.least_dispersed_per_map([tables([0.02, 0.5, 0.04]), tables([0.06, 0.4, 0.03])])
     assert list(least["least"]) == ["SMP-fixed-diag", "SMP-periodic-diag"]
     assert least.loc[1, "SMP-periodic-diag"] == 0.03
 
@@ -381,13 +384,13 @@ def test_dispersion_per_run_and_map_or_stream():
           (1, 1): [0.01, 0.5, 0.04], (2, 0): [0.05, 0.3, 0.02], (2, 1): [0.04, 0.2, 0.06]}
     runs = [[{"scores": pd.DataFrame({"mutual_info": mi[(m, r)]}, index=[fixed, ema, periodic])} for r in range(2)]
             for m in range(3)]
-    per_run = ms.dispersion_per_run(runs)
+    per_run = mss.dispersion_per_run(runs)
     assert list(per_run.index.names) == ["map", "replicate"] and len(per_run) == 6
     assert per_run.loc[(1, 1), periodic] == 0.04
     assert per_run.loc[(0, 0), "log periodic/fixed"] == pytest.approx(math.log(0.5))
     assert per_run.loc[(2, 1), "log periodic/EMA"] == pytest.approx(math.log(0.06 / 0.2))
     assert list(per_run["least"]) == [periodic, periodic, fixed, fixed, periodic, fixed]
-    split = ms.map_or_stream(per_run)
+    split = mss.map_or_stream(per_run)
     assert list(split.index) == [f"log {fixed}", f"log {ema}", f"log {periodic}", "log periodic/fixed",
                                  "log periodic/EMA"]
     expected = variance_components(np.log(per_run[[periodic]]))
@@ -398,13 +401,13 @@ def test_dispersion_per_run_and_map_or_stream():
     # measure is refused
     trimmed = [[{"tails": pd.DataFrame({"trimmed_mutual_info": [0.02, 0.3, 0.01 + 0.001 * (m + r)]},
                                       index=[fixed, ema, periodic])} for r in range(2)] for m in range(3)]
-    robust = ms.dispersion_per_run(trimmed, measure="trimmed_mutual_info")
+    robust = mss.dispersion_per_run(trimmed, measure="trimmed_mutual_info")
     assert robust.loc[(1, 1), periodic] == pytest.approx(0.012)
     assert robust.loc[(2, 0), "log periodic/fixed"] == pytest.approx(math.log(0.012 / 0.02))
     assert robust.loc[(0, 1), "log periodic/EMA"] == pytest.approx(math.log(0.011 / 0.3))
     assert (robust["least"] == periodic).all()
     with pytest.raises(ValueError, match="measure must be one of"):
-        ms.dispersion_per_run(runs, measure="median")
+        mss.dispersion_per_run(runs, measure="median")
 
 
 def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
@@ -414,10 +417,10 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     data = _tiny_mnist(2)
     torch.manual_seed(0)
     theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
-    draws = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
-    assert list(draws["variant"].unique()) == list(ms.STEP_LAW_VARIANTS) and len(draws) == 36
+    draws = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    assert list(draws["variant"].unique()) == list(mks.STEP_LAW_VARIANTS) and len(draws) == 36
     by = {v: d.reset_index(drop=True) for v, d in draws.groupby("variant")}
-    for v in ms.STEP_LAW_VARIANTS:  # the same scores through every preconditioner
+    for v in mks.STEP_LAW_VARIANTS:  # the same scores through every preconditioner
         assert by[v]["row"].equals(by["none"]["row"]) and by[v]["score_sq"].equals(by["none"]["score_sq"])
         assert (by[v]["training_label"].to_numpy() == data["train"][1].numpy()[by[v]["row"].to_numpy()]).all()
         for parts in (["layer 1", "layer 2", "layer 3", "layer 4", "layer 5"],
@@ -427,14 +430,14 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     assert by["none"]["step_sq"].to_numpy() == pytest.approx(by["none"]["score_sq"].to_numpy())  # P = I
     assert not np.allclose(by["fixed-diag"]["step_sq"], by["fixed-kfac"]["step_sq"])
     assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 3
-    again = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
+    again = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     assert again.equals(draws)
     # the step-law settings are not part of any run's cache key
     other = {**cfg, "step_law_draws": 99}
     assert ms.run_key(cfg, "fixed-kfac", 0, "p") == ms.run_key(other, "fixed-kfac", 0, "p")
 
-    groups = ms.step_law_groups(theta0, data, cfg["ridge"], torch.device("cpu"))
-    by_group = ms.step_law_by_group(draws, groups)
+    groups = mks.step_law_groups(theta0, data, cfg["ridge"], torch.device("cpu"))
+    by_group = mks.step_law_by_group(draws, groups)
     layers = by_group.loc[(slice(None), [f"layer {i}" for i in range(1, 6)]), :]
     assert layers.groupby("method")["share of E||u||^2"].sum().to_numpy() == pytest.approx(1.0, rel=1e-4)
     assert layers.groupby("method")["parameters"].sum().eq(theta0.numel()).all()
@@ -443,31 +446,31 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
 
     observed = pd.DataFrame({"params_variance": [2e-6], "logits_variance": [0.5], "largest_chain_share": [0.3]},
                             index=["SMP-fixed-diag"])
-    pred = ms.step_law_prediction(draws, cfg, observed)
+    pred = mks.step_law_prediction(draws, cfg, observed)
     # a second, independent set of draws: other scores, its own cache files, the same pairing
-    again = ms.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path),
+    again = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path),
                                draw_set=1)
     assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 6
     assert not again["score_sq"].equals(draws["score_sq"])
-    sets = ms.step_law_sets({"a": draws, "b": again}, cfg, observed)
+    sets = mks.step_law_sets({"a": draws, "b": again}, cfg, observed)
     assert list(sets.loc["SMP-fixed-diag"].index) == ["a", "b", "pooled", "difference (se)"]
-    pooled = ms.step_law_prediction(pd.concat([draws, again], ignore_index=True), cfg, observed)
+    pooled = mks.step_law_prediction(pd.concat([draws, again], ignore_index=True), cfg, observed)
     for name, table in (("a", pred), ("pooled", pooled)):
         assert sets.loc[("SMP-fixed-kfac", name), "params_variance: predicted"] == pytest.approx(
             table.loc["SMP-fixed-kfac", "params_variance: predicted"])
-    b = ms.step_law_prediction(again, cfg, observed).loc["SMP-none"]
+    b = mks.step_law_prediction(again, cfg, observed).loc["SMP-none"]
     expected = (b["logits_variance: predicted"] - pred.loc["SMP-none", "logits_variance: predicted"]) / math.hypot(
         b["logits_variance: predicted se"], pred.loc["SMP-none", "logits_variance: predicted se"])
     assert sets.loc[("SMP-none", "difference (se)"), "logits_variance: predicted"] == pytest.approx(expected)
-    assert ms.step_law_seed(cfg, 1) == ms.step_law_seed(cfg) + 1
+    assert mks.step_law_seed(cfg, 1) == mks.step_law_seed(cfg) + 1
     with pytest.raises(ValueError, match="draw_set"):
-        ms.step_law_seed(cfg, -1)
+        mks.step_law_seed(cfg, -1)
     with pytest.raises(ValueError, match="draw_set"):
-        ms.step_law_seed(cfg, True)
-    assert ms.step_law_seed(cfg, np.int64(1)) == ms.step_law_seed(cfg, 1)
+        mks.step_law_seed(cfg, True)
+    assert mks.step_law_seed(cfg, np.int64(1)) == mks.step_law_seed(cfg, 1)
     with pytest.raises(ValueError, match="pooled"):
-        ms.step_law_sets({"pooled": draws, "b": again}, cfg, observed)
-    assert list(pred.index) == [f"SMP-{v}" for v in ms.STEP_LAW_VARIANTS]
+        mks.step_law_sets({"pooled": draws, "b": again}, cfg, observed)
+    assert list(pred.index) == [f"SMP-{v}" for v in mks.STEP_LAW_VARIANTS]
     for v, tau in (("none", 1.0), ("fixed-diag", 0.05), ("fixed-kfac", 0.05)):  # each variant's own tau
         expected = tail_variance(40, 0, cfg["n_steps"], tau) * by[v]["step_sq"].mean() / theta0.numel()
         assert pred.loc[f"SMP-{v}", "params_variance: predicted"] == pytest.approx(expected)
@@ -476,17 +479,17 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     assert row["largest chain's share of the observed logit variance"] == 0.3
     assert np.isnan(pred.loc["SMP-none", "logits_variance: observed"])
 
-    tails = ms.step_law_tails(draws)
+    tails = mks.step_law_tails(draws)
     diag = by["fixed-diag"]["output_sq"]
     assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "largest"] == diag.max()
     assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "share of the largest 1.0%"] == pytest.approx(
         diag.max() / diag.sum())  # 1 % of 12 draws: the largest one
-    top = ms.largest_steps(draws, "fixed-diag", n=3)
+    top = mks.largest_steps(draws, "fixed-diag", n=3)
     assert list(top["mean (J u)^2"]) == sorted(diag.nlargest(3))[::-1]
     assert top["share of the sum"].to_numpy() == pytest.approx((diag.nlargest(3) / diag.sum()).to_numpy())
     assert set(top["layer changing the outputs most"]) <= {f"layer {i}" for i in range(1, 6)}
     assert top["probability of the drawn label"].between(0, 1).all()
-    surprise = ms.step_law_surprise(draws, threshold=1.01)  # every draw counts as surprising
+    surprise = mks.step_law_surprise(draws, threshold=1.01)  # every draw counts as surprising
     assert surprise.iloc[:, 0].eq(1.0).all() and surprise.iloc[:, 1:].to_numpy() == pytest.approx(1.0)
     with pytest.raises(KeyError, match="no tau"):
         ms.variant_tau(cfg, "dense-fixed")
@@ -499,7 +502,7 @@ def test_linearised_against_actual_is_exact_for_a_small_move():
     thetas = (theta0.double() + 1e-4 * direction * torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)).float()
     thetas = torch.cat([thetas, torch.full((1, theta0.numel()), float("nan"))])  # a stopped chain
     x = _tiny_mnist(3)["test"][0][:6]
-    table = ms.linearised_against_actual(theta0, thetas, x, torch.device("cpu"))
+    table = mks.linearised_against_actual(theta0, thetas, x, torch.device("cpu"))
     assert sorted(table["chain"]) == [0, 1, 2]
     assert table["share of the logit variance"].sum() == pytest.approx(1.0)
     assert table["linearised mean (J (theta - theta_0))^2"].to_numpy() == pytest.approx(
@@ -536,7 +539,7 @@ def test_kfac_statistic_precision_compares_a_float32_and_a_float64_statistic():
     torch.manual_seed(2)
     net = ms.lenet5()
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    table = ms.kfac_statistic_precision(theta0, data, 1e-4, n_scores=8, device=torch.device("cpu"))
+    table = mks.kfac_statistic_precision(theta0, data, 1e-4, n_scores=8, device=torch.device("cpu"))
     assert list(table.index) == [1, 2, 3, 4, 5]
     assert list(table["shape [W, b]"]) == ["6 x 26", "16 x 151", "128 x 257", "84 x 129", "10 x 85"]
     median = table["P^-1 s: relative difference, median"]
