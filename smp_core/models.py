@@ -292,8 +292,8 @@ class SequentialChainModel(_ModuleChainModel):
                 saved.append(h.shape)
                 h = h.flatten(1)
             elif _hand_activation(layer):
-                pre, h = h, _activation(layer, h)
-                saved.append((pre, h))
+                pre, (h, kept) = h, _activation(layer, h)
+                saved.append((pre, kept))
             elif _plain_max_pool(layer):
                 pre = h
                 h, argmax = _max_pool_forward(pre, layer)
@@ -596,40 +596,49 @@ def _hand_activation(layer: nn.Module) -> bool:
 _GELU_C = math.sqrt(2 / math.pi)
 
 
-def _gelu_parts(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Phi(h)`` (or its tanh approximation) and ``d (h Phi(h)) / dh``, from ``exp``, ``erf`` and ``tanh``
-    (``F.gelu`` and ``sigmoid``'s CPU loops round by the position in the batch; these do not)."""
+def _gelu(h: torch.Tensor, approximate: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h Phi(h)`` (or its tanh approximation) and its derivative, from ``exp``, ``erf`` and ``tanh``
+    (``F.gelu`` and its backward round by a value's place in the batch on a CPU; these do not). The
+    derivative is computed here, with the value's intermediates, and kept for the backward pass."""
+    h2 = h * h
     if approximate == "tanh":
-        t = torch.tanh(_GELU_C * (h + 0.044715 * h * h * h))
-        cdf = 0.5 * (1 + t)
-        return cdf, cdf + 0.5 * h * (1 - t * t) * _GELU_C * (1 + 3 * 0.044715 * h * h)
-    cdf = 0.5 * (1 + torch.erf(h * math.sqrt(0.5)))
-    return cdf, cdf + h * torch.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+        t = h2.mul(0.044715).add_(1).mul_(h).mul_(_GELU_C).tanh_()
+        cdf = t.add(1).mul_(0.5)
+        slope = h2.mul_(3 * 0.044715).add_(1).mul_(h).mul_(0.5 * _GELU_C).mul_(t.mul_(t).neg_().add_(1))
+    else:
+        cdf = torch.erf(h * math.sqrt(0.5)).add_(1).mul_(0.5)
+        slope = h2.mul_(-0.5).exp_().mul_(h).mul_(1 / math.sqrt(2 * math.pi))
+    return h * cdf, slope.add_(cdf)
 
 
-def _activation(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
-    """The activation applied out of place (an ``inplace=True`` layer must not overwrite saved inputs).
+def _activation(layer: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The activation applied out of place (an ``inplace=True`` layer must not overwrite saved inputs),
+    and what its derivative needs (:func:`_activation_derivative`: the output, or GELU's derivative).
     Each chain's value depends on its own inputs only, never on its place in the batch."""
     if isinstance(layer, nn.ReLU):
-        return torch.relu(h)
-    if isinstance(layer, nn.GELU):
-        return h * _gelu_parts(h, layer.approximate)[0]
-    if isinstance(layer, nn.Tanh):
-        return torch.tanh(h)
-    if isinstance(layer, nn.Sigmoid):
-        return sigmoid(h)
-    return h
+        out = torch.relu(h)
+    elif isinstance(layer, nn.GELU):
+        return _gelu(h, layer.approximate)
+    elif isinstance(layer, nn.Tanh):
+        out = torch.tanh(h)
+    elif isinstance(layer, nn.Sigmoid):
+        out = sigmoid(h)
+    else:
+        out = h
+    return out, out
 
 
-def _activation_derivative(layer: nn.Module, pre: torch.Tensor, post: torch.Tensor, grad: torch.Tensor):
-    """``grad * act'(pre)`` for the element-wise activations of :class:`MLPChainModel`."""
+def _activation_derivative(layer: nn.Module, pre: torch.Tensor, saved: torch.Tensor, grad: torch.Tensor):
+    """``grad * act'(pre)`` for the element-wise activations of :class:`MLPChainModel`; ``saved`` is the
+    second value of :func:`_activation` (the output; GELU's derivative)."""
+    post = saved
     if isinstance(layer, nn.Identity):
         return grad
     if isinstance(layer, nn.ReLU):
         # grad where post > 0, else 0: the kernel autograd uses (a masked select is several times slower)
         return torch.ops.aten.threshold_backward(grad, post, 0)
     if isinstance(layer, nn.GELU):
-        return grad * _gelu_parts(pre, layer.approximate)[1]
+        return grad * saved
     if isinstance(layer, nn.Tanh):
         return grad * (1 - post * post)
     if isinstance(layer, nn.Sigmoid):
@@ -683,8 +692,8 @@ class MLPChainModel:
                 steps.append([])
             else:
                 pre = h
-                h = _activation(layer, pre)
-                steps[-1].append((layer, pre, h))
+                h, kept = _activation(layer, pre)
+                steps[-1].append((layer, pre, kept))
         return h, (inputs, weights, steps)
 
     def vjp(self, ctx: Any, cotangent: torch.Tensor, retain: bool = False,
