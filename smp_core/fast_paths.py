@@ -23,7 +23,8 @@ from .preconditioners import Preconditioner
 from .streams import ChainStreams, has_noise
 
 
-def _accepts_out(fn) -> bool:
+def accepts_out(fn) -> bool:
+    """Whether ``fn`` takes an ``out=`` buffer (a user's chain model or preconditioner may not)."""
     try:
         return "out" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -37,8 +38,8 @@ def elementwise_steps(model, likelihood, x_train, theta, precond, pstate, rule, 
     fused_vjp = getattr(model, "vjp_apply_", None)
     if fused_vjp is None and rule.covers_update:  # an EMA rule needs the fused pass: the plain update
         rule = None
-    score_buf = torch.empty_like(theta, memory_format=torch.contiguous_format)
-    vjp_out = {"out": score_buf} if _accepts_out(model.vjp) else {}
+    # a score buffer for the steps that form the score (none is needed inside the fused pass)
+    vjp_out = {"out": torch.empty_like(theta)} if fused_vjp is None and accepts_out(model.vjp) else {}
     for row, eps in zip(draws, noise, strict=True):
         k += 1
         gamma = tau / (n_obs + k)

@@ -160,7 +160,7 @@ class RunOptions:
     def checked(self) -> RunOptions:
         """The options with every field checked (a ``ValueError`` or ``TypeError`` names the bad one)."""
         _as_count("first_chain", self.first_chain, 0)
-        _check_run_settings(0, self.check_every, self.divergence_threshold)
+        _check_divergence_settings(self.check_every, self.divergence_threshold)
         for name in ("trace_every", "checkpoint_every"):
             if getattr(self, name) is not None:
                 _as_count(name, getattr(self, name), 1)
@@ -195,17 +195,15 @@ def _as_count(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _check_run_settings(n_obs, check_every, divergence_threshold) -> tuple[int, int]:
-    """``n_obs`` (N in ``gamma_k = tau / (N + k)``, positive from k = 1) a whole number >= 0,
-    ``check_every`` one >= 1 (0 would never advance), ``divergence_threshold`` a positive number (NaN
-    would switch the check off; infinity keeps only the check for non-finite parameters). Returns
-    ``n_obs`` and ``check_every`` as ints."""
-    n_obs = _as_count("n_obs (N in gamma_k = tau / (N + k))", n_obs, 0)
+def _check_divergence_settings(check_every, divergence_threshold) -> int:
+    """``check_every`` a whole number >= 1 (0 would never advance), ``divergence_threshold`` a positive
+    number (NaN would switch the check off; infinity keeps only the check for non-finite parameters).
+    Returns ``check_every`` as an int."""
     check_every = _as_count("check_every (steps between divergence checks)", check_every, 1)
     if isinstance(divergence_threshold, bool) or not isinstance(divergence_threshold, numbers.Real) \
             or not divergence_threshold > 0:
         raise ValueError(f"divergence_threshold must be a positive number, got {divergence_threshold!r}")
-    return n_obs, check_every
+    return check_every
 
 
 def check_tau(tau) -> float:
@@ -252,8 +250,8 @@ def plain_steps(model: ChainModel, likelihood, x_train: torch.Tensor, precond: P
     noise = state.streams.response_noise(likelihood, k + 1, until - k, model.out_dim, theta.device, theta.dtype)
     # two (S, d) work buffers for every step: a fresh (S, d) tensor per step costs page faults that, for
     # LeNet-5 on a CPU, take as long as the arithmetic (a user's model or preconditioner may lack out=)
-    score_out = {"out": torch.empty_like(theta)} if fast_paths._accepts_out(model.vjp) else {}
-    step_out = {"out": torch.empty_like(theta)} if fast_paths._accepts_out(precond.solve) else {}
+    score_out = {"out": torch.empty_like(theta)} if fast_paths.accepts_out(model.vjp) else {}
+    step_out = {"out": torch.empty_like(theta)} if fast_paths.accepts_out(precond.solve) else {}
     for row, eps in zip(draws, noise, strict=True):
         k += 1
         out, ctx = model.forward(theta, x_train.index_select(0, row))
@@ -380,10 +378,10 @@ class SMP:
             raise ValueError("theta0 contains NaN or infinite values")
         return theta0.contiguous().clone()
 
-    def path(self, state: SMPState, cuda_graph: bool | None = None) -> str:
-        """The execution path :meth:`advance` takes (:func:`smp_core.fast_paths.choose_path`)."""
-        return fast_paths.choose_path(cuda_graph, self.net, self.likelihood, self.precond, state.theta.device,
-                                      state.theta.dtype)
+    def path(self, device: torch.device, dtype: torch.dtype, cuda_graph: bool | None = None) -> str:
+        """The execution path :meth:`advance` takes for chains on ``device`` in ``dtype``
+        (:func:`smp_core.fast_paths.choose_path`)."""
+        return fast_paths.choose_path(cuda_graph, self.net, self.likelihood, self.precond, device, dtype)
 
     def advance(self, state: SMPState, until: int, *, check_every: int = 50, divergence_threshold: float = 1e3,
                 trace_every: int | None = None, cuda_graph: bool | None = None, on_check=None) -> SMPState:
@@ -396,12 +394,12 @@ class SMP:
         called with the state after each check.
         """
         until = _as_count("until (the step to advance to)", until, state.step)
-        _, check_every = _check_run_settings(0, check_every, divergence_threshold)
+        check_every = _check_divergence_settings(check_every, divergence_threshold)
         self._on(state.theta.device, state.theta.dtype)
         net, lik, precond, x_train = self.net, self.likelihood, self.precond, self.x_train
         curvature = self.curvature if precond.needs_curvature else None
         theta, streams = state.theta, state.streams
-        path = self.path(state, cuda_graph)
+        path = self.path(theta.device, theta.dtype, cuda_graph)
         rule = precond.elementwise
         blocks = fast_paths.StepBlocks(net, lik, x_train, theta, rule, rule.tensors(state.precond), capture=True) \
             if path == "blocks" else None
@@ -542,8 +540,7 @@ def run_smp(
         "d": net.layout.dim, **precond.hyper, "check_every": options.check_every,
         "divergence_threshold": options.divergence_threshold, "trace_every": options.trace_every,
     }
-    probe = SMPState(theta0, theta0, PreconditionerState((), ()), 0, torch.empty(0), ChainStreams(seed, 0, 1))
-    if sampler.path(probe, options.cuda_graph) == "blocks":
+    if sampler.path(device, theta0.dtype, options.cuda_graph) == "blocks":
         config["step_blocks"] = True
         takes = getattr(net, "takes_whole_step", None)
         if takes is not None and takes(lik, precond.elementwise, device, theta0.dtype):

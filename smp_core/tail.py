@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ._progress import progress_bar, trigamma
-from .fast_paths import _accepts_out
+from .fast_paths import accepts_out
 from .likelihoods import check_output_dim, get_likelihood
 from .models import ChainModel, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState
@@ -135,7 +135,7 @@ def gaussian_tail(
     device, dtype, out_dim = theta.device, theta.dtype, net.out_dim
     total = torch.zeros_like(start)
     # one (S, d) score buffer for every pass, as the recursion does (no fresh tensor per score)
-    vjp_out = {"out": torch.empty_like(start)} if _accepts_out(net.vjp) else {}
+    vjp_out = {"out": torch.empty_like(start)} if accepts_out(net.vjp) else {}
     for j in progress_bar(range(1, n_scores + 1), disable=not progress, desc="Gaussian tail", mininterval=1.0):
         rows = x_train.index_select(0, streams.covariates(j, 1, x_train.shape[0], device, TAIL_COVARIATE)[0])
         out, ctx = net.forward(start, rows)
