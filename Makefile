@@ -51,6 +51,7 @@ notebooks:
 	  $(BIN)/jupytext --quiet --to ipynb notebooks/$$nb.md -o build/notebooks/$$nb.ipynb || exit 1; \
 	  $(BIN)/papermill --log-level WARNING -k python3 build/notebooks/$$nb.ipynb $(GEN)/$$nb.ipynb \
 	    -p scale $(SCALE) || exit 1; \
+	  $(BIN)/python book/tools/tidy_notebook.py $(GEN)/$$nb.ipynb || exit 1; \
 	done
 
 # nbval re-executes the ci-scale notebooks (with papermill's injected parameters) and fails on any error.

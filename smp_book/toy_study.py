@@ -315,3 +315,55 @@ def structure_findings(comparison: pd.DataFrame) -> pd.DataFrame:
                      "kfac rank by NLL": int(group["nll"].rank(method="min")["kfac"]) if "kfac" in group.index
                      else None})
     return pd.DataFrame(rows).set_index("strategy")
+
+
+def compute(ctx) -> None:
+    """The toy chapter's results (:mod:`smp_book.chapters`): every replicate (NUTS and the ten SMP
+    variants, cached by config and replicate under ``.cache/toy/``), the paper's three tables with
+    their spread over replicates, NUTS's diagnostics, the figures of the first replicate, the
+    verdicts and the numbers the prose quotes."""
+    from . import plots
+    from .nuts import nuts_mean_passes
+    from .results import cached, code_hash
+
+    cfg = ctx.config
+    runs = [cached("toy", {**cfg, "replicate": r, "variants": TOY_VARIANTS, "code": code_hash(__name__)},
+                   lambda r=r: run_replicate(cfg, r, progress=ctx.progress), enabled=ctx.use_cache)
+            for r in range(cfg["replicates"])]
+    summary = summarise(runs)
+    for key in ("scores", "variances", "elapsed"):
+        for part in ("mean", "std", "replicates"):
+            ctx.table(f"{key}_{part}", summary[f"{key}_{part}"])
+    diagnostics = pd.DataFrame([{"replicate": r["replicate"], **r["nuts_diagnostics"], **r["nuts_mean_check"],
+                                 "passed": nuts_mean_passes(r["nuts_mean_check"])} for r in runs])
+    ctx.table("nuts_diagnostics", diagnostics.set_index("replicate"))
+    diverged = pd.DataFrame([r["diverged"] for r in runs])
+    diverged.index.name = "replicate"
+    ctx.table("diverged", diverged)
+    verdicts = claims(summary["scores_mean"], summary["scores_std"], summary["variances_mean"],
+                      summary["elapsed_mean"])
+    ctx.table("claims", verdicts, index=False)
+
+    first = runs[0]
+    gx, gy = first["grid"]
+    for name, ev in first["evals"].items():
+        ctx.figure(f"four_panel_{name}", plots.four_panel(gx, gy, ev.surfaces, ev.curve, f"{name} (toy example)",
+                                                          train=first["train"]))
+    ctx.figure("calibration_all", plots.calibration_all({n: e.curve for n, e in first["evals"].items()},
+                                                        "Calibration, toy example", xlim=(0.45, 1.0)))
+    m = summary["scores_mean"]
+    ctx.value("replicates", len(runs))
+    ctx.value("r_ratio", first["r_ratio"])
+    ctx.value("n_train", cfg["n_train"])
+    ctx.value("n_steps", cfg["n_steps"])
+    ctx.value("threads", first["threads"])
+    ctx.value("crossed", int((~diagnostics["passed"]).sum()))
+    ctx.value("nuts_accuracy", m.loc["NUTS", "accuracy"])
+    ctx.value("accuracy_bar", m.loc["NUTS", "accuracy"] - 0.005)
+    ctx.value("nuts_mean_accuracy", m.loc["NUTS-mean", "accuracy"])
+    ctx.value("ema_block_nll", m.loc["SMP-ema-block", "nll"])
+    ctx.value("ema_block_ece", m.loc["SMP-ema-block", "ece"])
+    ctx.value("nuts_nll", m.loc["NUTS", "nll"])
+    ctx.value("nuts_ece", m.loc["NUTS", "ece"])
+    ctx.record(seeds={f"replicate_{r['replicate']}": r["seeds"] for r in runs},
+               nuts_wall_time_s=[r["elapsed"]["NUTS"] for r in runs])

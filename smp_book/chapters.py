@@ -1,0 +1,226 @@
+"""A chapter's results: computed once, saved as files, shown from the files.
+
+``results/<scale>/<study>/`` holds what a study computed: tables (CSV), figures (PNG), values (the
+numbers its prose quotes, ``values.json``) and ``manifest.json`` (config, seeds, code, machine, wall
+time). These files are the interface between computing and showing. A chapter calls
+:func:`results`: when the folder's manifest holds the chapter's settings it is read, otherwise the
+study's ``compute(ctx)`` runs and writes it. ``python -m smp_book.reproduce`` recomputes them all.
+
+A study module ``smp_book.<name>_study`` (see :data:`STUDIES`) defines ``compute(ctx)``, which writes
+through the :class:`Context` it is given, and may define ``config(scale)`` when its settings are more
+than ``config.get_config(study, scale)``. A study is written into a scratch folder and moved into
+place only once complete, so an interrupted run never leaves half a result behind; the long
+computations inside are cached (``smp_book.results.cached``) and resume where they stopped.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from .config import SCALES, get_config
+from .results import code_hash, environment, git_revision
+
+FORMAT = 1
+
+# Every study, in the order the book needs them (a study may read those before it), with its module.
+STUDIES = {
+    "toy": "smp_book.toy_study",
+    "toy_baselines": "smp_book.baseline_study",
+    "toy_kfac": "smp_book.toy_kfac_study",
+    "toy_tail": "smp_book.tail_study",
+    "mnist": "smp_book.mnist_study",
+    "mnist_baselines": "smp_book.mnist_baseline_study",
+    "mnist_seeds": "smp_book.mnist_seeds_study",
+    "mnist_growth": "smp_book.mnist_growth_study",
+    "mnist_kfac": "smp_book.mnist_kfac_study",
+    "mnist_tail": "smp_book.mnist_tail_study",
+    "regression": "smp_book.regression_study",
+}
+
+
+def _canonical(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _check(study: str, scale: str) -> None:
+    if study not in STUDIES:
+        raise ValueError(f"study: unknown study {study!r}; known: {', '.join(STUDIES)}")
+    if scale not in SCALES:
+        raise ValueError(f"scale: unknown scale {scale!r}; known: {', '.join(SCALES)}")
+
+
+def study_config(study: str, scale: str) -> dict[str, Any]:
+    """The settings a study's results must have been computed with (``config(scale)`` of its module if
+    it defines one, else ``get_config(study, scale)``)."""
+    _check(study, scale)
+    module = importlib.import_module(STUDIES[study])
+    own = getattr(module, "config", None)
+    return own(scale) if callable(own) else get_config(study, scale)
+
+
+class Results:
+    """The files of one study, read back: ``table(name)``, ``figure(name)``, ``values``, ``manifest``."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        path = self.folder / "manifest.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no results in {self.folder} (no manifest.json)")
+        self.manifest = json.loads(path.read_text())
+        self.study = self.manifest.get("study", self.folder.name)
+        values = self.folder / "values.json"
+        self.values: dict[str, Any] = json.loads(values.read_text()) if values.exists() else {}
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.manifest["config"]
+
+    def tables(self) -> list[str]:
+        return list(self.manifest.get("tables", {}))
+
+    def has(self, name: str) -> bool:
+        return name in self.manifest.get("tables", {})
+
+    def table(self, name: str) -> pd.DataFrame:
+        """Table ``name`` as it was written (index and column levels restored)."""
+        layout = self.manifest.get("tables", {}).get(name)
+        if layout is None:
+            raise KeyError(f"{self.study} has no table {name!r}; it has: {', '.join(self.tables()) or 'none'}")
+        header = list(range(layout["header"])) if layout["header"] > 1 else 0
+        index = list(range(layout["index"])) if layout["index"] > 0 else None
+        return pd.read_csv(self.folder / f"{name}.csv", index_col=index, header=header)
+
+    def figure(self, name: str):
+        """Figure ``name`` for display in a notebook (its PNG)."""
+        from IPython.display import Image
+
+        path = self.folder / "figures" / f"{name}.png"
+        if not path.exists():
+            raise KeyError(f"{self.study} has no figure {name!r}; it has: "
+                           f"{', '.join(self.manifest.get('figures', [])) or 'none'}")
+        return Image(filename=str(path))
+
+    def glue(self) -> None:
+        """Glue every value for the prose (myst-nb): ``{glue:text}`<study>.<name>:.3f``` in the chapter."""
+        from myst_nb import glue
+
+        for name, value in self.values.items():
+            glue(f"{self.study}.{name}", value, display=False)
+
+
+@dataclass
+class Context:
+    """What a study's ``compute`` gets: its settings, where to write, and how to read earlier studies."""
+
+    study: str
+    scale: str
+    config: dict[str, Any]
+    folder: Path
+    root: Path
+    use_cache: bool = True
+    progress: bool = False
+    manifest: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+    _tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    _figures: list[str] = field(default_factory=list)
+
+    def table(self, name: str, df: pd.DataFrame, index: bool = True) -> pd.DataFrame:
+        """Write ``df`` as ``<name>.csv`` (with its index unless ``index=False``); returns it."""
+        if name in self._tables:
+            raise ValueError(f"table {name!r} of {self.study} is written twice")
+        df.to_csv(self.folder / f"{name}.csv", index=index)
+        self._tables[name] = {"index": df.index.nlevels if index else 0, "header": df.columns.nlevels}
+        return df
+
+    def figure(self, name: str, fig) -> None:
+        """Save a matplotlib figure as ``figures/<name>.png`` (and a PDF beside it) and close it."""
+        import matplotlib.pyplot as plt
+
+        from .plots import save
+
+        if name in self._figures:
+            raise ValueError(f"figure {name!r} of {self.study} is written twice")
+        save(fig, self.folder / "figures", name)
+        plt.close(fig)
+        self._figures.append(name)
+
+    def value(self, name: str, value: Any) -> Any:
+        """A number (or short text) the chapter's prose quotes; returns it."""
+        if hasattr(value, "item"):
+            value = value.item()
+        self.values[name] = value
+        return value
+
+    def record(self, **entries: Any) -> None:
+        """Entries for the manifest (seeds, device, timings of parts, ...)."""
+        self.manifest.update(entries)
+
+    def read(self, study: str) -> Results:
+        """The results of an earlier study at the same scale and root (computed first if missing)."""
+        return results(study, self.scale, root=self.root, use_cache=self.use_cache, progress=self.progress)
+
+
+def _matches(folder: Path, config: dict[str, Any], code: str | None = None) -> bool:
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (manifest.get("format") == FORMAT and manifest.get("config") == _canonical(config)
+            and (code is None or manifest.get("code") == code)
+            and all((folder / f"{name}.csv").exists() for name in manifest.get("tables", {})))
+
+
+def compute(study: str, scale: str, root: str | Path = "results", use_cache: bool = True,
+            progress: bool = False) -> Results:
+    """Run ``study``'s ``compute`` at ``scale`` and write ``<root>/<scale>/<study>/`` (replacing what is there
+    only once the run is complete)."""
+    _check(study, scale)
+    root = Path(root)
+    config = study_config(study, scale)
+    folder = root / scale / study
+    scratch = root / scale / ".partial" / study
+    if scratch.exists():
+        shutil.rmtree(scratch)
+    scratch.mkdir(parents=True)
+    ctx = Context(study, scale, config, scratch, root, use_cache=use_cache, progress=progress)
+    module = importlib.import_module(STUDIES[study])
+    started = time.perf_counter()
+    module.compute(ctx)
+    wall = time.perf_counter() - started
+    (scratch / "values.json").write_text(json.dumps(_canonical(ctx.values), indent=2))
+    manifest = {"format": FORMAT, "study": study, "scale": scale, "config": _canonical(config),
+                "code": code_hash(STUDIES[study]), "git": git_revision(),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_time_s": round(wall, 2),
+                "environment": environment(), "tables": ctx._tables, "figures": ctx._figures,
+                **_canonical(ctx.manifest)}
+    (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    if folder.exists():
+        old = folder.with_name(f".{study}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        folder.rename(old)
+        scratch.rename(folder)
+        shutil.rmtree(old)
+    else:
+        scratch.rename(folder)
+    return Results(folder)
+
+
+def results(study: str, scale: str, *, recompute: bool = False, root: str | Path = "results",
+            use_cache: bool = True, progress: bool = False, code: bool = False) -> Results:
+    """The results of ``study`` at ``scale``: read from ``<root>/<scale>/<study>/`` when they hold its
+    current settings (and, with ``code=True``, were computed by its current code), else computed."""
+    _check(study, scale)
+    folder = Path(root) / scale / study
+    wanted_code = code_hash(STUDIES[study]) if code else None
+    if not recompute and _matches(folder, study_config(study, scale), wanted_code):
+        return Results(folder)
+    return compute(study, scale, root=root, use_cache=use_cache, progress=progress)
