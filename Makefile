@@ -6,11 +6,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SCALE  ?= laptop
 # Notebooks of the book, in order (jupytext MyST sources in notebooks/).
-NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary
+NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
 GEN    := book/generated
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: book test venv lint unit notebooks nbval book-html mathjax browser-deps browser-test bench bench-smoke clean
+.PHONY: book reproduce test venv lint unit notebooks nbval book-html mathjax browser-deps browser-test bench bench-smoke clean
 
 venv: $(STAMP)
 
@@ -20,11 +20,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[book,dev]"
 	@touch $(STAMP)
 
-## make book: fetch what is needed, run every notebook with papermill at SCALE, build the Jupyter Book.
+## make book: the book from the results in results/SCALE/ (a chapter whose results are missing or were
+## computed with other settings computes them first), run with papermill and built as a Jupyter Book.
 book: venv mathjax
-	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) notebooks SCALE=$(SCALE)
 	$(MAKE) book-html
+
+## make reproduce: recompute every chapter at SCALE (progress on the terminal; resumable), write the
+## reproduction report beside the committed results, replace results/SCALE/ once complete, build the book.
+reproduce: venv mathjax
+	$(BIN)/python -m smp_book.mnist data
+	$(BIN)/python -m smp_book.reproduce --scale $(SCALE)
+	$(MAKE) book SCALE=$(SCALE)
 
 ## make test: ruff, pytest, the notebooks at ci scale (nbval) and a book build with -W -n.
 test: venv mathjax

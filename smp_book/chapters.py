@@ -168,6 +168,31 @@ class Context:
         return results(study, self.scale, root=self.root, use_cache=self.use_cache, progress=self.progress)
 
 
+class _LoadMonitor:
+    """The highest one-minute load average seen while a study computes (sampled every 20 s), so that
+    a timing taken while other work ran is marked as such."""
+
+    def __enter__(self):
+        import os
+        import threading
+
+        self.peak = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        self._stop = threading.Event()
+
+        def watch():
+            while not self._stop.wait(20):
+                self.peak = max(self.peak, os.getloadavg()[0])
+
+        self._thread = threading.Thread(target=watch, daemon=True) if hasattr(os, "getloadavg") else None
+        if self._thread:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        return False
+
+
 def _matches(folder: Path, config: dict[str, Any], code: str | None = None) -> bool:
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
@@ -193,8 +218,13 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
     ctx = Context(study, scale, config, scratch, root, use_cache=use_cache, progress=progress)
     module = importlib.import_module(STUDIES[study])
     started = time.perf_counter()
-    module.compute(ctx)
+    with _LoadMonitor() as load:
+        module.compute(ctx)
     wall = time.perf_counter() - started
+    threads = environment()["torch_threads"]
+    if load.peak > threads + 0.75:
+        ctx.manifest.setdefault("timing_note", f"other work ran: load average up to {load.peak:.1f} "
+                                               f"on {threads} thread(s); not for comparisons")
     (scratch / "values.json").write_text(json.dumps(_canonical(ctx.values), indent=2))
     manifest = {"format": FORMAT, "study": study, "scale": scale, "config": _canonical(config),
                 "code": code_hash(STUDIES[study]), "git": git_revision(),
@@ -224,3 +254,22 @@ def results(study: str, scale: str, *, recompute: bool = False, root: str | Path
     if not recompute and _matches(folder, study_config(study, scale), wanted_code):
         return Results(folder)
     return compute(study, scale, root=root, use_cache=use_cache, progress=progress)
+
+
+def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
+    """Wall time and machine of every study's results at ``scale``, from their manifests (a study
+    without results, or with results of an older format, is left out)."""
+    rows = []
+    for study in STUDIES:
+        folder = Path(root) / scale / study
+        try:
+            res = Results(folder)
+        except FileNotFoundError:
+            continue
+        if res.manifest.get("format") != FORMAT:
+            continue
+        env = res.manifest.get("environment", {})
+        rows.append({"chapter": study, "minutes": round(res.manifest["wall_time_s"] / 60, 1),
+                     "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
+                     "note": res.manifest.get("timing_note", "")})
+    return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")

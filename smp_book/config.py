@@ -1,11 +1,8 @@
 """Every run size of the book in one table: scales ``ci``, ``laptop`` and ``paper``.
 
 * ``ci``: the whole test suite, notebooks included, in minutes on 2 CPU cores.
-* ``laptop``: the default book on a 2-core machine in about five hours: 65 min measured on a
-  fresh clone before the later chapters, plus their own measured runs (``book/how_to_run.md``), each with
-  the runs ``make book`` has already cached: KFAC 5 min (toy) and about 60 min (MNIST: its three runs and
-  two sets of step-law draws), the Gaussian tail 7 min (toy) and 15 min (MNIST), the baselines 9 min (toy)
-  and about 20 min (MNIST), the MNIST MAP seeds about 90 min, the regression 30 min.
+* ``laptop``: the committed results of the book (``results/laptop/``), hours to recompute on a 2-core
+  machine (``make reproduce SCALE=laptop``; each manifest records its wall time).
 * ``paper``: the paper's settings (Sections 3.2 and 3.3).
 
 Settings the paper states are marked with a comment; the rest are our choices, stated in the book.

@@ -1,0 +1,212 @@
+"""Recompute every chapter's results and compare them with the committed ones.
+
+``python -m smp_book.reproduce --scale laptop`` (``make reproduce SCALE=laptop``) runs each study of
+:data:`smp_book.chapters.STUDIES` into ``build/reproduce/<scale>/`` with progress on the terminal. An
+interrupted run resumes: a study already complete there with the current code is kept, and the runs
+inside a study are cached. Once every study is complete it writes the reproduction report (every
+number of every table, the new run beside the committed one, with a verdict per cell) into
+``reproduction/`` and only then replaces ``results/<scale>/`` by the new results.
+
+A cell of a table with replicates (``X_mean`` beside ``X_std`` and ``X_replicates``) is judged by
+Welch's t-test of the two sets of replicates: ``within`` its Monte-Carlo spread when the two-sided
+p-value is at least :data:`ALPHA`, ``outside`` otherwise (so about ``ALPHA`` of the cells are
+``outside`` by chance alone). A cell without spread (one run, or the same value in every replicate)
+is ``equal`` to a relative 1e-6 or ``differs``; timings are ``timing`` (machine-dependent, not
+judged); a claim's verdict is ``same`` or ``changed``, and other text (criteria, evidence) is ``text``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from .chapters import STUDIES, Results, results
+from .config import SCALES
+
+ALPHA = 0.01
+REPORT = "reproduction"
+VERDICTS = ("within", "outside", "equal", "differs", "same", "changed", "timing", "text", "only committed", "only new")
+
+
+def _is_timing(table: str, column: str) -> bool:
+    return table.startswith("elapsed") or any(w in str(column).lower() for w in ("seconds", "wall", "time_s"))
+
+
+def _replicate_counts(res: Results, base: str) -> pd.DataFrame | None:
+    name = f"{base}_replicates"
+    if not res.has(name):
+        return None
+    rep = res.table(name)
+    levels = [lvl for lvl in rep.index.names if lvl != "replicate"]
+    if not levels or len(levels) == rep.index.nlevels:
+        return None
+    return rep.groupby(level=levels, sort=False).count()
+
+
+def _welch_p(m1: float, s1: float, n1: int, m2: float, s2: float, n2: int) -> tuple[float, float]:
+    """Welch's t statistic and two-sided p-value for two means with their sample sds and counts."""
+    from scipy.stats import t as student_t
+
+    v1, v2 = s1 * s1 / n1, s2 * s2 / n2
+    se = math.sqrt(v1 + v2)
+    if se == 0:
+        return float("nan"), float("nan")
+    df = (v1 + v2) ** 2 / ((v1 * v1 / (n1 - 1) if n1 > 1 else 0) + (v2 * v2 / (n2 - 1) if n2 > 1 else 0))
+    tstat = (m2 - m1) / se
+    return tstat, float(2 * student_t.sf(abs(tstat), df))
+
+
+def _close(a: float, b: float) -> bool:
+    return bool(np.isclose(a, b, rtol=1e-6, atol=1e-12, equal_nan=True))
+
+
+def compare_study(old: Results, new: Results) -> pd.DataFrame:
+    """Every cell of every table of ``new`` beside ``old``, with its verdict (see the module's docstring)."""
+    rows = []
+    for name in new.tables():
+        if name.endswith(("_std", "_replicates")):
+            continue  # judged through their _mean table
+        base = name.removesuffix("_mean")
+        fresh = new.table(name)
+        committed = old.table(name) if old.has(name) else None
+        n_new = _replicate_counts(new, base) if name.endswith("_mean") else None
+        n_old = _replicate_counts(old, base) if name.endswith("_mean") else None
+        sd_new = new.table(f"{base}_std") if n_new is not None and new.has(f"{base}_std") else None
+        sd_old = old.table(f"{base}_std") if n_old is not None and old.has(f"{base}_std") else None
+        for row in fresh.index:
+            for col in fresh.columns:
+                value = fresh.at[row, col]
+                entry = {"table": name, "row": str(row), "column": str(col), "new": value, "committed": None,
+                         "t": float("nan"), "p": float("nan")}
+                if committed is None or row not in committed.index or col not in committed.columns:
+                    entry["verdict"] = "only new"
+                    rows.append(entry)
+                    continue
+                before = committed.at[row, col]
+                entry["committed"] = before
+                numeric = isinstance(value, int | float | np.number) and isinstance(before, int | float | np.number)
+                if not numeric and str(col) != "verdict":
+                    entry["verdict"] = "text"  # criteria, evidence: quoted numbers, judged through their tables
+                elif not numeric:
+                    entry["verdict"] = "same" if str(value) == str(before) else "changed"
+                elif _is_timing(name, col):
+                    entry["verdict"] = "timing"
+                elif sd_new is not None and sd_old is not None:
+                    try:
+                        s1, s2 = float(sd_old.at[row, col]), float(sd_new.at[row, col])
+                        n1, n2 = int(n_old.at[row, col]), int(n_new.at[row, col])
+                    except (KeyError, ValueError):
+                        s1 = s2 = float("nan")
+                        n1 = n2 = 1
+                    if n1 >= 2 and n2 >= 2 and np.isfinite([s1, s2]).all() and s1 + s2 > 0:
+                        entry["t"], entry["p"] = _welch_p(float(before), s1, n1, float(value), s2, n2)
+                        entry["verdict"] = "within" if entry["p"] >= ALPHA else "outside"
+                    else:
+                        entry["verdict"] = "equal" if _close(float(before), float(value)) else "differs"
+                else:
+                    entry["verdict"] = "equal" if _close(float(before), float(value)) else "differs"
+                rows.append(entry)
+        if committed is not None:
+            for row in committed.index:
+                for col in committed.columns:
+                    if row not in fresh.index or col not in fresh.columns:
+                        rows.append({"table": name, "row": str(row), "column": str(col), "new": None,
+                                     "committed": committed.at[row, col], "t": float("nan"), "p": float("nan"),
+                                     "verdict": "only committed"})
+    return pd.DataFrame(rows, columns=["table", "row", "column", "committed", "new", "t", "p", "verdict"])
+
+
+def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The reproduction report of ``new_root/<scale>`` against ``old_root/<scale>``: every cell, and the
+    count of each verdict per study."""
+    cells = []
+    for study in STUDIES:
+        new_folder, old_folder = new_root / scale / study, old_root / scale / study
+        if not (new_folder / "manifest.json").exists():
+            continue
+        if not (old_folder / "manifest.json").exists():
+            cells.append(pd.DataFrame([{"study": study, "table": "", "row": "", "column": "",
+                                        "verdict": "only new"}]))
+            continue
+        try:
+            old = Results(old_folder)
+            if "tables" not in old.manifest:
+                raise KeyError("an older format without a list of tables")
+        except (KeyError, ValueError) as err:
+            cells.append(pd.DataFrame([{"study": study, "table": "", "row": "", "column": "",
+                                        "verdict": "only new", "committed": f"unreadable: {err}"}]))
+            continue
+        cells.append(compare_study(old, Results(new_folder)).assign(study=study))
+    table = pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", "verdict"])
+    table = table[["study"] + [c for c in table.columns if c != "study"]]
+    counts = table.groupby(["study", "verdict"], sort=False).size().unstack(fill_value=0)
+    counts = counts.reindex(columns=[v for v in VERDICTS if v in counts.columns]).reindex(
+        [s for s in STUDIES if s in counts.index])
+    return table, counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scale", required=True, choices=SCALES)
+    parser.add_argument("--only", default="", help="comma-separated studies (default: all; a partial run "
+                        "writes its report but never replaces results/)")
+    parser.add_argument("--results", default="results", help="the committed results' root (default: results)")
+    parser.add_argument("--work", default="build/reproduce", help="where the new results are built")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the cached runs too")
+    args = parser.parse_args(argv)
+    studies = [s for s in args.only.split(",") if s] or list(STUDIES)
+    unknown = [s for s in studies if s not in STUDIES]
+    if unknown:
+        parser.error(f"--only: unknown studies {unknown}; known: {', '.join(STUDIES)}")
+    work, committed = Path(args.work), Path(args.results)
+    started = time.perf_counter()
+    for i, study in enumerate(studies, 1):
+        print(f"[{i}/{len(studies)}] {study} at scale {args.scale}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        results(study, args.scale, root=work, use_cache=not args.no_cache, progress=True, code=True)
+        print(f"    done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    cells, counts = report(committed, work, args.scale)
+    folder = work / args.scale / REPORT
+    folder.mkdir(parents=True, exist_ok=True)
+    cells.to_csv(folder / "cells.csv", index=False)
+    counts.to_csv(folder / "counts.csv")
+    judged = int(counts.get("within", pd.Series(dtype=int)).sum() + counts.get("outside", pd.Series(dtype=int)).sum())
+    print(counts.to_string(), file=sys.stderr)
+    print(f"{judged} cells judged; about {ALPHA * judged:.1f} expected outside by chance alone "
+          f"(alpha = {ALPHA}); report in {folder}", file=sys.stderr)
+    if len(studies) == len(STUDIES):
+        target = committed / args.scale
+        target.parent.mkdir(parents=True, exist_ok=True)
+        old = target.with_name(f".{args.scale}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        if target.exists():
+            target.rename(old)
+        shutil.rmtree(work / args.scale / ".partial", ignore_errors=True)
+        shutil.move(work / args.scale, target)
+        if old.exists():
+            shutil.rmtree(old)
+        print(f"results/{args.scale} replaced by the complete run ({time.perf_counter() - started:.0f} s)",
+              file=sys.stderr)
+    else:
+        print("a partial run (--only): results/ left as it was", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+
+
+def read_report(scale: str, root: str | Path = "results") -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """The reproduction report saved with ``results/<scale>/``: ``(cells, counts)``, or None."""
+    folder = Path(root) / scale / REPORT
+    if not (folder / "counts.csv").exists():
+        return None
+    return pd.read_csv(folder / "cells.csv"), pd.read_csv(folder / "counts.csv", index_col="study")

@@ -1,0 +1,134 @@
+"""Chapters shown from their results files: computed once, read back equal, replaced only when complete,
+and the reproduction report's verdicts."""
+
+import json
+import sys
+import types
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from smp_book import chapters, reproduce
+
+CALLS = []
+
+
+def _fake_study(name, shift=0.0, fail=False, verdict="holds"):
+    """A study module with a config of its own, writing a replicated table, a plain one and a value."""
+    module = types.ModuleType(name)
+
+    def config(scale):
+        return {"n": 3, "scale": scale, "shift": shift}
+
+    def compute(ctx):
+        CALLS.append(ctx.study)
+        rng = np.random.default_rng(int(ctx.config["n"]))
+        rep = pd.DataFrame({"score": rng.normal(1.0 + ctx.config["shift"], 0.1, 6), "seconds": rng.uniform(1, 2, 6)},
+                           index=pd.MultiIndex.from_product([range(3), ["a", "b"]], names=["replicate", "method"]))
+        mean = rep.groupby(level="method").mean()
+        ctx.table("scores_mean", mean)
+        ctx.table("scores_std", rep.groupby(level="method").std(ddof=1))
+        ctx.table("scores_replicates", rep)
+        wide = pd.DataFrame([[1.0, 2.0]], columns=pd.MultiIndex.from_tuples([("x", "paper"), ("x", "ours")]),
+                            index=pd.Index(["m"], name="method"))
+        ctx.table("wide", wide)
+        claims = pd.DataFrame({"claim": ["c"], "verdict": [verdict], "evidence": [f"mean {mean.iloc[0, 1]:.3f}"]})
+        ctx.table("claims", claims, index=False)
+        ctx.value("best", mean["score"].max())
+        if fail:
+            raise RuntimeError("interrupted")
+
+    module.config, module.compute = config, compute
+    return module
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(**kw):
+        monkeypatch.setitem(sys.modules, "fake_study", _fake_study("fake_study", **kw))
+    install()
+    monkeypatch.setattr(chapters, "STUDIES", {"fake": "fake_study"})
+    monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
+    monkeypatch.setattr(chapters, "code_hash", lambda module: "c0de")
+    CALLS.clear()
+    return install
+
+
+def test_computed_once_then_read_back_equal(fake, tmp_path):
+    first = chapters.results("fake", "ci", root=tmp_path)
+    again = chapters.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+    for name in ("scores_mean", "scores_replicates", "wide", "claims"):
+        assert again.table(name).equals(first.table(name))
+    assert again.table("scores_replicates").index.names == ["replicate", "method"]
+    assert again.table("wide").columns.nlevels == 2
+    assert again.values["best"] == pytest.approx(again.table("scores_mean")["score"].max())
+    manifest = json.loads((tmp_path / "ci" / "fake" / "manifest.json").read_text())
+    assert manifest["config"] == {"n": 3, "scale": "ci", "shift": 0.0} and manifest["code"] == "c0de"
+
+
+def test_other_settings_recompute_and_code_only_when_asked(fake, tmp_path, monkeypatch):
+    chapters.results("fake", "ci", root=tmp_path)
+    fake(shift=1.0)
+    chapters.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake", "fake"]
+    monkeypatch.setattr(chapters, "code_hash", lambda module: "other")
+    chapters.results("fake", "ci", root=tmp_path)  # the book shows results of other code
+    assert len(CALLS) == 2
+    chapters.results("fake", "ci", root=tmp_path, code=True)  # reproduce does not
+    assert len(CALLS) == 3
+
+
+def test_an_interrupted_run_leaves_the_results_as_they_were(fake, tmp_path):
+    before = chapters.results("fake", "ci", root=tmp_path).table("scores_mean")
+    fake(shift=1.0, fail=True)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        chapters.results("fake", "ci", root=tmp_path)
+    kept = chapters.Results(tmp_path / "ci" / "fake")
+    assert kept.table("scores_mean").equals(before) and kept.config["shift"] == 0.0
+
+
+def test_bad_names_are_refused(fake, tmp_path):
+    with pytest.raises(ValueError, match="study: unknown study 'nope'"):
+        chapters.results("nope", "ci", root=tmp_path)
+    with pytest.raises(ValueError, match="scale: unknown scale 'huge'"):
+        chapters.results("fake", "huge", root=tmp_path)
+    res = chapters.results("fake", "ci", root=tmp_path)
+    with pytest.raises(KeyError, match="no table 'missing'"):
+        res.table("missing")
+
+
+def test_the_report_judges_each_cell(fake, tmp_path):
+    old = chapters.results("fake", "ci", root=tmp_path / "old")
+    same = chapters.results("fake", "ci", root=tmp_path / "same")
+    cells = reproduce.compare_study(old, same)
+    verdicts = cells.set_index(["table", "row", "column"])["verdict"]
+    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"within"}
+    assert set(verdicts.loc["scores_mean"].loc[:, "seconds"]) == {"timing"}
+    assert verdicts.loc[("wide", "m", "('x', 'ours')")] == "equal"
+    assert verdicts.loc[("claims", "0", "verdict")] == "same"
+    assert verdicts.loc[("claims", "0", "evidence")] == "text"
+    fake(shift=5.0, verdict="does not hold")  # 50 standard deviations away
+    moved = chapters.results("fake", "ci", root=tmp_path / "moved")
+    verdicts = reproduce.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
+    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"outside"}
+    assert verdicts.loc[("claims", "0", "verdict")] == "changed"
+
+
+def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path):
+    committed, work = tmp_path / "results", tmp_path / "work"
+    chapters.results("fake", "ci", root=committed)
+    fake(shift=5.0)
+    assert reproduce.main(["--scale", "ci", "--results", str(committed), "--work", str(work)]) == 0
+    new = chapters.Results(committed / "ci" / "fake")
+    assert new.config["shift"] == 5.0
+    counts = pd.read_csv(committed / "ci" / "reproduction" / "counts.csv", index_col="study")
+    assert counts.loc["fake", "outside"] == 2
+    assert not (work / "ci").exists()
+
+
+def test_timings_come_from_the_manifests(fake, tmp_path):
+    chapters.results("fake", "ci", root=tmp_path)
+    table = chapters.timings("ci", root=tmp_path)
+    assert list(table.index) == ["fake"] and table.loc["fake", "minutes"] >= 0
