@@ -72,10 +72,11 @@ book-html:
 mathjax:
 	$(BIN)/python book/tools/fetch_mathjax.py
 
-# Debian's chromium for the browser test (needs root; the test skips with a message without it).
+# Debian's chromium and its WebDriver for the browser test (needs root; the test skips with a message without them).
 browser-deps:
-	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) \
-	  || echo "chromium could not be installed: the browser test will be skipped"
+	@(command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1) \
+	  || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium chromium-driver) \
+	  || echo "chromium or chromium-driver could not be installed: the browser test will be skipped"
 
 browser-test:
 	$(BIN)/python -m pytest -q tests/book/test_book_browser.py

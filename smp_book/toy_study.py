@@ -196,8 +196,8 @@ def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | No
     cols = {}
     for c in ours.columns:
         if c in paper.columns:
-            cols[(c, "paper")] = paper[c].reindex(ours.index).map(lambda v: f"{v:.{digits}f}")
-        mine = ours[c].map(lambda v: f"{v:.{digits}f}")
+            cols[(c, "paper")] = paper[c].reindex(ours.index).map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
+        mine = ours[c].map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
         if std is not None:  # no spread to show where it is NaN (one replicate, or a row without values)
             mine = mine + std[c].reindex(ours.index).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
         cols[(c, "ours")] = mine
