@@ -3,8 +3,9 @@
 ``results/<scale>/<study>/`` holds what a study computed: tables (CSV), figures (PNG), values (the
 numbers its prose quotes, ``values.json``) and ``manifest.json`` (config, seeds, code, machine, wall
 time). These files are the interface between computing and showing. A chapter calls
-:func:`results`: when the folder's manifest holds the chapter's settings it is read, otherwise the
-study's ``compute(ctx)`` runs and writes it. ``python -m smp_book.reproduce`` recomputes them all.
+:func:`results`: when the folder's manifest holds the chapter's settings (and the results it read
+from other studies are still those), it is read; otherwise the study's ``compute(ctx)`` runs and
+writes it. ``python -m smp_book.reproduce`` recomputes them all.
 
 A study module ``smp_book.<name>_study`` (see :data:`STUDIES`) defines ``compute(ctx)``, which writes
 through the :class:`Context` it is given, and may define ``config(scale)`` when its settings are more
@@ -19,6 +20,7 @@ import importlib
 import json
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,7 @@ STUDIES = {
     "mnist_kfac": "smp_book.mnist_kfac_study",
     "mnist_tail": "smp_book.mnist_tail_study",
     "regression": "smp_book.regression_study",
+    "summary": "smp_book.summary_study",
 }
 
 
@@ -131,6 +134,7 @@ class Context:
     values: dict[str, Any] = field(default_factory=dict)
     _tables: dict[str, dict[str, int]] = field(default_factory=dict)
     _figures: list[str] = field(default_factory=list)
+    _sources: dict[str, str] = field(default_factory=dict)
 
     def table(self, name: str, df: pd.DataFrame, index: bool = True) -> pd.DataFrame:
         """Write ``df`` as ``<name>.csv`` (with its index unless ``index=False``); returns it."""
@@ -164,8 +168,11 @@ class Context:
         self.manifest.update(entries)
 
     def read(self, study: str) -> Results:
-        """The results of an earlier study at the same scale and root (computed first if missing)."""
-        return results(study, self.scale, root=self.root, use_cache=self.use_cache, progress=self.progress)
+        """The results of an earlier study at the same scale and root (computed first if missing). The
+        manifest records which results were read, so that these results are recomputed when those are."""
+        res = results(study, self.scale, root=self.root, use_cache=self.use_cache, progress=self.progress)
+        self._sources[study] = res.manifest.get("id")
+        return res
 
 
 class _LoadMonitor:
@@ -198,6 +205,12 @@ def _matches(folder: Path, config: dict[str, Any], code: str | None = None) -> b
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
         return False
+    for source, run_id in manifest.get("sources", {}).items():  # results read from other studies
+        try:
+            if json.loads((folder.parent / source / "manifest.json").read_text()).get("id") != run_id:
+                return False
+        except (OSError, ValueError):
+            return False
     return (manifest.get("format") == FORMAT and manifest.get("config") == _canonical(config)
             and (code is None or manifest.get("code") == code)
             and all((folder / f"{name}.csv").exists() for name in manifest.get("tables", {})))
@@ -226,10 +239,11 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
         ctx.manifest.setdefault("timing_note", f"other work ran: load average up to {load.peak:.1f} "
                                                f"on {threads} thread(s); not for comparisons")
     (scratch / "values.json").write_text(json.dumps(_canonical(ctx.values), indent=2))
-    manifest = {"format": FORMAT, "study": study, "scale": scale, "config": _canonical(config),
+    manifest = {"format": FORMAT, "study": study, "scale": scale, "id": uuid.uuid4().hex, "config": _canonical(config),
                 "code": code_hash(STUDIES[study]), "git": git_revision(),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_time_s": round(wall, 2),
                 "environment": environment(), "tables": ctx._tables, "figures": ctx._figures,
+                "sources": ctx._sources,
                 **_canonical(ctx.manifest)}
     (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2))
     if folder.exists():

@@ -132,3 +132,18 @@ def test_timings_come_from_the_manifests(fake, tmp_path):
     chapters.results("fake", "ci", root=tmp_path)
     table = chapters.timings("ci", root=tmp_path)
     assert list(table.index) == ["fake"] and table.loc["fake", "minutes"] >= 0
+
+
+def test_results_read_from_another_study_go_stale_with_it(fake, tmp_path, monkeypatch):
+    reader = types.ModuleType("reader_study")
+    reader.config = lambda scale: {"scale": scale}
+    reader.compute = lambda ctx: (CALLS.append("reader"), ctx.value("best", ctx.read("fake").values["best"]))
+    monkeypatch.setitem(sys.modules, "reader_study", reader)
+    monkeypatch.setattr(chapters, "STUDIES", {"fake": "fake_study", "reader": "reader_study"})
+    first = chapters.results("reader", "ci", root=tmp_path).values["best"]
+    chapters.results("reader", "ci", root=tmp_path)
+    assert CALLS == ["reader", "fake"]
+    fake(shift=1.0)
+    chapters.results("fake", "ci", root=tmp_path)  # the source recomputed with other settings
+    again = chapters.results("reader", "ci", root=tmp_path).values["best"]
+    assert CALLS == ["reader", "fake", "fake", "reader"] and again > first
