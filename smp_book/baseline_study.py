@@ -284,3 +284,113 @@ def beyond_nuts_noise(agree_replicates: pd.DataFrame, reference: str = SECOND_NU
     out.columns = pd.MultiIndex.from_tuples(out.columns)
     out.index.name = "method"
     return out
+
+
+def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
+    """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one replicate),
+    and "-" where a method has no value (a point estimate's MI surface correlation, say)."""
+    return ts.beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
+
+
+def compute(ctx) -> None:
+    """The chapter's results (:mod:`smp_book.chapters`): every replicate (cached by config and replicate
+    under ``.cache/toy_baselines/``), the toy tables and the agreement table with their spread, the
+    MAPs, the second NUTS chain, the distance beyond NUTS's own noise, the findings, the figures of the
+    first replicate and the numbers the prose quotes. The toy chapter's results are read to check that
+    the rows both studies compute (NUTS, NUTS-mean, SMP-none, SMP-ema-block) agree."""
+    from . import plots
+    from .results import cached, code_hash
+
+    cfg = ctx.config
+    runs = [cached("toy_baselines", {**cfg, "replicate": r, "code": code_hash("smp_book.baseline_study")},
+                   lambda r=r: run_replicate(cfg, r, progress=ctx.progress), enabled=ctx.use_cache)
+            for r in range(cfg["replicates"])]
+    summary = summarise(runs)
+    for key in ("scores", "variances", "elapsed", "agreement"):
+        for part in ("mean", "std", "replicates"):
+            ctx.table(f"{key}_{part}", summary[f"{key}_{part}"])
+
+    # the rows this study shares with the toy chapter: the same seeds, so the same numbers on one machine
+    toy_scores = ctx.read("toy").table("scores_mean")
+    same = [m for m in ("NUTS", "NUTS-mean", "SMP-none", "SMP-ema-block") if m in toy_scores.index]
+    gap = (toy_scores.loc[same] - summary["scores_mean"].loc[same]).abs().max(axis=1)
+    ctx.table("toy_check", gap.rename("largest difference of a mean score").to_frame())
+
+    maps = pd.DataFrame([{"replicate": r["replicate"], **r["map"],
+                          "ensemble_log_posteriors": " ".join(f"{v:.1f}" for v in r["ensemble_log_posteriors"])}
+                         for r in runs]).set_index("replicate")
+    ctx.table("map_and_ensemble", maps)
+    gaps = [r["map"]["log_posterior"] - v for r in runs for v in r["ensemble_log_posteriors"]]
+    second = pd.DataFrame([{"replicate": r["replicate"], **r["second_nuts"]["diagnostics"],
+                            **r["second_nuts"]["nuts_mean_check"], "labelling": r["second_nuts"]["labelling"],
+                            "distance_between_means": r["second_nuts"]["distance_between_means"]}
+                           for r in runs]).set_index("replicate")
+    ctx.table("second_nuts", second)
+    noise = ctx.table("beyond_nuts_noise", beyond_nuts_noise(summary["agreement_replicates"]))
+    found = ctx.table("findings", findings(summary["agreement_mean"], summary["scores_mean"],
+                                           summary["agreement_replicates"], summary["scores_replicates"]))
+
+    first = runs[0]
+    gx, gy = first["grid"]
+    shown = ["NUTS", "SMP-none", "SMP-ema-block", "SMP-ema-block from MAP", "Ensemble", "Laplace-diag",
+             "Laplace-kfac", "Laplace-dense"]
+    ctx.figure("mutual_information", plots.surfaces_side_by_side(
+        gx, gy, {name: first["evals"][name].surfaces["mi"] for name in shown},
+        "mutual information (toy example, replicate 0)"))
+    ctx.figure("calibration_baselines", plots.calibration_all(
+        {name: first["evals"][name].curve for name in shown}, "calibration (toy example, replicate 0)",
+        xlim=(0.45, 1.0)))
+
+    a, s, seconds = summary["agreement_mean"], summary["scores_mean"], summary["elapsed_mean"]["seconds"]
+    reps = summary["agreement_replicates"]["tv_to_nuts"].unstack("replicate")  # method x replicate
+    spread = [m for m in a.index if m not in NOT_RANKED]
+    laplace = [m for m in spread if m.startswith("Laplace-") and not m.endswith("-nn")]
+    best_laplace = a.loc[laplace, "tv_to_nuts"].idxmin()
+    tv_noise = noise[("mean |p - p_NUTS|", "excess (se)")]
+    closest = found.loc["closest predictive to NUTS (mean absolute difference of p)"]
+    nll_row = found.loc["lowest test NLL"]
+    values = {
+        # settings
+        "replicates": len(runs), "n_chains": cfg["n_chains"], "n_steps": cfg["n_steps"],
+        "ensemble_members": cfg["ensemble_members"], "prior_precision": cfg["prior_precision"],
+        "nuts_iterations": cfg["nuts_warmup"] + cfg["nuts_samples"],
+        # the check against the toy chapter
+        "toy_gap": gap.max(),
+        # the ensemble's members
+        "members_total": len(gaps), "members_far": sum(g > 100 for g in gaps),
+        "members_near": sum(abs(g) <= 1 for g in gaps),
+        # the findings
+        "methods_ranked": int(closest["methods ranked"]),
+        "closest_method": closest["best"], "closest_runner_up": closest["runner-up"],
+        "closest_lead": closest["lead (se)"], "closest_resolved": "resolved" if closest["resolved"] == "yes"
+        else "not resolved",
+        "ema_block_rank_tv": closest["SMP-ema-block rank"], "ema_block_rank_nll": nll_row["SMP-ema-block rank"],
+        # agreement with NUTS, replicate means
+        "closest_tv": a.loc[spread, "tv_to_nuts"].min(),
+        "ema_block_tv": a.loc["SMP-ema-block", "tv_to_nuts"], "none_tv": a.loc["SMP-none", "tv_to_nuts"],
+        "best_laplace": best_laplace, "best_laplace_tv": a.loc[best_laplace, "tv_to_nuts"],
+        "ensemble_tv": a.loc["Ensemble", "tv_to_nuts"],
+        "second_tv": a.loc[SECOND_NUTS, "tv_to_nuts"], "second_corr": a.loc[SECOND_NUTS, "mi_surface_corr"],
+        "second_mi_ratio": a.loc[SECOND_NUTS, "mi_over_nuts"],
+        "within_noise": ", ".join(tv_noise[tv_noise < 2].index) or "none",
+        "nuts_mean_tv": a.loc["NUTS-mean", "tv_to_nuts"], "map_tv": a.loc["MAP", "tv_to_nuts"],
+        "none_from_map_tv": a.loc["SMP-none from MAP", "tv_to_nuts"],
+        "ema_block_from_map_tv": a.loc["SMP-ema-block from MAP", "tv_to_nuts"],
+        "mi_over_nuts_list": ", ".join(f"{m} {a.loc[m, 'mi_over_nuts']:.2f}" for m in spread),
+        "mi_corr_list": ", ".join(f"{m} {a.loc[m, 'mi_surface_corr']:.2f}" for m in spread),
+        # the dense Laplace's two predictives
+        "dense_nll": s.loc["Laplace-dense", "nll"], "dense_nn_nll": s.loc["Laplace-dense-nn", "nll"],
+        "dense_mi_ratio": a.loc["Laplace-dense", "mi_over_nuts"],
+        "dense_nn_mi_ratio": a.loc["Laplace-dense-nn", "mi_over_nuts"],
+        # seconds, replicate means
+        "nuts_seconds": seconds["NUTS"], "ema_block_seconds": seconds["SMP-ema-block"],
+        "dense_seconds": seconds["Laplace-dense"], "ensemble_seconds": seconds["Ensemble"],
+    }
+    # SMP's mean |p - p_NUTS| minus the dense Laplace's, paired over the replicates, in standard errors
+    for key, m in (("none", "SMP-none"), ("ema_block", "SMP-ema-block"), ("none_from_map", "SMP-none from MAP"),
+                   ("ema_block_from_map", "SMP-ema-block from MAP")):
+        values[f"{key}_vs_dense_lead"] = paired_lead(reps.loc[m] - reps.loc["Laplace-dense"])
+    for name, value in values.items():
+        ctx.value(name, value)
+    ctx.record(seeds={f"replicate_{r['replicate']}": r["seeds"] for r in runs},
+               nuts_wall_time_s=[r["elapsed"]["NUTS"] for r in runs])
