@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 import time
 import uuid
@@ -224,7 +225,7 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
     root = Path(root)
     config = study_config(study, scale)
     folder = root / scale / study
-    scratch = root / scale / ".partial" / study
+    scratch = root / scale / ".partial" / f"{study}.{os.getpid()}"  # two processes never share one
     if scratch.exists():
         shutil.rmtree(scratch)
     scratch.mkdir(parents=True)
@@ -247,7 +248,7 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
                 **_canonical(ctx.manifest)}
     (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2))
     if folder.exists():
-        old = folder.with_name(f".{study}.old")
+        old = folder.with_name(f".{study}.old.{os.getpid()}")
         if old.exists():
             shutil.rmtree(old)
         folder.rename(old)

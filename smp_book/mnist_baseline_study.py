@@ -375,3 +375,156 @@ def leads_over(evals: dict[str, dict], reference: str = "MAP", metric: str = "nl
             for name, e in evals.items()} for angle in angles})
     table.index.name, table.columns.name = "method", "angle"
     return table
+
+
+def rotation_figure(shift: pd.DataFrame, methods: list[str]):
+    """Accuracy, NLL and ECE of ``methods`` against the rotation angle (``shift``: :func:`tables`'
+    ``shift``); the ``-nn`` rows, off the scale, are left to the table."""
+    import matplotlib.pyplot as plt
+
+    shift = shift.reset_index()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    for ax, metric in zip(axes, ("accuracy", "nll", "ece"), strict=True):
+        for name in methods:
+            if name.endswith("-nn (wd)"):
+                continue
+            rows = shift[shift["method"] == name]
+            style = "-" if name.startswith(("SMP", "MAP")) else "--"
+            ax.plot(rows["angle"], rows[metric], style, marker="o", label=name)
+        ax.set_xlabel("rotation (degrees)")
+        ax.set_title(metric)
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return fig
+
+
+def highlights(cfg: dict[str, Any], out: dict[str, pd.DataFrame], over_map: pd.DataFrame, dim: int) -> str:
+    """The chapter's main numbers as a Markdown list, from :func:`tables` (``out``), :func:`leads_over`
+    (``over_map``) and the number of parameters ``dim``."""
+    s, lap, shift = out["scores"], out["laplace"], out["shift"]
+    ens, drop = f"Ensemble ({cfg['ensemble_members']})", DROPOUT
+    dropout = out.get("dropout")
+    smp = [m for m in s.index if m.startswith("SMP-")]
+    glm = [m for m in s.index if m.startswith("Laplace-") and "-nn" not in m]
+    worst = max(cfg["shift_angles"])
+    nll = shift["nll"].unstack("angle")
+    others = smp + glm + ([drop] if drop in s.index else []) + [ens]
+    lines = [
+        f"- Test NLL: MAP {s.loc['MAP', 'nll']:.4f}; the best SMP variant {s.loc[smp, 'nll'].idxmin()} "
+        f"{s.loc[smp, 'nll'].min():.4f}; the best linearised Laplace {s.loc[glm, 'nll'].idxmin()} "
+        f"{s.loc[glm, 'nll'].min():.4f}"
+        + (f"; MC dropout (p = {float(dropout.index[dropout['selected']][0]):g}) {s.loc[drop, 'nll']:.4f}"
+           if dropout is not None else "")
+        + f"; the ensemble {s.loc[ens, 'nll']:.4f}.",
+        f"- Accuracy: MAP {s.loc['MAP', 'accuracy']:.4f}, "
+        + (f"MC dropout {s.loc[drop, 'accuracy']:.4f}, " if dropout is not None else "")
+        + f"ensemble {s.loc[ens, 'accuracy']:.4f}; SMP "
+        + ", ".join(f"{m.removeprefix('SMP-')} {s.loc[m, 'accuracy']:.4f}" for m in smp) + ".",
+        f"- At {worst} degrees, NLL: MAP {nll.loc['MAP', worst]:.3f}, "
+        + ", ".join(f"{m} {nll.loc[m, worst]:.3f}" for m in others) + ".",
+        "- The prior that maximises the evidence: "
+        + ", ".join(f"{st} alpha = {lap.loc[(st, 'evidence'), 'prior_precision']:.3g} (wd: "
+                    f"{lap.loc[(st, 'wd'), 'prior_precision']:.3g}), gamma = "
+                    f"{lap.loc[(st, 'evidence'), 'effective_parameters']:,.0f} of {dim:,}"
+                    for st in lap.index.get_level_values("structure").unique()) + ".",
+        f"- At {worst} degrees the MAP classifies {shift.loc[('MAP', worst), 'accuracy']:.1%} of the images "
+        "correctly.",
+        "- The network's own predictive at Laplace draws (wd prior): NLL "
+        + ", ".join(f"{m} {s.loc[m, 'nll']:.3f}" for m in s.index if m.endswith("-nn (wd)"))
+        + ", against the linearised " + ", ".join(f"{m} {s.loc[m, 'nll']:.4f}" for m in glm if m.endswith("(wd)"))
+        + ".",
+        "- NLL below the MAP's by 2 paired standard errors or more: " + "; ".join(
+            f"at {a} degrees " + (", ".join(m for m in over_map.index if over_map.loc[m, a] >= 2) or "none")
+            for a in over_map.columns) + ".",
+        "- Seconds to fit: SMP " + ", ".join(f"{m.removeprefix('SMP-')} {s.loc[m, 'fit_seconds']:.0f}" for m in smp)
+        + "; Laplace " + ", ".join(f"{m.removeprefix('Laplace-')} {s.loc[m, 'fit_seconds']:.0f}" for m in glm)
+        + (f"; MC dropout {s.loc[drop, 'fit_seconds']:.0f} ({len(dropout)} trainings)" if dropout is not None else "")
+        + f"; the ensemble {s.loc[ens, 'fit_seconds']:.0f} (MAP {s.loc['MAP', 'fit_seconds']:.0f}).",
+    ]
+    return "\n".join(lines)
+
+
+CALIBRATION_SHOWN = ("MAP", "SMP-none", "SMP-periodic-diag", "Laplace-diag (evidence)", "Laplace-kfac (wd)",
+                     "Laplace-kfac (evidence)", DROPOUT)
+"""The methods of the calibration figure (with the ensemble), where they are among the study's rows."""
+
+
+def compute(ctx) -> None:
+    """The chapter's results (:mod:`smp_book.chapters`): every method fitted and scored
+    (:func:`run_study`, cached under ``.cache/mnist/`` and ``.cache/mnist_baselines/``), the tables of
+    :func:`tables` (the Laplace table with the prior's term ``alpha |theta_MAP|`` beside the gradient
+    norm), how far the MAP and SMP rows are from the MNIST chapter's results, the findings, the NLL
+    leads over the MAP, the two figures and the numbers the prose quotes. The device and the seeds
+    go into the manifest."""
+    from . import plots
+
+    cfg = ctx.config
+    device = ms.default_device()
+    data, provenance = ms.load_data(cfg)
+    study = run_study(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    out = tables(study)
+    theta_map = study["map"]["theta"]
+    norm = float(theta_map.double().norm())
+    if "laplace" in out:
+        out["laplace"] = out["laplace"].assign(prior_term=out["laplace"]["prior_precision"] * norm)
+    for name, table in out.items():
+        ctx.table(name, table)
+    s = out["scores"]
+
+    # the MAP and SMP rows are the MNIST chapter's replicate 0: how far from its result files
+    theirs = ctx.read("mnist").table("scores_replicates").loc[0]
+    same = [m for m in ms.method_names() if m in theirs.index and m in s.index]
+    gap = (theirs.loc[same] - s.loc[same, theirs.columns]).abs().max(axis=1).rename("largest_difference")
+    ctx.table("mnist_chapter_gap", gap.to_frame())
+
+    found = ctx.table("findings", findings(study["evals"]), index=False)
+    over_map = ctx.table("nll_lead_over_map", leads_over(study["evals"]))
+    shown = [n for n in (*CALIBRATION_SHOWN, f"Ensemble ({cfg['ensemble_members']})") if n in study["evals"]]
+    ctx.figure("calibration_baselines", plots.calibration_all({n: study["evals"][n]["curve"] for n in shown},
+                                                              "Calibration, MNIST test set"))
+    ctx.figure("rotation", rotation_figure(out["shift"], list(s.index)))
+
+    smp = [m for m in s.index if m.startswith("SMP-")]
+    worst = max(cfg["shift_angles"])
+    nll = out["shift"]["nll"].unstack("angle")
+    ctx.value("what_this_shows", highlights(cfg, out, over_map, theta_map.numel()))
+    for key in ("n_train", "n_val", "n_test", "n_chains", "n_steps", "ensemble_members", "map_weight_decay"):
+        ctx.value(key, cfg[key])
+    ctx.value("dim", theta_map.numel())
+    ctx.value("angles", " and ".join(str(a) for a in cfg["shift_angles"]))
+    ctx.value("worst_angle", worst)
+    ctx.value("shift_images", min(cfg["shift_images"], cfg["n_test"]))
+    ctx.value("dropout_rates", ", ".join(f"{r:g}" for r in cfg.get("dropout_rates", [])))
+    ctx.value("wd_prior", weight_decay_prior(cfg))
+    ctx.value("mnist_chapter_gap", float(gap.max()) if len(gap) else float("nan"))
+    ctx.value("ambiguous_index", study["three"])
+    ctx.value("ambiguous_label", int(data["test"][1][study["three"]]))
+    ctx.value("map_nll", s.loc["MAP", "nll"])
+    ctx.value("best_nll_method", s["nll"].idxmin())
+    ctx.value("best_nll", s["nll"].min())
+    ctx.value("best_smp", s.loc[smp, "nll"].idxmin())
+    ctx.value("best_smp_nll", s.loc[smp, "nll"].min())
+    ctx.value("best_shift_method", nll[worst].idxmin())
+    ctx.value("best_shift_nll", nll[worst].min())
+    ctx.value("map_shift_nll", nll.loc["MAP", worst])
+    ctx.value("best_smp_shift", nll.loc[smp, worst].idxmin())
+    ctx.value("best_smp_shift_nll", nll.loc[smp, worst].min())
+    ctx.value("resolved_findings", int(found["resolved"].sum()))
+    ctx.value("findings", len(found))
+    if "laplace" in out:
+        wd = out["laplace"].xs("wd", level="prior").iloc[0]
+        ctx.value("theta_norm", norm)
+        ctx.value("wd_gradient_norm", wd["gradient_norm"])
+        ctx.value("wd_prior_term", wd["prior_term"])
+        ctx.value("wd_gradient_ratio", wd["gradient_norm"] / wd["prior_term"])
+        ctx.value("wd_gradient_per_image", wd["gradient_norm"] / cfg["n_train"])
+    if "dropout" in out:
+        ctx.value("dropout_rate", float(out["dropout"].index[out["dropout"]["selected"]][0]))
+    mnist_cfg = mnist_settings(cfg)
+    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+                      "ensemble": [ensemble_seed(cfg, m) for m in range(cfg["ensemble_members"])],
+                      "smp": {v: ms.smp_seed(mnist_cfg, i) for i, v in enumerate(ms.study_variants(mnist_cfg))},
+                      "laplace": {f"{st} ({pr})": laplace_seed(cfg, st, pr)
+                                  for st in cfg["laplace_structures"] for pr in PRIORS},
+                      "dropout_masks": {part: dropout_seed(cfg, part) for part in ("validation", "test")}},
+               device=str(device), data=provenance, ambiguous_three=study["three"])

@@ -159,3 +159,143 @@ def growth_summary(growth: pd.DataFrame, zero_fraction: float) -> pd.DataFrame:
                                                        / t.loc[last, "params_variance"])
         rows.append(row)
     return pd.DataFrame(rows).set_index("method")
+
+
+SHOWN = ["params_variance", "params_variance_se", "logits_variance", "logits_variance_se", "mutual_info",
+         "mutual_info_se", "nll", "accuracy", "largest_chain_share", "diverged"]
+"""The columns of the growth table that the chapter shows, per method and K."""
+
+_RELATIVE = ["params_variance", "params_variance_zero_fisher", "params_variance_other", "logits_variance",
+             "mutual_info"]
+
+
+def zero_fisher_share(growth: pd.DataFrame, zero_fraction: float, steps: list[int]) -> pd.DataFrame:
+    """The share of the parameter variance that the zero-Fisher coordinates (a ``zero_fraction`` of all)
+    carry, per method (rows) at each K of ``steps`` (columns)."""
+    share = zero_fraction * growth["params_variance_zero_fisher"] / growth["params_variance"]
+    table = share.rename("zero-Fisher share").to_frame().assign(method=growth["method"]).loc[steps]
+    methods = list(dict.fromkeys(growth["method"]))
+    return table.reset_index().pivot(index="method", columns="K", values="zero-Fisher share").reindex(methods)
+
+
+def growth_figure(growth: pd.DataFrame, n_chains: int):
+    """Parameter variance, logit variance and mutual information against K for each method (jackknife
+    error bars), with the growth one Fisher predicts from the first K (dotted)."""
+    import matplotlib.pyplot as plt
+
+    panels = [("params_variance", "parameter variance"), ("logits_variance", "logit variance"),
+              ("mutual_info", "mutual information")]
+    methods = list(dict.fromkeys(growth["method"]))
+    colors = {method: f"C{i}" for i, method in enumerate(methods)}  # the same in every panel
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (column, label) in zip(axes, panels, strict=True):
+        for method, t in growth.groupby("method", sort=False):
+            if method == "SMP-none" and column == "mutual_info":
+                continue  # 1e-5 to 1e-3: it would flatten the log scale of the others
+            ax.errorbar(t.index, t[column], yerr=t[f"{column}_se"], marker="o", ms=3, capsize=2, label=method,
+                        color=colors[method])
+            first = t.index[0]
+            ax.plot(t.index, t.loc[first, column] * t["reached_share"] / t.loc[first, "reached_share"], ls=":",
+                    color=colors[method])
+        ax.set(xscale="log", yscale="log", xlabel="K", title=label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Dispersion against K (S = {n_chains}; dotted: growth with one Fisher)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def periodic_verdict(least: pd.DataFrame) -> str:
+    """From :func:`least_dispersed`: since which K of the grid periodic has the smallest mutual
+    information to the end of the grid, with its lead at the last K, or which variant has it there."""
+    last = least.index[-1]
+    periodic = least["least"] == "SMP-periodic-diag"
+    since = [k for k in least.index if periodic.loc[k:].all()]
+    if since:
+        return (f"SMP-periodic-diag has the smallest mutual information of the diagonal variants from K = "
+                f"{since[0]:,} to the end of the grid (lead at K = {last:,}: {least.loc[last, 'lead_z']:.1f} "
+                "standard errors).")
+    return (f"SMP-periodic-diag does not have the smallest mutual information at K = {last:,} "
+            f"({least.loc[last, 'least']} has, by {least.loc[last, 'lead_z']:.1f} standard errors).")
+
+
+def in_words(summary: pd.DataFrame, zero_fraction: float) -> list[str]:
+    """The lines of :func:`growth_summary` in words, one per method."""
+    lines = []
+    for method, row in summary.iterrows():
+        grew = {c: f"{row[f'{c} growth']:.1f} ± {row[f'{c} growth se']:.1f}-fold"
+                for c in ("params_variance", "logits_variance", "mutual_info")}
+        lines.append(f"{method}: the parameter variance grew {grew['params_variance']}, the logit variance "
+                     f"{grew['logits_variance']} and the mutual information {grew['mutual_info']}; at K = "
+                     f"{int(row['to K']):,} one chain carries {row['largest chain share']:.0%} of the logit variance, "
+                     f"and the zero-Fisher coordinates ({zero_fraction:.0%} of all) carry "
+                     f"{row['zero-Fisher share of params variance']:.2%} of the parameter variance.")
+    return lines
+
+
+def compute(ctx) -> None:
+    """The growth chapter's results (:mod:`smp_book.chapters`): the MNIST chapter's MAP (shared through
+    ``.cache/mnist/``), the zero-Fisher coordinates, one run per variant extended through the grid of K
+    (:func:`run_growth`, cached under ``.cache/mnist_growth/``), its growth against the one-Fisher
+    prediction, the least dispersed diagonal variant at each K, the figure, the MNIST chapter's numbers at
+    its K beside this chapter's (``ctx.read("mnist")``) and the numbers the prose quotes."""
+    from .config import MNIST_VARIANTS, get_config
+    from .mnist_study import fisher_zero_mask, fit_map, load_data, smp_seed
+
+    cfg = ctx.config
+    device = default_device()
+    data, provenance = load_data(cfg)
+    theta_map = fit_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)["theta"]
+    zero_mask = fisher_zero_mask(theta_map, data, device)
+    zero_fraction = float(zero_mask.double().mean())
+    growth = pd.concat([run_growth(cfg, variant, theta_map, data, i, zero_mask, device, ctx.use_cache,
+                                   progress=ctx.progress) for i, variant in enumerate(MNIST_VARIANTS)])
+    grid = list(cfg["growth_steps"])
+    first, last = grid[0], grid[-1]
+
+    ctx.table("growth", growth.reset_index().set_index(["method", "K"]))
+    ctx.table("reached_share", pd.DataFrame({"K": grid, "reached share 1 - r_K^2/r_0^2":
+                                             [reached_share(cfg["n_train"], k) for k in grid]}).set_index("K"))
+    # undefined (NaN, not infinite) where a part of the parameters has no variance at the first K
+    ctx.table("growth_against_linear", pd.concat(
+        {method: pd.DataFrame({c: growth_against_linear(t, c) for c in _RELATIVE})
+         for method, t in growth.groupby("method", sort=False)}, names=["method"]).replace([np.inf, -np.inf], np.nan))
+    summary = ctx.table("growth_summary", growth_summary(growth, zero_fraction))
+    ctx.table("zero_fisher_share", zero_fisher_share(growth, zero_fraction, [first, last]))
+    ctx.figure("growth", growth_figure(growth, cfg["n_chains"]))
+    least = ctx.table("least_dispersed", least_dispersed(growth))
+
+    # the MNIST chapter at the same scale, at its K (its S, mean over its replicates)
+    mnist = ctx.read("mnist")
+    k_mnist = mnist.config["n_steps"]
+    chapter = mnist.table("scores_mean")[["mutual_info", "nll"]].join(mnist.table("variances_mean")).drop(index="MAP")
+    if k_mnist in grid:
+        here = growth.loc[growth.index == k_mnist].set_index("method")[list(chapter.columns)]
+        chapter = chapter.join(here.add_suffix(" (here)"))
+    ctx.table("mnist_comparison", chapter)
+
+    paper, laptop = get_config("mnist", "paper"), get_config("mnist", "laptop")
+    for key in ("n_chains", "n_train"):
+        ctx.value(key, cfg[key])
+    ctx.value("first_k", first)
+    ctx.value("last_k", last)
+    ctx.value("grid", ", ".join(f"{k:,}" for k in grid))
+    ctx.value("device", str(device))
+    ctx.value("inverse_ridge", 1 / cfg["ridge"])
+    ctx.value("fisher_zero_fraction", zero_fraction)
+    ctx.value("one_fisher_growth", reached_share(cfg["n_train"], last) / reached_share(cfg["n_train"], first))
+    for method, grew in summary["mutual_info growth"].items():  # mi_growth_none, mi_growth_fixed_diag, ...
+        ctx.value(f"mi_growth_{method.removeprefix('SMP-').replace('-', '_')}", grew)
+    ctx.value("least_at_last", least.loc[last, "least"])
+    ctx.value("periodic_verdict", periodic_verdict(least))
+    ctx.value("in_words", "\n".join(f"- {line}" for line in in_words(summary, zero_fraction)))
+    ctx.value("mnist_n_steps", k_mnist)
+    ctx.value("mnist_n_chains", mnist.config["n_chains"])
+    ctx.value("mnist_on_grid", "yes" if k_mnist in grid else "no")
+    ctx.value("laptop_n_steps", laptop["n_steps"])
+    ctx.value("paper_n_steps", paper["n_steps"])
+    ctx.value("paper_n_train", paper["n_train"])
+    ctx.value("paper_share_growth", reached_share(paper["n_train"], paper["n_steps"])
+              / reached_share(paper["n_train"], laptop["n_steps"]))
+    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+                      "smp": {v: smp_seed(cfg, i) for i, v in enumerate(MNIST_VARIANTS)}},
+               device=str(device), data=provenance, fisher_zero_fraction=zero_fraction, smp_path=smp_path(device))

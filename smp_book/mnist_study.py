@@ -29,7 +29,7 @@ from smp_core.recursion import Fisher, residual_variance_ratio, run_smp
 
 from .config import MNIST_TAU, MNIST_VARIANTS
 from .mnist import mnist_tensors
-from .results import cached, code_hash, config_key, summarise_replicates
+from .results import cached, code_hash, config_key, cpu_model, summarise_replicates
 
 INPUT_SHAPE = (1, 28, 28)
 FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
@@ -440,11 +440,154 @@ def top_probabilities(evals: dict[str, dict], index: int) -> pd.DataFrame:
                         index=[str(c) for c in range(10)]).T.astype(np.float64)
 
 
-# ----------------------------------------------------------------------------------------------
-# Beyond the paper: how the dispersion grows with K (notebooks/mnist_growth.md)
+def ambiguous_three_figure(evals: dict[str, dict], image: torch.Tensor, index: int):
+    """The test image ``index`` (``image``, ``(28, 28)``) beside the mean predicted class probabilities
+    of every method of ``evals`` (bars), with the spread over the samples as black lines (10th to 90th
+    percentile)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(evals) + 1, figsize=(3 * (len(evals) + 1), 2.8))
+    axes[0].imshow(image, cmap="gray_r")
+    axes[0].set_title(f"test image {index} (label 3)")
+    axes[0].axis("off")
+    for ax, (name, ev) in zip(axes[1:], evals.items(), strict=True):
+        p = ev["probs"][:, index].numpy()
+        lo, hi = np.percentile(p, [10, 90], axis=0)
+        # a skewed sample can have its mean outside [q10, q90]: draw the interval as lines, not error bars
+        ax.bar(range(10), p.mean(0), color="tab:blue", alpha=0.7)
+        ax.vlines(range(10), lo, hi, color="black", linewidth=1)
+        ax.set_xticks(range(10))
+        ax.set_ylim(0, 1)
+        ax.set_title(name, fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
-# ----------------------------------------------------------------------------------------------
-# Beyond the paper: Kronecker-factored preconditioners on MNIST (notebooks/mnist_kfac.md)
+def verdict_summary(verdicts) -> str:
+    """``"3 hold, 1 partly, 1 does not hold"``: how many verdicts of each kind, in that order (kinds
+    that do not occur left out)."""
+    counts = Counter(verdicts)
+    kinds = (("holds", "hold"), ("partly", "partly"), ("does not hold", "do not hold"))
+    return ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural}" for v, plural in kinds if counts[v]) or "none"
 
 
+def _presentation_module(name: str):
+    """``smp_book.<name>``, imported by name: the modules that only show results (figures, result
+    folders) stay out of :func:`~smp_book.results.code_hash` of this module, which is in the cache key
+    of every MAP and SMP run of the MNIST chapters (:func:`map_key`, :func:`run_key`), so that
+    editing a figure does not recompute hours of runs."""
+    import importlib
+
+    return importlib.import_module(f"smp_book.{name}")
+
+
+# Where the paper-scale results of this study are, once a run at the paper scale has written them
+# (``smp_book.chapters.compute("mnist", "paper")``, or ``tools/run_myst.py notebooks/mnist.md scale=paper``).
+PAPER_RESULTS = Path("results") / "paper" / "mnist"
+
+
+def paper_scale_results(folder: str | Path = PAPER_RESULTS):
+    """The paper-scale results of this study (:class:`smp_book.chapters.Results`) when a complete folder
+    of them exists, else ``None``: they are only read here, never computed (at ``K = 10^6`` they take
+    hours of a GPU). A folder is complete when its manifest (written last) exists and holds the paper
+    scale's current settings."""
+    import json
+
+    chapters = _presentation_module("chapters")
+    folder = Path(folder)
+    if not (folder / "manifest.json").exists():
+        return None
+    res = chapters.Results(folder)
+    wanted = json.loads(json.dumps(chapters.study_config("mnist", "paper"), sort_keys=True, default=str))
+    if res.manifest.get("scale") != "paper" or res.config != wanted or not res.has("scores_mean"):
+        return None
+    return res
+
+
+def paper_scale_note(scale: str, paper_run=None) -> str:
+    """What the chapter says of the paper-scale results: that they are the chapter's own (at
+    ``scale == "paper"``), where they were computed (``paper_run``, from :func:`paper_scale_results`),
+    or plainly that none exist yet."""
+    if scale == "paper":
+        return "This chapter runs at the paper scale: the table above holds the paper-scale results."
+    if paper_run is None:
+        return (f"No paper-scale results exist yet: `{PAPER_RESULTS}/` holds no complete run with the paper "
+                "scale's settings (it needs a GPU, or hours of CPU per variant; `make bench` projects the CPU "
+                "time).")
+    manifest = paper_run.manifest
+    device = manifest.get("environment", {}).get("device") or manifest.get("device", "an unrecorded device")
+    replicates = manifest["config"].get("smp_replicates", 1)
+    return (f"The paper scale ($K$ = {manifest['config']['n_steps']:,}, $S$ = {manifest['config']['n_chains']}, "
+            f"{replicates} replicate(s)), computed on {device} in {manifest.get('wall_time_s', float('nan')):,.0f} s:")
+
+
+def compute(ctx) -> None:
+    """The MNIST chapter's results (:mod:`smp_book.chapters`): the MAP (cached under ``.cache/mnist/``)
+    with its training history, the fraction of zeros on the diagonal of the empirical Fisher, the
+    replicates of the four SMP variants (:func:`run_replicates`), the paper's three tables per
+    replicate and summarised, the chain shares, the verdicts, the two figures of the first replicate
+    and the numbers the prose quotes. The device and the seeds go into the manifest."""
+    plots = _presentation_module("plots")
+    cfg = ctx.config
+    device = default_device()
+    data, provenance = load_data(cfg)
+    map_fit = fit_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    theta_map = map_fit["theta"]
+    ctx.table("map_history", map_fit["history"], index=False)
+    zero_fraction = fisher_zero_fraction(theta_map, data, device)
+
+    runs = run_replicates(cfg, theta_map, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    per_replicate, figure_evals = runs["tables"], runs["figure_evals"]
+    for key, df in per_replicate[0].items():  # the first replicate: the seeds of the study's single run
+        ctx.table(key, df)
+    summary = summarise(per_replicate)
+    for key, df in summary.items():
+        ctx.table(key, df)
+    ctx.table("diverged", runs["diverged"])
+    verdicts = claims(summary["scores_mean"], summary["variances_mean"],
+                      [(t["scores"], t["variances"]) for t in per_replicate])
+    ctx.table("claims", verdicts, index=False)
+
+    ctx.figure("calibration_all", plots.calibration_all({n: e["curve"] for n, e in figure_evals.items()},
+                                                        "Calibration, MNIST"))
+    three = ambiguous_three(figure_evals["MAP"]["probs"], data["test"][1])
+    ctx.figure("ambiguous_three", ambiguous_three_figure(figure_evals, data["test"][0][three, 0], three))
+    ctx.table("ambiguous_three", top_probabilities(figure_evals, three))
+
+    m = summary["scores_mean"]
+    path = smp_path(device)
+    for key in ("n_train", "n_val", "n_test", "n_steps", "n_chains", "period", "map_epochs"):
+        ctx.value(key, cfg[key])
+    ctx.value("replicates", cfg["smp_replicates"])
+    ctx.value("n_fisher_periodic", cfg["n_fisher_periodic"] or cfg["n_val"])
+    ctx.value("dim", theta_map.numel())
+    ctx.value("r_ratio", r_ratio(cfg))
+    ctx.value("paper_r_ratio", residual_variance_ratio(FULL_SIZES[0], 1_000_000))
+    ctx.value("fisher_zero_fraction", zero_fraction)
+    ctx.value("map_seconds", map_fit["seconds"])
+    ctx.value("threads", torch.get_num_threads())
+    ctx.value("device", str(device))
+    ctx.value("device_name", torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model())
+    ctx.value("smp_path", path)
+    sizes = provenance.get("sizes", {})
+    ctx.value("data_description",
+              f"the MNIST files under {provenance.get('raw_dir', provenance.get('data_dir', 'data'))}"
+              + (" (their SHA-256 as the reference's)" if provenance.get("matches_reference") else "")
+              + f", split with seed {cfg['split_seed']} into {sizes.get('train', cfg['n_train']):,} training, "
+              f"{sizes.get('val', cfg['n_val']):,} validation and {sizes.get('test', cfg['n_test']):,} test images")
+    ctx.value("ambiguous_index", three)
+    ctx.value("map_accuracy", m.loc["MAP", "accuracy"])
+    ctx.value("map_nll", m.loc["MAP", "nll"])
+    ctx.value("none_accuracy", m.loc["SMP-none", "accuracy"])
+    ctx.value("none_nll", m.loc["SMP-none", "nll"])
+    ctx.value("none_mutual_info", m.loc["SMP-none", "mutual_info"])
+    ctx.value("diag_mutual_info_min", m.loc[list(DIAGONAL_METHODS), "mutual_info"].min())
+    ctx.value("diag_mutual_info_max", m.loc[list(DIAGONAL_METHODS), "mutual_info"].max())
+    ctx.value("n_claims", len(verdicts))
+    ctx.value("verdict_summary", verdict_summary(verdicts["verdict"]))
+    ctx.value("diverged_chains", int(runs["diverged"].to_numpy().sum()))
+    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+                      "smp": {f"replicate_{r}": {v: smp_seed(cfg, i, r) for i, v in enumerate(study_variants(cfg))}
+                              for r in range(cfg["smp_replicates"])}},
+               device=str(device), data=provenance, fisher_zero_fraction=zero_fraction, r_ratio=r_ratio(cfg),
+               map_seconds=map_fit["seconds"], smp_path=path)

@@ -545,3 +545,74 @@ def test_kfac_statistic_precision_compares_a_float32_and_a_float64_statistic():
     median = table["P^-1 s: relative difference, median"]
     assert (median > 0).all() and (table["P^-1 s: relative difference, largest"] < 1e-2).all()
     assert table["share below ridge (float32)"].to_numpy() == pytest.approx(table["share below ridge (float64)"])
+
+
+def _tiny_chapter(monkeypatch):
+    """The MNIST chapter's study on tiny random data (the plumbing, not the numbers)."""
+    from smp_book.config import get_config
+
+    cfg = {**get_config("mnist", "ci"), "n_train": 40, "n_val": 20, "n_test": 30, "map_epochs": 1, "n_chains": 3,
+           "n_steps": 20, "period": 10}
+    monkeypatch.setattr(ms, "config", lambda scale: cfg, raising=False)
+    monkeypatch.setattr(ms, "load_data", lambda cfg, data_dir="data": (_tiny_mnist(1), {"source": "random"}))
+    return cfg
+
+
+def test_compute_writes_the_chapters_results_and_they_are_read_back(tmp_path, monkeypatch):
+    from smp_book import chapters
+
+    cfg = _tiny_chapter(monkeypatch)
+    res = chapters.compute("mnist", "ci", root=tmp_path, use_cache=False)
+    assert res.folder == tmp_path / "ci" / "mnist" and res.manifest["device"] == "cpu"
+    assert set(res.manifest["seeds"]["smp"]) == {"replicate_0", "replicate_1"}
+    for name in ("map_history", "scores", "scores_mean", "scores_std", "scores_replicates", "variances_mean",
+                 "elapsed_mean", "tails_replicates", "diverged", "claims", "ambiguous_three"):
+        assert res.has(name), name
+    assert list(res.table("scores_mean").index) == ms.method_names()
+    assert list(res.table("scores_replicates").index.names) == ["replicate", "method"]
+    assert len(res.table("map_history")) == cfg["map_epochs"]
+    assert set(res.manifest["figures"]) == {"calibration_all", "ambiguous_three"}
+    assert res.values["n_steps"] == 20 and res.values["n_claims"] == len(res.table("claims"))
+    assert res.values["dim"] == 47_154
+    # the chapter reads what is there: no second computation
+    monkeypatch.setattr(ms, "compute", lambda ctx: pytest.fail("the results were computed again"))
+    again = chapters.results("mnist", "ci", root=tmp_path)
+    assert again.values == res.values
+
+
+def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
+    import json
+
+    from smp_book import chapters
+
+    folder = tmp_path / "paper" / "mnist"
+    assert ms.paper_scale_results(folder) is None  # nothing there
+    assert "No paper-scale results exist yet" in ms.paper_scale_note("ci", None)
+    assert "runs at the paper scale" in ms.paper_scale_note("paper", None)
+    folder.mkdir(parents=True)
+    pd.DataFrame({"accuracy": [0.99]}, index=pd.Index(["MAP"], name="method")).to_csv(folder / "scores_mean.csv")
+    paper = json.loads(json.dumps(chapters.study_config("mnist", "paper")))
+    manifest = {"format": chapters.FORMAT, "study": "mnist", "scale": "paper", "config": paper,
+                "tables": {"scores_mean": {"index": 1, "header": 1}}, "wall_time_s": 3600.0,
+                "environment": {"device": "a test GPU"}, "device": "cuda"}
+
+    def write(**changes):
+        (folder / "manifest.json").write_text(json.dumps({**manifest, **changes}))
+
+    write()
+    res = ms.paper_scale_results(folder)
+    assert res is not None and res.table("scores_mean").loc["MAP", "accuracy"] == 0.99
+    note = ms.paper_scale_note("ci", res)
+    assert f"$K$ = {paper['n_steps']:,}" in note and "a test GPU" in note and "3,600 s" in note
+    write(scale="laptop")  # another scale's results
+    assert ms.paper_scale_results(folder) is None
+    write(config={**paper, "n_steps": 10})  # other settings: not the paper scale's results
+    assert ms.paper_scale_results(folder) is None
+    write(tables={})  # no table of scores
+    assert ms.paper_scale_results(folder) is None
+
+
+def test_verdict_summary():
+    assert ms.verdict_summary(["holds", "does not hold", "holds", "partly"]) == "2 hold, 1 partly, 1 does not hold"
+    assert ms.verdict_summary(["does not hold"]) == "1 does not hold"
+    assert ms.verdict_summary([]) == "none"

@@ -24,6 +24,10 @@ def test_every_notebook_is_run_and_in_the_book():
     assert not missing, f"notebooks missing from _toc.yml: {missing}"
 
 
-def test_summary_runs_last():
-    # the summary chapter reads the other chapters' result files
-    assert _makefile_notebooks()[-1] == "summary"
+def test_chapters_run_in_the_order_of_their_studies():
+    # a study reads the results of those before it; the summary reads them all
+    from smp_book.chapters import STUDIES
+
+    order = [nb for nb in _makefile_notebooks() if nb in STUDIES]
+    assert order == [s for s in STUDIES if s in order] and order[-1] == "summary"
+    assert set(STUDIES) <= set(_makefile_notebooks()), "a study without its chapter in the Makefile"
