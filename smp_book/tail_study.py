@@ -1,5 +1,8 @@
 """The Gaussian-tail study (``notebooks/toy_tail.md``; beyond the paper): hybrid sampling against the recursion.
 
+:func:`compute` writes the chapter's results (:mod:`smp_book.chapters`); the MNIST counterpart is
+:mod:`smp_book.mnist_tail_study`.
+
 For each toy replicate (the toy study's data, NUTS and NUTS-mean) and each SMP variant, one run of
 the recursion stops at every ``K0`` of ``cfg["tail_from"]`` and goes on to ``K`` from a
 checkpoint, so the hybrid samples and the recursion share their chains' first ``K0`` steps:
@@ -40,6 +43,7 @@ from .toy_study import one_class_brier, replicate_seeds, toy_preconditioner
 
 CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would move the divergence checks
 RECURSION, TO_INFINITY = "recursion", "recursion + tail to inf"
+TOLERANCE = 1.25  # the agreement criterion of :func:`agreement` (ours, set before the runs)
 SCORE_COLUMNS = ["accuracy", "brier", "nll", "ece", "mutual_info", "logits_variance", "params_variance", "seconds"]
 
 
@@ -156,7 +160,7 @@ def tables(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
     return out
 
 
-def agreement(ratios_mean: pd.DataFrame, tolerance: float = 1.25) -> pd.DataFrame:
+def agreement(ratios_mean: pd.DataFrame, tolerance: float = TOLERANCE) -> pd.DataFrame:
     """Per variant: the smallest ``K0`` of the grid from which on (that ``K0`` and every larger one)
     the hybrid's tail variance is within a factor ``tolerance`` of the recursion's, in logit and in
     parameter space (replicate means; ``None`` when not even the largest ``K0`` is). The factor 1.25
@@ -175,112 +179,115 @@ def agreement(ratios_mean: pd.DataFrame, tolerance: float = 1.25) -> pd.DataFram
     return pd.DataFrame(rows).set_index("method").astype("Int64")
 
 
-# ---------------------------------------------------------------------------------------------
-# MNIST (notebooks/mnist_tail.md): the MNIST chapter's runs carried on by the tail
-# ---------------------------------------------------------------------------------------------
+def remaining_variance(cfg: dict[str, Any]) -> pd.DataFrame:
+    """The share of the limiting variance, ``r_K0^2 / r_0^2`` (Section 3.2.3), that remains at each stop
+    ``K0`` of ``cfg["tail_from"]`` and at ``K``: how much of a chain's movement the tail from there supplies."""
+    from smp_core.recursion import residual_variance_ratio
+
+    stops = [*sorted(cfg["tail_from"]), cfg["n_steps"]]
+    return pd.DataFrame({"K0": stops, "r_K0^2 / r_0^2": [residual_variance_ratio(cfg["n_train"], k)
+                                                         for k in stops]}).set_index("K0")
 
 
-def ratio_jackknife_se(hybrid: torch.Tensor, recursion: torch.Tensor, start: torch.Tensor) -> float:
-    """Jackknife standard error over the chains (first axis) of :func:`_tail_ratio`: the ratio's
-    Monte Carlo error from the chains of one run (:func:`smp_core.metrics.jackknife_se`)."""
-    joined = torch.stack([hybrid.double(), recursion.double(), start.double()], dim=1)
-    return metrics.jackknife_se(joined, lambda rows: _tail_ratio(rows[:, 0], rows[:, 1], rows[:, 2]))
+def ratios_shown(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    """The tail ratios as ``mean ± sd`` texts, one row per variant (in their order) and one column per
+    space and ``K0`` (no spread shown where the sd is NaN, as with one replicate)."""
+    text = mean.map(lambda v: f"{v:.{digits}f}") + std.reindex(mean.index).map(
+        lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
+    methods = list(dict.fromkeys(mean.index.get_level_values("method")))
+    return text[["params", "logits"]].unstack("tail_from").reindex(methods)
 
 
-def mnist_sampler_names(tail_cfg: dict[str, Any], n_steps: int) -> list[str]:
-    """The rows of one MNIST variant: the check (hybrid from ``check_from`` to the run's ``K``), the
-    recursion at ``K``, and the run carried on by the tail to ``tail_to`` and to infinity."""
-    return [f"hybrid from {tail_cfg['check_from']:,} to {n_steps:,}", RECURSION,
-            f"recursion + tail to {tail_cfg['tail_to']:,}", TO_INFINITY]
+def agreement_groups(agree: pd.DataFrame, tail_from, space: str = "logits") -> dict[str, list[str]]:
+    """The variants of :func:`agreement` that agree in ``space`` from the first stop on (``"first"``),
+    only from a later one (``"later"``) and not even from the last (``"never"``)."""
+    col = agree[f"agrees in {space} from K0"]
+    first = (col == min(tail_from)).fillna(False).to_numpy(bool)
+    never = col.isna().to_numpy(bool)
+    return {"first": list(agree.index[first]), "later": list(agree.index[~first & ~never]),
+            "never": list(agree.index[never])}
 
 
-def _mnist_scores(theta: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 10) -> dict:
-    """The MNIST chapter's scores and variances (as :func:`smp_book.mnist_study.evaluate`) of the
-    finite rows of ``theta`` with their test logits ``(S, n, 10)``."""
-    alive = torch.isfinite(theta).all(1)
-    probs = torch.softmax(logits[alive].double(), dim=-1)
-    return {**metrics.all_scores(probs, labels, n_bins=n_bins),
-            "params_variance": metrics.params_variance(theta[alive].cpu()),
-            "logits_variance": metrics.logits_variance(logits[alive])}
+def short_names(methods) -> str:
+    """``"none, fixed-diag"`` for ``["SMP-none", "SMP-fixed-diag"]``; ``"none"`` for no method."""
+    return ", ".join(m.removeprefix("SMP-") for m in methods) or "none"
 
 
-def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
-                device: torch.device | None = None, use_cache: bool = True, cache_root: str = ".cache",
-                progress: bool = False) -> dict[str, Any]:
-    """Replicate 0 of each MNIST variant (the MNIST chapter's run, from its cache when there) carried
-    on by the Gaussian tail, and a check of the tail against the recursion on the same chains.
+def plot_logit_variance(mean: pd.DataFrame, std: pd.DataFrame, tail_from):
+    """Bars of the test logits' variance per variant and sampler (:func:`sampler_names`), log scale."""
+    import matplotlib.pyplot as plt
 
-    * ``recursion``: the MNIST chapter's run to ``K = cfg["n_steps"]`` (cache ``<cache_root>/mnist``);
-    * ``recursion + tail to K'`` (``tail_cfg["tail_to"]``, the paper's ``10^6``) and to infinity;
-    * the check: the same chains stopped at ``K0 = tail_cfg["check_from"]`` (a run with the same seed
-      to ``K0``; its steps are the first ``K0`` of the chapter's run), then the tail from ``K0`` to
-      ``K``. Its ratios to the recursion's own steps ``theta_K - theta_K0`` (parameters and test
-      logits, as :func:`run_replicate`) tell how far the tail can be trusted for this variant.
+    samplers = sampler_names(tail_from)
+    methods = list(dict.fromkeys(mean.index.get_level_values("method")))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(samplers)
+    for j, sampler in enumerate(samplers):
+        values = [mean.loc[(m, sampler), "logits_variance"] for m in methods]
+        errors = [std.loc[(m, sampler), "logits_variance"] for m in methods]
+        ax.bar(np.arange(len(methods)) + (j - (len(samplers) - 1) / 2) * width, values, width, yerr=errors,
+               label=sampler, capsize=2)
+    ax.set_xticks(np.arange(len(methods)), [m.removeprefix("SMP-") for m in methods], rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("logit variance (test points)")
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("Hybrid samplers against the recursion (toy example; mean ± sd over replicates)")
+    fig.tight_layout()
+    return fig
 
-    A cached chapter run made before :class:`~smp_core.recursion.SMPResult` kept its preconditioner
-    state is run again (with a warning) and cached under ``mnist_tail/``; the chapter's cache is
-    left as it is.
 
-    Returns ``rows`` (one per variant and sampler: scores, variances, seconds), ``ratios`` (with the
-    chains they use and jackknife standard errors over those chains) and ``diverged``.
-    """
-    from smp_core.models import lenet5
+PREDICTIVE_COLUMNS = {"accuracy": "accuracy", "nll": "NLL", "ece": "ECE", "mutual_info": "MI",
+                      "logits_variance": "logit variance", "seconds": "seconds"}
 
-    from . import mnist_study as ms
-    from .results import cached
 
-    device = device or ms.default_device()
-    n_steps, check_from = cfg["n_steps"], tail_cfg["check_from"]
-    if not 0 < check_from < n_steps or check_from % CHECK_EVERY:
-        raise ValueError(f"check_from must be a multiple of {CHECK_EVERY} (a divergence check, so that the "
-                         f"checks are the chapter run's) in (0, K = {n_steps}), got {check_from}")
-    x_train, labels = data["train"][0].to(device), data["test"][1]
-    path, folder = ms.smp_path(device), cfg.get("study", "mnist")
-    names = mnist_sampler_names(tail_cfg, n_steps)
-    check_cfg = {**cfg, "n_steps": check_from, "checkpoint_every": None}
-    rows, ratios, diverged = [], [], {}
-    for index, variant in enumerate(ms.study_variants(cfg)):
-        key = ms.run_key(cfg, variant, 0, path)
+def compute(ctx) -> None:
+    """The toy tail chapter's results (:mod:`smp_book.chapters`): every replicate (cached by config and
+    replicate under ``.cache/toy_tail/``), the tail ratios and the agreement per variant, the
+    predictive metrics of every sampler, the recursion rows against the toy chapter's own runs, the
+    figure and the numbers the prose quotes."""
+    from .results import cached, code_hash
 
-        def chapter_run(variant=variant, index=index):
-            return ms.run_variant(cfg, variant, theta_map, data, index, device, None, progress)
+    cfg = ctx.config
+    runs = [cached("toy_tail", {**cfg, "replicate": r, "code": code_hash(__name__)},
+                   lambda r=r: run_replicate(cfg, r, progress=ctx.progress), enabled=ctx.use_cache)
+            for r in range(cfg["replicates"])]
+    summary = tables(runs)
+    for key in ("scores", "ratios"):
+        for part in ("mean", "std", "replicates"):
+            ctx.table(f"{key}_{part}", summary[f"{key}_{part}"])
+    diverged = pd.DataFrame([r["diverged"] for r in runs])
+    diverged.index.name = "replicate"
+    ctx.table("diverged", diverged)
+    ctx.table("remaining", remaining_variance(cfg))
+    ctx.table("ratios_shown", ratios_shown(summary["ratios_mean"], summary["ratios_std"]))
+    agree = ctx.table("agreement", agreement(summary["ratios_mean"]))
+    ctx.table("agreement_shown", agree.astype(object).where(agree.notna(), "none"))  # "none": not even from the last K0
+    predictive = summary["scores_mean"][list(PREDICTIVE_COLUMNS)].rename(columns=PREDICTIVE_COLUMNS)
+    ctx.table("predictive", predictive)
+    ctx.figure("logit_variance_by_sampler", plot_logit_variance(
+        summary["scores_mean"], summary["scores_std"].fillna(0), cfg["tail_from"]))
 
-        res = cached(folder, key, chapter_run, root=cache_root, enabled=use_cache)
-        if res.precond_state is None:  # cached before SMPResult kept its state: the same run again, kept apart
-            warnings.warn(f"the cached {folder} run of {variant} has no preconditioner state (it predates "
-                          "smp_core.tail): running it again, cached under mnist_tail/", stacklevel=2)
-            res = cached("mnist_tail", {**key, "part": f"{variant} with its state"}, chapter_run, root=cache_root,
-                         enabled=use_cache)
-        short = cached("mnist_tail", {**ms.run_key(check_cfg, variant, 0, path), "part": f"{variant} check"},
-                       lambda variant=variant, index=index: ms.run_variant(
-                           check_cfg, variant, theta_map, data, index, device, None, progress),
-                       root=cache_root, enabled=use_cache)
-        samples, seconds = {RECURSION: res.theta}, {RECURSION: res.elapsed}
-        for name, run, k_to in ((names[0], short, n_steps), (names[2], res, tail_cfg["tail_to"]),
-                                (names[3], res, None)):
-            seed = tail_seed(ms.smp_seed(cfg, index), f"{variant} to {k_to}", run.config["n_steps"])
-            started = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # diverged chains are counted below
-                samples[name] = add_gaussian_tail(run, lenet5().to(device), "categorical", x_train, k_to=k_to,
-                                                  n_scores=tail_cfg["tail_scores"], seed=seed)
-            seconds[name] = run.elapsed + time.perf_counter() - started
-        diverged[f"SMP-{variant}"] = res.n_diverged
-        logits = {name: ms.logits_on_test_set(torch.nan_to_num(samples[name]), data, device) for name in names}
-        for name in names:
-            rows.append({"method": f"SMP-{variant}", "sampler": name,
-                         **_mnist_scores(samples[name].cpu(), logits[name], labels), "seconds": seconds[name]})
-        # chains finite at K0 and at K in both samplers (a chain that diverges after K0 is left out of both)
-        keep = (torch.isfinite(res.theta).all(1) & torch.isfinite(samples[names[0]]).all(1)
-                & torch.isfinite(short.theta).all(1)).cpu()
-        start = short.theta.cpu()[keep]
-        start_logits = ms.logits_on_test_set(start, data, device)
-        pairs = {"params": (samples[names[0]].cpu()[keep], res.theta.cpu()[keep], start),
-                 "logits": (logits[names[0]][keep], logits[RECURSION][keep], start_logits)}
-        row = {"method": f"SMP-{variant}", "tail_from": check_from, "chains": int(keep.sum())}
-        for space, (hybrid, recursion, begin) in pairs.items():
-            row[space] = _tail_ratio(hybrid, recursion, begin)
-            row[f"{space}_se"] = ratio_jackknife_se(hybrid, recursion, begin)
-        ratios.append(row)
-    return {"rows": rows, "ratios": ratios, "diverged": diverged, "seeds": {
-        v: ms.smp_seed(cfg, i) for i, v in enumerate(ms.study_variants(cfg))}}
+    # the recursion rows against the toy chapter's runs of the same replicates (same data, start, seeds)
+    toy_rows = ctx.read("toy").table("scores_replicates")
+    ours = summary["scores_replicates"].xs(RECURSION, level="sampler")
+    common = ours.index.intersection(toy_rows.index)
+    columns = list(toy_rows.columns)
+    gap = (ours.loc[common, columns] - toy_rows.loc[common, columns]).abs().to_numpy().max() if len(common) else None
+    ctx.value("toy_rows_compared", len(common))
+    ctx.value("toy_gap", gap)
+
+    groups = agreement_groups(agree, cfg["tail_from"])
+    for name, methods in groups.items():
+        ctx.value(f"agree_{name}", short_names(methods))
+        ctx.value(f"n_agree_{name}", len(methods))
+    ctx.value("n_variants", len(agree))
+    ctx.value("tolerance", TOLERANCE)
+    ctx.value("first_stop", min(cfg["tail_from"]))
+    ctx.value("last_stop", max(cfg["tail_from"]))
+    ctx.value("stops", ", ".join(str(k) for k in sorted(cfg["tail_from"])))
+    ctx.value("replicates", len(runs))
+    ctx.value("n_train", cfg["n_train"])
+    ctx.value("n_chains", cfg["n_chains"])
+    ctx.value("n_steps", cfg["n_steps"])
+    ctx.value("tail_scores", cfg["tail_scores"])
+    ctx.value("diverged", int(diverged.to_numpy().sum()))
+    ctx.record(seeds={f"replicate_{r['replicate']}": r["seeds"] for r in runs}, threads=runs[0]["threads"])
