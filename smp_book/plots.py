@@ -93,3 +93,39 @@ def surfaces_side_by_side(grid_x, grid_y, surfaces: dict[str, np.ndarray], title
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def beside_paper(mean, std, paper, title: str, ncols: int = 3):
+    """One panel per metric that both tables have: per method (rows), the paper's value (a cross) and ours
+    (a dot with a bar of plus or minus one standard deviation over the replicates, where there are several).
+    A metric whose positive values span more than a factor 50 is drawn on a log axis."""
+    import math
+
+    metrics = [c for c in mean.columns if c in paper.columns]
+    methods = list(mean.index)
+    nrows = math.ceil(len(metrics) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 0.28 * len(methods) * nrows + 1.2 * nrows),
+                             squeeze=False, sharey=True)
+    y = np.arange(len(methods))
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        ours = mean[metric].to_numpy(dtype=float)
+        spread = std[metric].reindex(mean.index).to_numpy(dtype=float) if std is not None else np.zeros_like(ours)
+        theirs = paper[metric].reindex(mean.index).to_numpy(dtype=float)
+        ax.errorbar(ours, y, xerr=np.nan_to_num(spread), fmt="o", ms=4, color="tab:blue", label="ours", capsize=2)
+        ax.plot(theirs, y, "x", color="tab:red", ms=6, label="paper")
+        values = np.concatenate([ours, theirs])
+        positive = values[np.isfinite(values) & (values > 0)]
+        if positive.size and positive.max() / positive.min() > 50:
+            ax.set_xscale("log")
+        ax.set_title(metric, fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+    for ax in list(axes.flat)[len(metrics):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_yticks(y)
+        ax.set_yticklabels(methods, fontsize=8)
+        ax.invert_yaxis()
+    axes.flat[0].legend(fontsize=8, loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

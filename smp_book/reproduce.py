@@ -160,7 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default="results", help="the committed results' root (default: results)")
     parser.add_argument("--work", default="build/reproduce", help="where the new results are built")
     parser.add_argument("--no-cache", action="store_true", help="recompute the cached runs too")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch's threads (default: torch's own choice); on a machine shared with other "
+                             "work, 1 thread per free core avoids threads that wait on each other")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads: must be at least 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     studies = [s for s in args.only.split(",") if s] or list(STUDIES)
     unknown = [s for s in studies if s not in STUDIES]
     if unknown:

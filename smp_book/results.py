@@ -44,8 +44,14 @@ def _normalised_code(path: Path) -> bytes:
     return ast.dump(tree).encode()
 
 
+# Modules that only draw, show or file results: no computed number depends on them, so they stay out
+# of code_hash (editing a figure does not recompute hours of runs).
+PRESENTATION = {"plots", "chapters", "reproduce", "paper"}
+
+
 def _book_imports(path: Path) -> set[str]:
-    """The modules of ``smp_book`` that a module of it imports (relative or absolute)."""
+    """The modules of ``smp_book`` that a module of it imports (relative or absolute), but for the
+    presentation modules of :data:`PRESENTATION`."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
@@ -55,14 +61,15 @@ def _book_imports(path: Path) -> set[str]:
                 names.add(node.module.split(".")[1])
         elif isinstance(node, ast.Import):
             names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("smp_book.")}
-    return {n for n in names if (_BOOK / f"{n}.py").exists()}
+    return {n for n in names if (_BOOK / f"{n}.py").exists() and n not in PRESENTATION}
 
 
 @functools.cache
 def code_hash(module: str) -> str:
     """A hash of the code a result of ``module`` (``"smp_book.toy_study"``, say) depends on: every file
     of ``smp_core`` (the C++ kernel included) and ``module`` with the ``smp_book`` modules it imports,
-    transitively. Comments and docstrings do not count. Cache keys hold it instead of version numbers."""
+    transitively, but for the presentation modules. Comments and docstrings do not count. Cache keys
+    hold it instead of version numbers."""
     todo, seen = [module.removeprefix("smp_book.")], set()
     while todo:
         name = todo.pop()
