@@ -420,3 +420,336 @@ def linearised_against_actual(theta_map: torch.Tensor, thetas: torch.Tensor, x_e
         "actual mean (f - f_0)^2": (actual - base).square().flatten(1).mean(1).cpu().numpy(),
         "linearised mean (J (theta - theta_0))^2": linear.square().flatten(1).mean(1).cpu().numpy()})
     return table.sort_values("share of the logit variance", ascending=False).reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# The chapter's results (smp_book.chapters): everything notebooks/mnist_kfac.md shows
+
+KFAC_STRATEGIES = ("fixed", "ema", "periodic")
+
+
+def storage_per_chain() -> dict[str, int]:
+    """How many numbers one chain's preconditioner holds for LeNet-5, per structure: ``diag`` (``d``),
+    ``kfac`` (the two Kronecker factors of each layer, ``n_out^2 + n_cols^2``), ``block`` (one dense block
+    per parameter tensor) and ``dense`` (``d^2``)."""
+    model = as_chain_model(lenet5(), INPUT_SHAPE)
+    layout = model.layout
+    return {"diag": layout.dim, "kfac": sum(la.n_out**2 + la.n_cols**2 for la in kronecker_layers(model)),
+            "block": sum((s.stop - s.start) ** 2 for s in layout.block_slices), "dense": layout.dim**2}
+
+
+def comparison(kfac: dict[str, pd.DataFrame], mnist: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """:func:`structure_table` of the KFAC runs (``kfac``: ``scores``, ``variances``, ``elapsed``, the
+    means over replicates) with the MNIST chapter's rows that the KFAC study has not (``mnist``, the
+    same keys): MAP, SMP-none and the diagonal variants, in the order MAP, SMP-none, then per strategy
+    diag and kfac."""
+    parts = [pd.concat([kfac[key], mnist[key][~mnist[key].index.isin(kfac[key].index)]])
+             for key in ("scores", "variances", "elapsed")]
+    table = structure_table(*parts)
+    order = ["MAP", "SMP-none"] + [f"SMP-{s}-{t}" for s in KFAC_STRATEGIES for t in ("diag", "kfac")]
+    return table.reindex([name for name in order if name in table.index])
+
+
+def precision_verdict(precision: pd.DataFrame, ridge: float) -> str:
+    """What :func:`kfac_statistic_precision` says, in two sentences (Markdown): how much float32 rounds the
+    statistic against the ridge, and whether that changes ``P^{-1} s`` or the shares below the ridge."""
+    largest = precision["P^-1 s: relative difference, largest"]
+    same = bool((precision["share below ridge (float32)"] == precision["share below ridge (float64)"]).all())
+    shares = "the same in every layer" if same else "different in some layer"
+    top = precision["largest eigenvalue of G (x) A"].max()
+    text = (f"The largest eigenvalue of $G \\otimes A$ over the layers is {top:.3g}: float32 rounds the statistic by "
+            f"about {1e-7 * top:.1g}, against the ridge {ridge:g}. ")
+    if largest.max() < 0.01:
+        return text + (f"Rounding changes $P^{{-1}} s$ by at most {largest.max():.2%} in any layer, and the shares "
+                       f"below the ridge are {shares}: float32 is not what shapes this preconditioner.")
+    return text + (f"Rounding changes $P^{{-1}} s$ by up to {largest.max():.1%} (layer {largest.idxmax()}), and the "
+                   f"shares below the ridge are {shares}: here a float64 statistic would give other steps.")
+
+
+def _z(row: pd.Series, column: str) -> float:
+    """Observed minus predicted, in standard errors of the prediction, from a row of :func:`step_law_prediction`
+    or :func:`step_law_sets`."""
+    return (row[f"{column}: observed / predicted"] - 1) * row[f"{column}: predicted"] / row[f"{column}: predicted se"]
+
+
+VARIANCES = {"params_variance": "parameter variance", "logits_variance": "logit variance"}
+
+
+def prediction_text(prediction: pd.DataFrame) -> str:
+    """The ratios observed / predicted of :func:`step_law_prediction`, with the predictions' relative
+    standard errors, as one sentence."""
+    def ratio(m, c):
+        return prediction.loc[m, f"{c}: observed / predicted"]
+
+    def se(m, c):
+        return prediction.loc[m, f"{c}: predicted se"] / prediction.loc[m, f"{c}: predicted"]
+
+    rows = prediction.index
+    return ("Observed over predicted parameter variance: "
+            + ", ".join(f"{m} {ratio(m, 'params_variance'):.2f}" for m in rows)
+            + " (each prediction has a relative standard error of "
+            + ", ".join(f"{se(m, 'params_variance'):.0%}" for m in rows)
+            + "). For the logit variance: " + ", ".join(f"{m} {ratio(m, 'logits_variance'):.2f}" for m in rows)
+            + " (standard errors " + ", ".join(f"{se(m, 'logits_variance'):.0%}" for m in rows) + ").")
+
+
+def sets_text(sets: pd.DataFrame, threshold: float = 2.0) -> tuple[str, dict[str, Any]]:
+    """What the two sets of draws (:func:`step_law_sets`, sets named ``set 0`` and ``set 1``) say: how far the
+    second set's predictions lie from the first's, and which observed values lie within ``threshold`` standard
+    errors of the pooled prediction. Returns the Markdown and the numbers it quotes."""
+    pooled = sets.xs("pooled", level="set")
+    difference = sets.xs("difference (se)", level="set")[[f"{c}: predicted" for c in VARIANCES]].to_numpy()
+    cells = [(m, c, _z(pooled.loc[m], c), pooled.loc[m, f"{c}: observed / predicted"])
+             for m in pooled.index for c in VARIANCES]
+    within = [cell for cell in cells if abs(cell[2]) <= threshold]
+    beyond = [cell for cell in cells if abs(cell[2]) > threshold]
+    quoted = {"difference_min": float(np.nanmin(difference)), "difference_max": float(np.nanmax(difference)),
+               "pooled_within": len(within), "pooled_cells": len(cells)}
+    text = ("Observed minus the pooled prediction, in standard errors of the pooled prediction: parameter variance "
+            + ", ".join(f"{m} {z:.1f}" for m, c, z, _ in cells if c == "params_variance") + "; logit variance "
+            + ", ".join(f"{m} {z:.1f}" for m, c, z, _ in cells if c == "logits_variance") + ". "
+            + f"The second set's predictions lie {quoted['difference_min']:.1f} to {quoted['difference_max']:.1f} "
+            "standard errors of the difference from the first's. Pooled, "
+            + f"{len(within)} of the {len(cells)} observed values lie within {threshold:g} standard errors of their "
+            + "prediction" + ("." if not beyond else "; beyond: " + ", ".join(
+                f"{m}'s {VARIANCES[c]} ({r:.1f} times its pooled prediction, {z:.1f} standard errors)"
+                for m, c, z, r in beyond) + "."))
+    return text, quoted
+
+
+def chain_check_text(chains: pd.DataFrame) -> str:
+    """What :func:`linearised_against_actual` says of the largest chains of the fixed-diag and fixed-kfac runs
+    (``chains``: rows ``(method, rank)``): how far the fixed-diag chain with the largest share moved, against
+    the next two, and how its actual logit change compares with the linearised one, and the others'."""
+    actual, linear = "actual mean (f - f_0)^2", "linearised mean (J (theta - theta_0))^2"
+    top = chains.loc[("SMP-fixed-diag", 0)]
+    ratio = chains[actual] / chains[linear]
+    others = ratio.drop(index=("SMP-fixed-diag", 0))
+    spread = np.maximum(others, 1 / others).max()
+    diag = chains.loc["SMP-fixed-diag"]
+    distance = top["||theta - theta_0||^2"] / diag["||theta - theta_0||^2"].iloc[1:]
+    return (f"The fixed-diag chain with the largest share ({top['share of the logit variance']:.0%} of the logit "
+            f"variance on these images) moved at most {top['largest move']:.3g} from the MAP in any coordinate, "
+            f"{distance.min():.1f} to {distance.max():.1f} times as far (in squared distance) as the next "
+            f"{len(distance)}. Its actual squared logit change is {top[actual]:.3g} and the linearised one "
+            f"{top[linear]:.3g}, a ratio of {ratio.loc[('SMP-fixed-diag', 0)]:.2f}. For the other chains of the "
+            f"table the two agree within a factor {spread:.3g}.")
+
+
+def step_direction_text(draws: pd.DataFrame, by_group: pd.DataFrame) -> tuple[str, dict[str, float]]:
+    """Where the single steps go (:func:`step_law_by_group`): per unit of squared step, how much the whole
+    step of each variant moves the linearised logits, the diagonal over the KFAC step per layer, and what the
+    coordinates below the ridge contribute. Returns the Markdown and the numbers it quotes."""
+    whole = draws.groupby("variant")[["output_sq", "step_sq"]].mean()
+    per_unit = whole["output_sq"] / whole["step_sq"]
+    median_output = draws.groupby("variant")["output_sq"].median()
+    diag_ridge = by_group.loc[("SMP-fixed-diag", "diag Fisher below ridge")]
+    per_layer = by_group["output change per ||u||^2"].unstack("method")
+    per_layer = per_layer[per_layer.index.str.startswith("layer ")]
+    layer_ratio = per_layer["SMP-fixed-diag"] / per_layer["SMP-fixed-kfac"]
+    quoted = {"per_unit_ratio": per_unit["fixed-diag"] / per_unit["fixed-kfac"],
+               "step_ratio": whole.loc["fixed-kfac", "step_sq"] / whole.loc["fixed-diag", "step_sq"],
+               "layer_ratio_min": layer_ratio.min(), "layer_ratio_max": layer_ratio.max(),
+               "diag_alignment": per_unit["fixed-diag"] / per_unit["none"],
+               "kfac_alignment": per_unit["fixed-kfac"] / per_unit["none"],
+               "ridge_step_share": diag_ridge["share of E||u||^2"],
+               "ridge_output_share": diag_ridge["output change alone / whole"]}
+    quoted = {k: float(v) for k, v in quoted.items()}
+    text = (f"Per unit of squared step, the whole step changes the logits by {per_unit['none']:.3g} for SMP-none "
+            f"(the raw score), {per_unit['fixed-diag']:.3g} for fixed-diag and {per_unit['fixed-kfac']:.3g} for "
+            f"fixed-kfac: the diagonal step is {quoted['per_unit_ratio']:.0f} times as effective as the KFAC one at "
+            f"moving the logits, keeping {quoted['diag_alignment']:.2g} of the raw score's effect against KFAC's "
+            f"{quoted['kfac_alignment']:.2g}; layer by layer the factor is {quoted['layer_ratio_min']:.0f} to "
+            f"{quoted['layer_ratio_max']:.0f}. The mean squared steps are {whole.loc['fixed-diag', 'step_sq']:.3g} "
+            f"(diagonal) and {whole.loc['fixed-kfac', 'step_sq']:.3g} (KFAC), and the mean output changes "
+            f"{whole.loc['fixed-diag', 'output_sq']:.3g} and {whole.loc['fixed-kfac', 'output_sq']:.3g}, a ratio of "
+            f"{whole.loc['fixed-diag', 'output_sq'] / whole.loc['fixed-kfac', 'output_sq']:.0f} (of the medians "
+            f"over the draws: {median_output['fixed-diag'] / median_output['fixed-kfac']:.0f}). The coordinates "
+            f"whose diagonal Fisher is below the ridge take {quoted['ridge_step_share']:.0%} of the diagonal step's "
+            f"squared norm, but the step cut to them changes the logits {quoted['ridge_output_share']:.1%} as much "
+            "as the whole step.")
+    return text, quoted
+
+
+def tails_text(tails: pd.DataFrame, surprise: pd.DataFrame, largest: pd.DataFrame) -> tuple[str, dict[str, float]]:
+    """How heavy the step laws' tails are (:func:`step_law_tails`, :func:`step_law_surprise`,
+    :func:`largest_steps` of every variant): the share of each mean held by the largest 1 % of the draws, by
+    the draws with a surprising label, and how many of the five largest diagonal steps are SMP-none's."""
+    top = tails["share of the largest 1.0%"]
+    rare = surprise.filter(like="share of draws with").iloc[:, 0]
+    held = surprise[["their share of E||u||^2", "their share of E mean (J u)^2"]]
+    diag_rows = set(largest.loc["SMP-fixed-diag", "training image"])
+    none_rows = set(largest.loc["SMP-none", "training image"])
+    quoted = {"top_share_min": float(top.min()), "top_share_max": float(top.max()),
+               "surprise_share": float(rare.iloc[0]), "surprise_held_min": float(held.to_numpy().min()),
+               "surprise_held_max": float(held.to_numpy().max()), "top_overlap": len(diag_rows & none_rows),
+               "top_count": len(diag_rows)}
+    text = (f"The largest 1 % of the draws hold {quoted['top_share_min']:.0%} to {quoted['top_share_max']:.0%} of "
+            f"each mean. The {quoted['surprise_share']:.1%} of the draws whose drawn label had a model probability "
+            f"below 0.5 hold {quoted['surprise_held_min']:.0%} to {quoted['surprise_held_max']:.0%} of each mean "
+            "($\\lVert u \\rVert^2$ and the output change), over the three preconditioners. "
+            f"{quoted['top_overlap']} of the {quoted['top_count']} largest diagonal steps below are also among "
+            f"SMP-none's {quoted['top_count']} largest: the same scores.")
+    return text, quoted
+
+
+def shown(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    """``df`` for display: floats with ``digits`` significant digits, missing cells (in the index too) as ``-``."""
+    def cell(v):
+        if isinstance(v, bool | np.bool_):
+            return "yes" if v else "no"
+        if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral):
+            return "-" if math.isnan(v) else f"{v:.{digits}g}"
+        return "-" if v is None or (isinstance(v, str) and v == "") else v
+
+    out = df.map(cell)
+    if isinstance(out.index, pd.MultiIndex):
+        out.index = pd.MultiIndex.from_tuples([tuple(cell(v) for v in key) for key in out.index],
+                                              names=out.index.names)
+    else:
+        out.index = pd.Index([cell(v) for v in out.index], name=out.index.name)
+    return out
+
+
+def compute(ctx) -> None:
+    """The MNIST KFAC chapter's results (:mod:`smp_book.chapters`): the MAP of the MNIST chapter (its cache),
+    the directions at the ridge and the float32 check of the KFAC statistic, the replicates of the three KFAC
+    variants (cached under ``.cache/mnist_kfac/``) with the MNIST chapter's rows beside them (its results, read
+    with ``ctx.read("mnist")``), the verdicts, the law of one step at the MAP (two sets of draws, their raw
+    draws kept as ``step_law_draws*.csv.gz``), the largest chains against the linearised network, the
+    calibration figure and the numbers the prose quotes."""
+    from . import plots
+    from .chapters import study_config
+    from .mnist_study import fit_map, load_data, r_ratio, run_replicates, smp_seed, summarise
+
+    cfg = ctx.config
+    mnist = ctx.read("mnist")  # first: it fits the MAP and runs the diagonal variants this chapter reuses
+    device = default_device()
+    data, provenance = load_data(cfg)
+    theta_map = fit_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)["theta"]
+
+    at_ridge = ctx.table("directions_at_the_ridge", directions_at_the_ridge(theta_map, data, cfg["ridge"], device))
+    precision = ctx.table("kfac_statistic_precision",
+                          kfac_statistic_precision(theta_map, data, cfg["ridge"], device=device))
+
+    runs = run_replicates(cfg, theta_map, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    summary = summarise(runs["tables"])
+    for key, df in summary.items():
+        ctx.table(key, df)
+    ctx.table("diverged", runs["diverged"])
+    divergence = ctx.table("divergence", runs["divergence"], index=False)
+
+    theirs = {key: mnist.table(f"{key}_mean") for key in ("scores", "variances", "elapsed", "tails")}
+    table = ctx.table("comparison", comparison({k: summary[f"{k}_mean"] for k in ("scores", "variances", "elapsed")},
+                                               theirs))
+    findings = ctx.table("findings", kfac_against_diag(table))
+
+    # the law of one step at the MAP, two independent sets of draws
+    step_draws = step_law_at_map(cfg, theta_map, data, device, ctx.use_cache, progress=ctx.progress)
+    step_draws_again = step_law_at_map(cfg, theta_map, data, device, ctx.use_cache, progress=ctx.progress,
+                                       draw_set=1)
+    for name, draws in (("step_law_draws", step_draws), ("step_law_draws_set1", step_draws_again)):
+        draws.to_csv(ctx.folder / f"{name}.csv.gz", index=False, compression={"method": "gzip", "mtime": 0})
+    observed = table[["params_variance", "logits_variance"]].copy()
+    shares = pd.concat([summary["tails_mean"], theirs["tails"]])["largest_chain_share"]
+    observed["largest_chain_share"] = shares[~shares.index.duplicated()].reindex(observed.index)
+    prediction = ctx.table("step_law_prediction", step_law_prediction(step_draws, cfg, observed))
+    sets = ctx.table("step_law_sets", step_law_sets({"set 0": step_draws, "set 1": step_draws_again}, cfg, observed))
+
+    x_eval = data["test"][0][: cfg["step_law_eval"]]
+    chains = {}
+    for name, study_cfg in (("fixed-diag", study_config("mnist", ctx.scale)), ("fixed-kfac", cfg)):
+        run = cached_run(study_cfg, name, theta_map, data, device, ctx.use_cache, progress=ctx.progress)
+        chains[f"SMP-{name}"] = linearised_against_actual(theta_map, run.theta, x_eval, device).head(3)
+    chains = ctx.table("step_law_largest_chains", pd.concat(chains, names=["method", "rank"]))
+
+    by_group = ctx.table("step_law_by_group",
+                         step_law_by_group(step_draws, step_law_groups(theta_map, data, cfg["ridge"], device)))
+    step_tails = ctx.table("step_law_tails", step_law_tails(step_draws))
+    surprise = ctx.table("step_law_surprise", step_law_surprise(step_draws))
+    largest = ctx.table("step_law_largest", pd.concat({f"SMP-{v}": largest_steps(step_draws, v)
+                                                      for v in STEP_LAW_VARIANTS}, names=["method"]))
+
+    ctx.figure("calibration_kfac", plots.calibration_all({n: e["curve"] for n, e in runs["figure_evals"].items()},
+                                                         "Calibration, MNIST, KFAC"))
+
+    # the numbers the prose quotes
+    for key in ("n_train", "n_val", "n_chains", "n_steps", "ridge", "period", "ema_refresh", "step_law_draws",
+                "step_law_eval"):
+        ctx.value(key, cfg[key])
+    ctx.value("n_fisher_periodic", cfg["n_fisher_periodic"] or cfg["n_val"])
+    ctx.value("replicates", cfg["smp_replicates"])
+    ctx.value("mnist_replicates", mnist.config["smp_replicates"])
+    ctx.value("chain_steps", cfg["n_chains"] * cfg["n_steps"])
+    ctx.value("mean_chain_share", 1 / cfg["n_chains"])
+    ctx.value("r_ratio", r_ratio(cfg))
+    ctx.value("device", str(device))
+    ctx.value("threads", torch.get_num_threads())
+    for variant, tau in cfg["tau"].items():
+        ctx.value(f"tau_{variant.split('-')[0]}", tau)
+    for structure, count in storage_per_chain().items():
+        ctx.value(f"storage_{structure}", count)
+    everywhere = at_ridge.loc["all"]
+    ctx.value("diag_share_zero", everywhere["diag: share exactly zero"])
+    ctx.value("diag_share_below_ridge", everywhere["diag: share below ridge"])
+    ctx.value("kfac_share_below_ridge", everywhere["kfac: share below ridge"])
+    ctx.value("inactive_units", everywhere["units with zero G row"])
+    ctx.value("precision_text", precision_verdict(precision, cfg["ridge"]))
+
+    m = theirs["scores"]
+    diagonal = [f"SMP-{s}-diag" for s in KFAC_STRATEGIES]
+    ctx.value("diag_mi_over_none_min", (m.loc[diagonal, "mutual_info"] / m.loc["SMP-none", "mutual_info"]).min())
+    ctx.value("diag_mi_over_none_max", (m.loc[diagonal, "mutual_info"] / m.loc["SMP-none", "mutual_info"]).max())
+    ctx.value("diag_nll_above_map", int((m.loc[diagonal, "nll"] > m.loc["MAP", "nll"]).sum()))
+    ctx.value("map_nll_gap", abs(m.loc["MAP", "nll"] - summary["scores_mean"].loc["MAP", "nll"]))
+    seconds = table["seconds"]
+    time_ratio = pd.Series({s: seconds[f"SMP-{s}-kfac"] / seconds[f"SMP-{s}-diag"] for s in KFAC_STRATEGIES})
+    ctx.value("time_ratio_min", time_ratio.min())
+    ctx.value("time_ratio_max", time_ratio.max())
+
+    ctx.value("diverged_chains", int(divergence["diverged"].sum()))
+    ctx.value("largest_move", divergence["largest_move_of_a_kept_chain"].max())
+    for strategy in KFAC_STRATEGIES:
+        ctx.value(f"mi_ratio_{strategy}", findings.loc[strategy, "mi_kfac_over_diag"])
+        ctx.value(f"nll_kfac_{strategy}", findings.loc[strategy, "nll_kfac"])
+        ctx.value(f"nll_diag_{strategy}", findings.loc[strategy, "nll_diag"])
+    ctx.value("nll_map", table.loc["MAP", "nll"])
+    n_less = int((findings["kfac less dispersed (smaller MI)"] == "yes").sum())
+    n_lower = int((findings["kfac lower NLL"] == "yes").sum())
+    ctx.value("kfac_less_dispersed", n_less)
+    ctx.value("kfac_lower_nll", n_lower)
+    ctx.value("strategies", len(findings))
+    ctx.value("answer", ("It does" if n_less == len(findings) else "Partly" if n_less else "It does not")
+              + f": with {n_less} of the {len(findings)} temporal strategies the KFAC run is less dispersed "
+              f"(smaller mutual information) than the diagonal one, and with {n_lower} it predicts better "
+              "(smaller NLL).")
+    lv = table["logits_variance"]
+    ctx.value("fixed_kfac_lv_over_none", lv["SMP-fixed-kfac"] / lv["SMP-none"])
+    ctx.value("fixed_diag_lv_over_none", lv["SMP-fixed-diag"] / lv["SMP-none"])
+    pv = table["params_variance"]
+    ctx.value("fixed_kfac_pv_over_diag", pv["SMP-fixed-kfac"] / pv["SMP-fixed-diag"])
+
+    ctx.value("prediction_text", prediction_text(prediction))
+    text, quoted = sets_text(sets)
+    ctx.value("sets_text", text)
+    for key, value in quoted.items():
+        ctx.value(f"sets_{key}", value)
+    diag_shares = mnist.table("tails_replicates")["largest_chain_share"].xs("SMP-fixed-diag", level="method")
+    ctx.value("diag_top_chain_share_min", diag_shares.min())
+    ctx.value("diag_top_chain_share_max", diag_shares.max())
+    ctx.value("chain_text", chain_check_text(chains))
+    text, quoted = step_direction_text(step_draws, by_group)
+    ctx.value("direction_text", text)
+    for key, value in quoted.items():
+        ctx.value(key, value)
+    text, quoted = tails_text(step_tails, surprise, largest)
+    ctx.value("tails_text", text)
+    for key, value in quoted.items():
+        ctx.value(key, value)
+
+    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+                      "smp": {f"replicate_{r}": {v: smp_seed(cfg, i, r) for i, v in enumerate(cfg["variants"])}
+                              for r in range(cfg["smp_replicates"])},
+                      "step_law": [step_law_seed(cfg, 0), step_law_seed(cfg, 1)]},
+               device=str(device), data=provenance, r_ratio=r_ratio(cfg), smp_path=smp_path(device),
+               raw_files=["step_law_draws.csv.gz", "step_law_draws_set1.csv.gz"])

@@ -554,3 +554,355 @@ def prior_sensitivity(cfg: dict[str, Any], alpha: float, index: int = 0) -> dict
                          "median sd": float(means[..., 0].double().std(dim=0).median()),
                          "coverage": metrics.interval_coverage(means, targets, cfg["noise"], cfg["level"])})
     return {"rows": pd.DataFrame(rows), "nuts": reference["nuts"], "map": reference["fit"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# The chapter's results (smp_book.chapters): everything notebooks/regression.md shows
+
+REFERENCES = ("NUTS", "MAP", "Laplace (linearised)")
+
+
+def wide_table(summary: pd.DataFrame, metric_names, extra=("max_diverged", "data_sets")) -> pd.DataFrame:
+    """:func:`summary_table` with the regions side by side: ``<metric> (<region>)`` for each of ``metric_names``
+    and both regions, then the ``extra`` columns (those of the data's range, where every region has the same)."""
+    wide = summary.unstack("region")
+    wide.columns = [f"{metric} ({region})" for metric, region in wide.columns]
+    columns = [f"{metric} ({region})" for metric in metric_names for region in REGIONS]
+    renamed = {f"{name} ({REGIONS[0]})": name for name in extra}
+    return wide[columns + list(renamed)].rename(columns=renamed)
+
+
+def _smallest_tau_share(shape: pd.DataFrame, method: str) -> tuple[float, float] | None:
+    """``(tau, gap share)`` of ``method`` at its smallest eligible ``tau`` in :func:`spread_shape`'s table, or None."""
+    values = shape.loc[method].dropna() if method in shape.index else pd.Series(dtype=float)
+    values = values[[not pd.isna(t) for t in values.index]]
+    return (float(values.index[0]), float(values.iloc[0])) if len(values) else None
+
+
+def _share_text(found: tuple[float, float] | None) -> str:
+    return f"{found[1]:.3f} at tau = {found[0]:g}" if found else "none eligible"
+
+
+def _nuts_value(summary: pd.DataFrame, column: str, region: str) -> float:
+    return float(summary.xs(("NUTS", region), level=("method", "region"))[column].iloc[0])
+
+
+def matched_findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame,
+                     n_data_sets: int) -> str:
+    """The findings of the empirical design's runs, one Markdown bullet per SMP setting: at the ``tau`` matched
+    to NUTS's spread in range (:func:`best_tau`), its spread in the gap against NUTS's, its gap share
+    (:func:`spread_shape`) and its 90 % coverage of the gap; then Laplace's and the settings that match NUTS's
+    spread in both regions (:func:`matched_in_both`)."""
+    lines = []
+    for method, row in matched.iterrows():
+        if math.isnan(row["tau"]):
+            lines.append(f"{method}: no tau of the grid gives a result on every data set without a diverged chain")
+        elif not row["within 2x"]:
+            lines.append(f"{method}: no tau of the grid comes within a factor 2 of NUTS's spread in range (nearest: "
+                         f"{row['sd_ratio (in range)']:.3g} times, at tau = {row['tau']:g})")
+        else:
+            lines.append(f"{method} at tau = {row['tau']:g} (spread {row['sd_ratio (in range)']:.2f} times NUTS's in "
+                         f"range): {row['sd_ratio (in the gap)']:.3f} times NUTS's in the gap, a gap share of "
+                         f"{shape.loc[method, row['tau']]:.3f}; 90 % intervals cover "
+                         f"{row['coverage (in the gap)']:.0%} of the gap points (NUTS "
+                         f"{_nuts_value(summary, 'coverage', 'in the gap'):.0%})")
+    laplace = summary.xs("Laplace (linearised)", level="method")
+    lines.append(f"Laplace (linearised): {laplace.xs('in range', level='region')['sd_ratio'].iloc[0]:.2f} times "
+                 f"NUTS's spread in range, {laplace.xs('in the gap', level='region')['sd_ratio'].iloc[0]:.2f} in the "
+                 f"gap, a gap share of {shape.loc['Laplace (linearised)'].dropna().iloc[0]:.2f}")
+    both = matched_in_both(summary, n_data_sets)
+    lines.append("SMP settings within a factor 2 of NUTS's spread in both regions: "
+                 + (", ".join(f"{m} at tau = {t:g}" for m, t in both) if both else "none"))
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def prior_table(rows: pd.DataFrame, sensitivity: list[dict[str, Any]], prior_precision: float) -> pd.DataFrame:
+    """NUTS's and Laplace's median epistemic standard deviation and 90 % coverage on the first data set, per
+    region, under the chapter's prior (``rows`` of :func:`run_data_set`) and under each prior of
+    :func:`prior_sensitivity` (``sensitivity``); columns ``(value, prior precision)``."""
+    first = rows[(rows["data_set"] == 0) & rows["method"].isin(["NUTS", "Laplace (linearised)"])]
+    table = pd.concat([first.assign(**{"prior precision": prior_precision}).rename(columns={"median_sd": "median sd"}),
+                       *[part["rows"] for part in sensitivity]])
+    return table.pivot_table(index=["method", "region"], columns="prior precision", values=["median sd", "coverage"],
+                             sort=False)
+
+
+def prior_findings(table: pd.DataFrame, rows: pd.DataFrame, matched: pd.DataFrame,
+                   sensitivity: list[dict[str, Any]]) -> str:
+    """What :func:`prior_table` says, as Markdown bullets: how far NUTS's median spread moves over the priors in
+    each region, the first data set's SMP spread in the gap (at the ``tau`` matched in range) against NUTS's under
+    the tightest prior, and NUTS's diagnostics under each other prior."""
+    nuts_gap = table.loc[("NUTS", "in the gap"), "median sd"]
+    nuts_range = table.loc[("NUTS", "in range"), "median sd"]
+    lines = [f"NUTS's median spread over the priors of the table: {nuts_gap.min():.3g} to {nuts_gap.max():.3g} in the "
+             f"gap (a factor {nuts_gap.max() / nuts_gap.min():.2f}), {nuts_range.min():.3g} to {nuts_range.max():.3g} "
+             f"in range (a factor {nuts_range.max() / nuts_range.min():.2f})"]
+    first_smp = rows[rows["data_set"] == 0].set_index(["method", "tau", "region"])["median_sd"]
+    for method, row in matched.iterrows():
+        if row["within 2x"]:
+            gap_sd = first_smp.loc[(method, row["tau"], "in the gap")]
+            lines.append(f"{method} at tau = {row['tau']:g} (matched in range), first data set: median spread "
+                         f"{gap_sd:.3g} in the gap, {gap_sd / nuts_gap.min():.2f} times NUTS's under the tightest "
+                         "prior of the table")
+    for part in sensitivity:
+        d = part["nuts"]
+        lines.append(f"NUTS with alpha = {part['rows']['prior precision'].iloc[0]:g}: {d['divergences']} divergences, "
+                     f"largest split R-hat {d['max_rhat_outputs']:.3f}, smallest ESS {d['min_ess_outputs']:.0f}")
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def design_findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame,
+                    empirical_shape: pd.DataFrame, n_data_sets: int) -> str:
+    """The design runs' findings, one Markdown bullet per setting: its gap share at its smallest eligible ``tau``
+    (first order) beside the same preconditioner and ridge with the empirical design, and at the ``tau`` matched
+    to NUTS's spread in range its spread in the gap, gap share and coverage; then the settings that match NUTS's
+    spread in both regions."""
+    lines = []
+    for method, row in matched.iterrows():
+        empirical = empirical_counterpart(method)
+        theirs = (_share_text(_smallest_tau_share(empirical_shape, empirical)) if empirical in empirical_shape.index
+                  else "not run")
+        ours = _share_text(_smallest_tau_share(shape, method))
+        text = f"{method}: gap share {ours} (the empirical design's: {theirs})"
+        if math.isnan(row["tau"]) or not row["within 2x"]:
+            lines.append(text + "; no eligible tau within a factor 2 of NUTS's spread in range")
+            continue
+        lines.append(text + f"; at tau = {row['tau']:g}, matched in range ({row['sd_ratio (in range)']:.2f} times "
+                     f"NUTS's spread there): {row['sd_ratio (in the gap)']:.3f} times NUTS's in the gap, a gap share "
+                     f"of {shape.loc[method, row['tau']]:.3f}; 90 % intervals cover "
+                     f"{row['coverage (in the gap)']:.0%} of the gap points")
+    both = matched_in_both(summary, n_data_sets)
+    lines.append("design settings within a factor 2 of NUTS's spread in both regions: "
+                 + (", ".join(f"{m} at tau = {t:g}" for m, t in both) if both else "none"))
+    return "\n".join(f"- {line}" for line in lines)
+
+
+def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: pd.DataFrame) -> str:
+    """The design runs grouped as the chapter reads them, as Markdown bullets with the numbers each reading rests
+    on: the design with ``P = I`` or a diagonal ``P`` (its first-order gap share over the empirical design's), the
+    design with the data's structured ``P`` (the same, with the ridge), at NUTS's spread (the gap share at the
+    ``tau`` matched in range over its first-order value) and the design's own ``P`` (its gap share over that of
+    the data's ``P`` with the same design and ridge). A group without a run is left out."""
+    def first_order(table, method):
+        found = _smallest_tau_share(table, method) if method in table.index else None
+        return None if found is None else found[1]
+
+    alone, data_p, own_p, at_match = [], [], [], []
+    for method, row in matched.iterrows():
+        share = first_order(shape, method)
+        empirical = first_order(empirical_shape, empirical_counterpart(method))
+        against = f"{share:.3f} against {empirical:.3f}" if share is not None and empirical is not None else None
+        preconditioner = empirical_counterpart(method).removeprefix("SMP ").split(",")[0]
+        if method.endswith(", P from the design"):
+            data_label = method.removesuffix(", P from the design")
+            data_share = first_order(shape, data_label)
+            if share is not None:
+                own_p.append(f"{method}: {share:.3f}" + (f" (the data's P: {data_share:.3f}" if data_share is not None
+                                                         else " (the data's P: not run")
+                             + (f"; the empirical design's: {empirical:.3f})" if empirical is not None else ")"))
+        elif preconditioner == "none" or preconditioner.endswith("-diag"):
+            if against:
+                alone.append(f"{method}: {against} ({share / empirical:.2f} times)")
+        elif share is not None:
+            data_p.append(f"{method}: {share:.3f}" + (f" against {empirical:.3f} ({share / empirical:.1f} times)"
+                                                      if empirical is not None else " (the empirical design: not run)"))
+        if share is not None and not math.isnan(row["tau"]) and row["within 2x"]:
+            at_match.append(f"{method}: {shape.loc[method, row['tau']]:.3f} at tau = {row['tau']:g} against "
+                            f"{share:.3f} at the smallest tau")
+    groups = [("The design with $P = I$ or a diagonal $P$", "gap share at the smallest $\\tau$, against the "
+               "empirical design's with the same preconditioner", alone),
+              ("The design with the data's structured $P$", "gap share at the smallest $\\tau$, against the "
+               "empirical design's with the same preconditioner and ridge (NUTS: 1)", data_p),
+              ("At NUTS's spread in range", "gap share at the matched $\\tau$, against that at the smallest $\\tau$",
+               at_match),
+              ("The design's own $P$", "gap share at the smallest $\\tau$, against the data's $P$ with the same design "
+               "and ridge", own_p)]
+    return "\n".join(f"- **{title}** ({what}): " + "; ".join(items) + "." for title, what, items in groups if items)
+
+
+def spread_ratio_figure(summary: pd.DataFrame):
+    """Per region, the median spread ratio of every SMP setting against ``tau`` (log-log), with NUTS's (1) and
+    Laplace's."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    smp = [m for m in dict.fromkeys(summary.index.get_level_values("method")) if m.startswith("SMP")]
+    for ax, region in zip(axes, REGIONS, strict=True):
+        for method in smp:
+            one = summary.xs((method, region), level=("method", "region"))["sd_ratio"].dropna()
+            ax.plot(one.index, one.values, "o-", ms=3, label=method.removeprefix("SMP "))
+        laplace = summary.xs(("Laplace (linearised)", region), level=("method", "region"))["sd_ratio"].iloc[0]
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(laplace, color="0.5", ls="--", lw=0.8, label="Laplace (linearised)")
+        ax.set(xscale="log", yscale="log", xlabel=r"$\tau$", title=f"spread / NUTS's spread, {region}")
+    axes[0].set_ylabel("median ratio of standard deviations")
+    axes[1].legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
+def bands_figure(run: dict[str, Any], keys: list[str], columns: int = 4, fontsize: float = 8,
+                 wrap: bool = False):
+    """The 5 %, 50 % and 95 % predictive quantiles of the methods ``keys`` (``"NUTS"``, ``"MAP"``, ``"<SMP
+    label>|<tau>"``) of one data set (``run``, from :func:`run_data_set`) on its grid, with the regression
+    function (dashed), the training points and the gap (grey). ``wrap``: break a label before its design."""
+    import matplotlib.pyplot as plt
+
+    keys = [key for key in keys if key in run["bands"]]
+    n_rows = max(1, math.ceil(len(keys) / columns))
+    fig, axes = plt.subplots(n_rows, columns, figsize=(3.4 * columns, 2.9 * n_rows), sharex=True, sharey=True,
+                             squeeze=False)
+    grid = run["grid"]
+    for ax, key in zip(axes.flat, keys, strict=False):
+        band = run["bands"][key]
+        ax.axvspan(*GAP, color="0.92", lw=0)
+        ax.fill_between(grid, band["q05"], band["q95"], alpha=0.35)
+        ax.plot(grid, band["q50"], lw=1)
+        ax.plot(grid, curve(grid), "k--", lw=0.7)
+        ax.plot(*run["train"], "k.", ms=2)
+        label, _, tau = key.partition("|")
+        if wrap:
+            for design in DESIGNS:
+                label = label.replace(f", {design}", f",\n{design}")
+        ax.set(title=label + (f", tau {tau}" if tau else ""), ylim=(-4, 4))
+        ax.title.set_fontsize(fontsize)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    return fig
+
+
+def _matched_keys(matched: pd.DataFrame) -> list[str]:
+    return [f"{m}|{row['tau']:g}" for m, row in matched.iterrows() if row["within 2x"]]
+
+
+def _grid_text(values) -> str:
+    return ", ".join(f"{v:g}" for v in values)
+
+
+def shown(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
+    """``df`` for display: floats rounded to ``digits`` decimals, missing cells (in the index and the column
+    labels too) as ``-``."""
+    def cell(v):
+        if isinstance(v, bool | np.bool_):
+            return "yes" if v else "no"
+        if isinstance(v, float | np.floating):
+            return "-" if math.isnan(v) else round(float(v), digits)
+        return "-" if v is None else v
+
+    def label(v):
+        return "-" if isinstance(v, float | np.floating) and math.isnan(v) else v
+
+    out = df.map(cell)
+    if isinstance(out.index, pd.MultiIndex):
+        out.index = pd.MultiIndex.from_tuples([tuple(label(v) for v in key) for key in out.index],
+                                              names=out.index.names)
+    else:
+        out.index = pd.Index([label(v) for v in out.index], name=out.index.name)
+    out.columns = [label(c) for c in out.columns] if not isinstance(out.columns, pd.MultiIndex) else out.columns
+    return out
+
+
+def compute(ctx) -> None:
+    """The regression chapter's results (:mod:`smp_book.chapters`): every data set (its MAP, NUTS, Laplace and
+    SMP runs, :func:`run_data_set`, cached under ``.cache/regression/``), the scores and their medians, the
+    ``tau`` matched to NUTS's spread, the gap shares, the prior's part (:func:`prior_sensitivity`, cached), the
+    design runs, the figures and the numbers the prose quotes."""
+    from .results import cached, code_hash
+
+    cfg = ctx.config
+    n = cfg["data_sets"]
+    runs = [cached("regression", {**cfg, "data_set": i, "code": code_hash(__name__)},
+                   lambda i=i: run_data_set(cfg, i, progress=ctx.progress), enabled=ctx.use_cache)
+            for i in range(n)]
+    names = [f"data set {i}" for i in range(n)]
+    all_rows = ctx.table("scores_per_data_set", pd.concat([run["rows"] for run in runs], ignore_index=True),
+                         index=False)
+    from_a_design = all_rows["method"].str.contains(" design")  # the last section's runs
+    rows = all_rows[~from_a_design]
+    summary = ctx.table("scores_median", summary_table(rows))
+    elapsed = pd.DataFrame([run["timings"] for run in runs]).T
+    elapsed.columns = names
+    ctx.table("elapsed", elapsed)
+    ctx.table("map_fit", pd.DataFrame([run["map"] for run in runs], index=names))
+    nuts = ctx.table("nuts_diagnostics", pd.DataFrame([run["nuts"] for run in runs], index=names))
+    eigenvalues = runs[0]["fisher_eigenvalues"]
+    ctx.table("fisher_eigenvalues", pd.DataFrame({"eigenvalue": eigenvalues.numpy()}), index=False)
+    ctx.table("scores_wide", wide_table(summary, ("sd_ratio", "coverage", "interval_width", "nll", "crps"),
+                                        ("max_diverged", "data_sets", "rounding_warnings")))
+    ctx.figure("spread_ratio", spread_ratio_figure(summary))
+
+    matched = {region: ctx.table(f"tau_matched_{region.replace(' ', '_')}", best_tau(summary, n, region))
+               for region in REGIONS}
+    shape = spread_shape(rows, n)
+    ctx.table("spread_shape", shape.set_axis(["no tau" if pd.isna(c) else c for c in shape.columns], axis=1))
+    ctx.value("matched_text", matched_findings(summary, matched["in range"], shape, n))
+    first = runs[0]
+    ctx.figure("bands", bands_figure(first, list(REFERENCES) + _matched_keys(matched["in range"])))
+
+    reference_cfg = {k: v for k, v in cfg.items() if not k.startswith("design_")}  # the design runs play no part
+    sensitivity = [cached("regression", {**reference_cfg, "sensitivity_prior_precision": alpha,
+                                         "code": code_hash(__name__)},
+                          lambda alpha=alpha: prior_sensitivity(cfg, alpha), enabled=ctx.use_cache)
+                   for alpha in cfg["prior_sensitivity"]]
+    priors = ctx.table("prior_sensitivity", prior_table(rows, sensitivity, cfg["prior_precision"]))
+    ctx.value("prior_text", prior_findings(priors, rows, matched["in range"], sensitivity))
+
+    design_rows = all_rows[from_a_design | all_rows["method"].isin(REFERENCES)]
+    design_summary = summary_table(design_rows)
+    ctx.table("design_scores_wide", wide_table(design_summary, ("sd_ratio", "coverage", "nll")))
+    design_matched = ctx.table("design_tau_matched_in_range", best_tau(design_summary, n, "in range"))
+    design_shape = spread_shape(design_rows, n)
+    ctx.table("design_spread_shape",
+              design_shape.set_axis(["no tau" if pd.isna(c) else c for c in design_shape.columns], axis=1))
+    ctx.value("design_text", design_findings(design_summary, design_matched, design_shape, shape, n))
+    ctx.value("design_reading", design_reading(design_matched, design_shape, shape))
+    ctx.figure("design_bands", bands_figure(first, ["NUTS"] + _matched_keys(design_matched), fontsize=7, wrap=True))
+
+    # the settings the prose quotes
+    for key in ("n_train", "n_in", "n_gap", "noise", "hidden", "data_sets", "map_restarts", "nuts_chains",
+                "nuts_warmup", "nuts_samples", "nuts_target_accept", "nuts_max_tree_depth", "nuts_init_jitter",
+                "n_chains", "n_steps", "ridge", "level", "prior_precision", "design_pool_size"):
+        ctx.value(key, cfg[key])
+    ctx.value("dim", len(eigenvalues))
+    ctx.value("max_leapfrog", 2 ** cfg["nuts_max_tree_depth"] - 1)
+    ctx.value("share_at_K", 1 - cfg["n_train"] / (cfg["n_train"] + cfg["n_steps"]))
+    ctx.value("tau_grid", _grid_text(cfg["tau_grid"]))
+    ctx.value("design_tau_grid", _grid_text(cfg.get("design_tau_grid", cfg["tau_grid"])))
+    ctx.value("prior_alphas", " and ".join(f"{a:g}" for a in cfg["prior_sensitivity"]))
+    settings = [method_label(p, r, cfg["ridge"]).removeprefix("SMP ") for p, r in cfg["smp_variants"]]
+    ctx.value("smp_settings", "; ".join(settings))
+    ctx.value("design_settings", "; ".join(design_label(p, r, cfg["ridge"], d, f).removeprefix("SMP ")
+                                           for d, p, r, f in cfg.get("design_variants", [])))
+    ctx.value("coverage_se_gap", math.sqrt(cfg["level"] * (1 - cfg["level"]) / cfg["n_gap"]))
+
+    # the numbers the prose quotes
+    healthy = (nuts["divergences"] == 0) & (nuts["max_rhat_outputs"] < 1.05) & (nuts["min_ess_outputs"] > 100)
+    ctx.value("nuts_healthy", int(healthy.sum()))
+    ctx.value("tree_depth_share_min", nuts["max_tree_depth_share"].min())
+    ctx.value("tree_depth_share_max", nuts["max_tree_depth_share"].max())
+    ctx.value("fisher_largest", ", ".join(f"{v:.3g}" for v in eigenvalues[:6].tolist()))
+    ctx.value("fisher_above_1", int((eigenvalues > 1).sum()))
+    ctx.value("fisher_above_ridge", int((eigenvalues > cfg["ridge"]).sum()))
+    x = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], cfg["seed"])["train"][0]
+    ctx.value("smoothed_bandwidth", float(smoothing_bandwidth(x)[0]))
+    for design in DESIGNS[1:]:
+        pool = design_pool(x, design, cfg["design_pool_size"], cfg["seed"] + POOL_SEED_OFFSET + DESIGNS.index(design))
+        ctx.value(f"{design}_gap_share", float(((pool > GAP[0]) & (pool < GAP[1])).double().mean()))
+    laplace = summary.xs("Laplace (linearised)", level="method")["sd_ratio"]
+    ctx.value("laplace_range", laplace.xs("in range", level="region").iloc[0])
+    ctx.value("laplace_gap", laplace.xs("in the gap", level="region").iloc[0])
+    ctx.value("nuts_coverage_gap", _nuts_value(summary, "coverage", "in the gap"))
+    fine = matched["in range"][matched["in range"]["within 2x"]]
+    both = matched_in_both(summary, n)
+    if len(fine):
+        gap = fine["sd_ratio (in the gap)"]
+        answer = (f"Matched to NUTS's spread where the data are, the {len(fine)} SMP setting(s) that come within a "
+                  f"factor 2 of it spread {gap.min():.2g} to {gap.max():.2g} times as much as NUTS in the gap, "
+                  f"against {laplace.xs('in the gap', level='region').iloc[0]:.2f} times for the linearised Laplace "
+                  "approximation")
+    else:
+        answer = "No SMP setting of the grid comes within a factor 2 of NUTS's spread where the data are"
+    ctx.value("answer", answer + f"; {len(both)} SMP setting(s) of the empirical design come within a factor 2 of "
+              "NUTS's spread in both regions.")
+    ctx.record(seeds={"seed": cfg["seed"], "data_sets": [cfg["seed"] + 1000 * i for i in range(n)]})

@@ -380,3 +380,33 @@ def test_run_data_set_refuses_bad_settings_before_any_work(change, match, monkey
     monkeypatch.setattr(rs, "gap_data", no_work)
     with pytest.raises(ValueError, match=match):
         rs.run_data_set({**get_config("regression", "ci"), **change}, 0)
+
+
+def test_wide_table_puts_the_regions_side_by_side_and_shown_marks_missing_cells():
+    wide = rs.wide_table(rs.summary_table(_synthetic_rows()), ("sd_ratio", "coverage"))
+    assert list(wide.columns) == ["sd_ratio (in range)", "sd_ratio (in the gap)", "coverage (in range)",
+                                  "coverage (in the gap)", "max_diverged", "data_sets"]
+    assert wide.loc[("SMP a", 1.0), "sd_ratio (in the gap)"] == pytest.approx(0.3)
+    shown = rs.shown(wide)
+    assert ("NUTS", "-") in shown.index                                   # NUTS has no tau
+    assert shown.loc[("SMP b", 0.1), "sd_ratio (in range)"] == "-"       # every chain diverged
+    assert shown.loc[("SMP a", 0.1), "sd_ratio (in range)"] == 0.75
+
+
+def test_design_reading_groups_the_design_runs_with_their_numbers():
+    nan = math.nan
+    labels = ["SMP none, uniform design", "SMP fixed-dense, ridge 1, uniform design",
+              "SMP fixed-dense, ridge 1, uniform design, P from the design"]
+    shape = pd.DataFrame({nan: [nan] * 3, 0.1: [0.02, 0.5, 0.05], 1.0: [0.03, 0.3, 0.06]}, index=labels)
+    empirical = pd.DataFrame({nan: [nan, nan], 0.1: [0.02, 0.1], 1.0: [0.02, 0.1]},
+                             index=["SMP none", "SMP fixed-dense, ridge 1"])
+    matched = pd.DataFrame({"tau": [nan, 1.0, 1.0], "within 2x": [False, True, False]}, index=labels)
+    reading = rs.design_reading(matched, shape, empirical).splitlines()
+    assert len(reading) == 4
+    assert reading[0].endswith("SMP none, uniform design: 0.020 against 0.020 (1.00 times).")
+    assert reading[1].endswith("SMP fixed-dense, ridge 1, uniform design: 0.500 against 0.100 (5.0 times).")
+    assert reading[2].endswith("SMP fixed-dense, ridge 1, uniform design: 0.300 at tau = 1 against 0.500 at the "
+                               "smallest tau.")
+    assert reading[3].endswith("P from the design: 0.050 (the data's P: 0.500; the empirical design's: 0.100).")
+    # a group without a run is left out
+    assert len(rs.design_reading(matched.iloc[:1], shape.iloc[:1], empirical).splitlines()) == 1
