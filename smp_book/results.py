@@ -49,37 +49,62 @@ def _normalised_code(path: Path) -> bytes:
 PRESENTATION = {"plots", "chapters", "reproduce", "paper"}
 
 
-def _book_imports(path: Path) -> set[str]:
-    """The modules of ``smp_book`` that a module of it imports (relative or absolute), but for the
-    presentation modules of :data:`PRESENTATION`."""
-    names = set()
+def _imports(path: Path) -> set[Path]:
+    """The files of ``smp_book`` and ``smp_core`` that a file of either imports (absolute or relative,
+    at module level or inside a function), but for the presentation modules of :data:`PRESENTATION`.
+    ``from pkg import name`` counts the module ``name`` when there is one, else the package's
+    ``__init__``; the compiled kernel's sources count with ``fused.py``."""
+    package_dir = path.parent
+    found: set[Path] = set()
+
+    def add(package: Path, name: str | None) -> None:
+        module = package / f"{name}.py" if name else package / "__init__.py"
+        if name and not module.exists():
+            module = package / "__init__.py"
+        if module.exists() and not (package == _BOOK and module.stem in PRESENTATION):
+            found.add(module)
+
+    roots = {"smp_book": _BOOK, "smp_core": _CORE}
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1 or node.module == "smp_book":
-                names |= {node.module} if node.module and node.level == 1 else {a.name for a in node.names}
-            elif node.module and node.module.startswith("smp_book."):
-                names.add(node.module.split(".")[1])
+            if node.level == 1:
+                package, module = package_dir, node.module
+            elif node.module and node.module.split(".")[0] in roots:
+                package, module = roots[node.module.split(".")[0]], ".".join(node.module.split(".")[1:]) or None
+            else:
+                continue
+            if module:
+                add(package, module.split(".")[0])
+            else:
+                for alias in node.names:
+                    add(package, alias.name)
         elif isinstance(node, ast.Import):
-            names |= {a.name.split(".")[1] for a in node.names if a.name.startswith("smp_book.")}
-    return {n for n in names if (_BOOK / f"{n}.py").exists() and n not in PRESENTATION}
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] in roots:
+                    add(roots[parts[0]], parts[1] if len(parts) > 1 else None)
+    if path.parent == _CORE and path.name == "fused.py":
+        found |= set((_CORE / "csrc").glob("*"))
+    return found
 
 
 @functools.cache
 def code_hash(module: str) -> str:
-    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``, say) depends on: every file
-    of ``smp_core`` (the C++ kernel included) and ``module`` with the ``smp_book`` modules it imports,
-    transitively, but for the presentation modules. Comments and docstrings do not count. Cache keys
-    hold it instead of version numbers."""
-    todo, seen = [module.removeprefix("smp_book.")], set()
+    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``, say) depends on: ``module``
+    and every file of ``smp_book`` and ``smp_core`` it imports, transitively (the C++ kernel's sources
+    with ``smp_core/fused.py``), but for the presentation modules. Comments and docstrings do not count.
+    Cache keys hold it instead of version numbers, so editing code a study does not import (a new
+    module of ``smp_core``, a figure) leaves its cached runs valid."""
+    todo, seen = [_BOOK / f"{module.removeprefix('smp_book.')}.py"], set()
     while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo += sorted(_book_imports(_BOOK / f"{name}.py"))
-    files = sorted(_CORE.rglob("*.py")) + sorted((_CORE / "csrc").glob("*")) + [_BOOK / f"{n}.py" for n in sorted(seen)]
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            if path.suffix == ".py":
+                todo += sorted(_imports(path) - seen)
     digest = hashlib.sha256()
-    for path in files:
-        digest.update(path.name.encode())
+    for path in sorted(seen, key=lambda p: (p.parent.name, p.name)):
+        digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(_normalised_code(path) if path.suffix == ".py" else path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -116,7 +116,10 @@ def test_code_hash_follows_the_code_not_its_prose(tmp_path, monkeypatch):
     book, core = tmp_path / "smp_book", tmp_path / "smp_core"
     book.mkdir(), core.mkdir(), (core / "csrc").mkdir()
     (core / "recursion.py").write_text("def step(x):\n    return x + 1\n")
-    (book / "study.py").write_text('"""A study."""\nfrom .helper import h\n\ndef run():\n    return h()  # note\n')
+    (core / "tail.py").write_text("def tail(x):\n    return x\n")
+    (book / "study.py").write_text('"""A study."""\nfrom smp_core.recursion import step\nfrom .helper import h\n\n'
+                                   'def run():\n    from . import plots\n    return step(h())  # note\n')
+    (book / "plots.py").write_text("def draw():\n    return 0\n")
     (book / "helper.py").write_text("def h():\n    return 1\n")
     (book / "other.py").write_text("def o():\n    return 2\n")
     monkeypatch.setattr(results, "_BOOK", book)
@@ -127,13 +130,17 @@ def test_code_hash_follows_the_code_not_its_prose(tmp_path, monkeypatch):
         return results.code_hash("smp_book.study")
 
     base = fresh()
-    (book / "study.py").write_text('"""Another docstring."""\nfrom .helper import h\n\ndef run():\n    return h()\n')
+    (book / "study.py").write_text('"""Another docstring."""\nfrom smp_core.recursion import step\n'
+                                   'from .helper import h\n\ndef run():\n'
+                                   '    from . import plots\n    return step(h())\n')
     (book / "other.py").write_text("def o():\n    return 3\n")  # not imported by the study
+    (core / "tail.py").write_text("def tail(x):\n    return 2 * x\n")  # a library module it does not import
+    (book / "plots.py").write_text("def draw():\n    return 1\n")  # presentation: no number depends on it
     assert fresh() == base
     (book / "helper.py").write_text("def h():\n    return 2\n")  # imported: the results change
     assert fresh() != base
     (book / "helper.py").write_text("def h():\n    return 1\n")
     assert fresh() == base
-    (core / "recursion.py").write_text("def step(x):\n    return x + 2\n")  # the library: every study
+    (core / "recursion.py").write_text("def step(x):\n    return x + 2\n")  # the library code it calls
     assert fresh() != base
     results.code_hash.cache_clear()
