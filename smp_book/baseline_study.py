@@ -286,12 +286,6 @@ def beyond_nuts_noise(agree_replicates: pd.DataFrame, reference: str = SECOND_NU
     return out
 
 
-def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
-    """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one replicate),
-    and "-" where a method has no value (a point estimate's MI surface correlation, say)."""
-    return ts.beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
-
-
 def compute(ctx) -> None:
     """The chapter's results (:mod:`smp_book.chapters`): every replicate (cached by config and replicate
     under ``.cache/toy_baselines/``), the toy tables and the agreement table with their spread, the

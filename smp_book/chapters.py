@@ -271,6 +271,14 @@ def results(study: str, scale: str, *, recompute: bool = False, root: str | Path
     return compute(study, scale, root=root, use_cache=use_cache, progress=progress)
 
 
+def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
+    """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one
+    replicate), and "-" where a method has no value."""
+    from .toy_study import beside_paper
+
+    return beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
+
+
 def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
     """Wall time and machine of every study's results at ``scale``, from their manifests (a study
     without results, or with results of an older format, is left out)."""

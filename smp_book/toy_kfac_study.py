@@ -34,12 +34,6 @@ def stored_numbers() -> pd.DataFrame:
     return sizes
 
 
-def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
-    """Each cell as ``mean ± sd`` over the replicates, "-" where a method has no value (NUTS-mean's
-    variances: one point has none)."""
-    return ts.beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
-
-
 def compute(ctx) -> None:
     """The chapter's results (:mod:`smp_book.chapters`): the stored numbers per structure, every replicate
     (NUTS and the KFAC variants, cached by config and replicate under ``.cache/toy_kfac/``), the KFAC
