@@ -98,11 +98,13 @@ def surfaces_side_by_side(grid_x, grid_y, surfaces: dict[str, np.ndarray], title
 def beside_paper(mean, std, paper, title: str, ncols: int = 3):
     """One panel per metric that both tables have: per method (rows), the paper's value (a cross) and ours
     (a dot with a bar of plus or minus one standard deviation over the replicates, where there are several).
-    A metric whose positive values span more than a factor 50 is drawn on a log axis."""
+    A metric whose positive values span more than a factor 50 is drawn on a log axis (where a spread
+    reaching below zero runs to the axis' edge)."""
     import math
 
     metrics = [c for c in mean.columns if c in paper.columns]
     methods = list(mean.index)
+    ncols = max(1, min(ncols, len(metrics)))
     nrows = math.ceil(len(metrics) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 0.28 * len(methods) * nrows + 1.2 * nrows),
                              squeeze=False, sharey=True)
