@@ -112,12 +112,13 @@ class Results:
                            f"{', '.join(self.manifest.get('figures', [])) or 'none'}")
         return Image(filename=str(path))
 
-    def glue(self) -> None:
-        """Glue every value for the prose (myst-nb): ``{glue:text}`<study>.<name>:.3f``` in the chapter."""
+    def glue(self, **derived: Any) -> None:
+        """Glue every value for the prose (myst-nb): ``{glue:text}`<study>.<name>:.3f``` in the chapter;
+        ``derived`` adds values the chapter derives from the tables, under the same prefix."""
         from myst_nb import glue
 
-        for name, value in self.values.items():
-            glue(f"{self.study}.{name}", value, display=False)
+        for name, value in {**self.values, **derived}.items():
+            glue(f"{self.study}.{name}", value.item() if hasattr(value, "item") else value, display=False)
 
 
 @dataclass
