@@ -11,7 +11,9 @@ A cell of a table with replicates (``X_mean`` beside ``X_std`` and ``X_replicate
 Welch's t-test of the two sets of replicates: ``within`` its Monte-Carlo spread when the two-sided
 p-value is at least :data:`ALPHA`, ``outside`` otherwise (so about ``ALPHA`` of the cells are
 ``outside`` by chance alone). A cell without spread (one run, or the same value in every replicate)
-is ``equal`` to a relative 1e-6 or ``differs``; timings are ``timing`` (machine-dependent, not
+is ``equal`` to a relative 1e-6 or ``differs``; a table of one replicate (``X`` beside ``X_std``) is
+judged as two single draws, ``(new - committed) / sqrt(sd_committed^2 + sd_new^2)`` against a normal
+(the sds of the replicates, so a little liberal with few of them); timings are ``timing`` (machine-dependent, not
 judged); a claim's verdict is ``same`` or ``changed``, and other text (criteria, evidence) is ``text``.
 """
 
@@ -80,6 +82,12 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
         n_old = _replicate_counts(old, base) if name.endswith("_mean") else None
         sd_new = new.table(f"{base}_std") if n_new is not None and new.has(f"{base}_std") else None
         sd_old = old.table(f"{base}_std") if n_old is not None and old.has(f"{base}_std") else None
+        # one replicate's table (the first), beside the spread of its replicates: two single draws
+        single = (not name.endswith("_mean") and new.has(f"{name}_std") and old.has(f"{name}_std")
+                  and new.has(f"{name}_replicates"))
+        if single:
+            sd_new, sd_old = new.table(f"{name}_std"), old.table(f"{name}_std")
+            n_new = n_old = sd_new.map(lambda _: 1)
         for row in fresh.index:
             for col in fresh.columns:
                 value = fresh.at[row, col]
@@ -105,7 +113,13 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
                     except (KeyError, ValueError):
                         s1 = s2 = float("nan")
                         n1 = n2 = 1
-                    if n1 >= 2 and n2 >= 2 and np.isfinite([s1, s2]).all() and s1 + s2 > 0:
+                    if single and np.isfinite([s1, s2]).all() and s1 + s2 > 0:
+                        from scipy.stats import norm
+
+                        entry["t"] = (float(value) - float(before)) / math.hypot(s1, s2)
+                        entry["p"] = float(2 * norm.sf(abs(entry["t"])))
+                        entry["verdict"] = "within" if entry["p"] >= ALPHA else "outside"
+                    elif n1 >= 2 and n2 >= 2 and np.isfinite([s1, s2]).all() and s1 + s2 > 0:
                         entry["t"], entry["p"] = _welch_p(float(before), s1, n1, float(value), s2, n2)
                         entry["verdict"] = "within" if entry["p"] >= ALPHA else "outside"
                     else:

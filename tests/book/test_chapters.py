@@ -30,6 +30,7 @@ def _fake_study(name, shift=0.0, fail=False, verdict="holds"):
         ctx.table("scores_mean", mean)
         ctx.table("scores_std", rep.groupby(level="method").std(ddof=1))
         ctx.table("scores_replicates", rep)
+        ctx.table("scores", rep.xs(0, level="replicate"))  # the first replicate alone
         wide = pd.DataFrame([[1.0, 2.0]], columns=pd.MultiIndex.from_tuples([("x", "paper"), ("x", "ours")]),
                             index=pd.Index(["m"], name="method"))
         ctx.table("wide", wide)
@@ -106,6 +107,7 @@ def test_the_report_judges_each_cell(fake, tmp_path):
     verdicts = cells.set_index(["table", "row", "column"])["verdict"]
     assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"within"}
     assert set(verdicts.loc["scores_mean"].loc[:, "seconds"]) == {"timing"}
+    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"within"}
     assert verdicts.loc[("wide", "m", "('x', 'ours')")] == "equal"
     assert verdicts.loc[("claims", "0", "verdict")] == "same"
     assert verdicts.loc[("claims", "0", "evidence")] == "text"
@@ -113,6 +115,7 @@ def test_the_report_judges_each_cell(fake, tmp_path):
     moved = chapters.results("fake", "ci", root=tmp_path / "moved")
     verdicts = reproduce.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
     assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"outside"}
+    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"outside"}  # one replicate, 35 sds away
     assert verdicts.loc[("claims", "0", "verdict")] == "changed"
 
 
@@ -124,7 +127,7 @@ def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path):
     new = chapters.Results(committed / "ci" / "fake")
     assert new.config["shift"] == 5.0
     counts = pd.read_csv(committed / "ci" / "reproduction" / "counts.csv", index_col="study")
-    assert counts.loc["fake", "outside"] == 2
+    assert counts.loc["fake", "outside"] == 4
     assert not (work / "ci").exists()
 
 
