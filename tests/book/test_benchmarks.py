@@ -26,6 +26,7 @@ SCRIPTS = [
     "bench_mnist.py",
     "bench_recursion.py",
     "bench_revisions.py",
+    "bench_scaling.py",
     "bench_statistic_dtype.py",
 ]
 # seconds per smoke run; each takes a few seconds to about twenty on 2 cores
