@@ -7,14 +7,20 @@ inside a study are cached. Once every study is complete it writes the reproducti
 number of every table, the new run beside the committed one, with a verdict per cell) into
 ``reproduction/`` and only then replaces ``results/<scale>/`` by the new results.
 
-A cell of a table with replicates (``X_mean`` beside ``X_std`` and ``X_replicates``) is judged by
-Welch's t-test of the two sets of replicates: ``within`` its Monte-Carlo spread when the two-sided
+A numeric cell equal to a relative 1e-6 is ``equal``. Otherwise a cell of a table with replicates
+(``X_mean`` beside ``X_std`` and ``X_replicates``) is judged by Welch's t-test of the two sets of
+replicates: ``within`` its Monte-Carlo spread when the two-sided
 p-value is at least :data:`ALPHA`, ``outside`` otherwise (so about ``ALPHA`` of the cells are
 ``outside`` by chance alone). A cell without spread (one run, or the same value in every replicate)
 is ``equal`` to a relative 1e-6 or ``differs``; a table of one replicate (``X`` beside ``X_std``) is
 judged as two single draws, ``(new - committed) / sqrt(sd_committed^2 + sd_new^2)`` against a normal
 (the sds of the replicates, so a little liberal with few of them); timings are ``timing`` (machine-dependent, not
-judged); a claim's verdict is ``same`` or ``changed``, and other text (criteria, evidence) is ``text``.
+judged); other cells that are not numbers (a claim's verdict, the best method, a yes/no flag) are
+``same`` or ``changed``, free text (criteria, evidence) is ``text``, and a claims table is compared claim
+by claim. The two runs share their seeds: where the code moved only rounding their replicates are
+correlated and Welch's test is conservative. A recomputation reuses this machine's cached runs of the
+same code and settings (``--no-cache`` recomputes them too). Committed results of an older format are
+read with the new tables' layouts.
 """
 
 from __future__ import annotations
@@ -37,8 +43,24 @@ REPORT = "reproduction"
 VERDICTS = ("within", "outside", "equal", "differs", "same", "changed", "timing", "text", "only committed", "only new")
 
 
+FREE_TEXT = {"claim", "criterion", "evidence", "note", "notes"}
+
+
 def _is_timing(table: str, column: str) -> bool:
-    return table.startswith("elapsed") or any(w in str(column).lower() for w in ("seconds", "wall", "time_s"))
+    words = ("seconds", "wall", "time_s", "elapsed")
+    return any(w in table.lower() for w in words) or any(w in str(column).lower() for w in words)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool | np.bool_)
+
+
+def _keyed(table: pd.DataFrame) -> pd.DataFrame:
+    """A table written without its index (a claims table) keyed by its claim, so that a claim added or
+    moved is compared with itself, not with the one at its old position."""
+    if "claim" in table.columns and table["claim"].is_unique:
+        return table.set_index("claim")
+    return table
 
 
 def _replicate_counts(res: Results, base: str) -> pd.DataFrame | None:
@@ -76,8 +98,8 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
         if name.endswith(("_std", "_replicates")):
             continue  # judged through their _mean table
         base = name.removesuffix("_mean")
-        fresh = new.table(name)
-        committed = old.table(name) if old.has(name) else None
+        fresh = _keyed(new.table(name))
+        committed = _keyed(old.table(name)) if old.has(name) else None
         n_new = _replicate_counts(new, base) if name.endswith("_mean") else None
         n_old = _replicate_counts(old, base) if name.endswith("_mean") else None
         sd_new = new.table(f"{base}_std") if n_new is not None and new.has(f"{base}_std") else None
@@ -99,13 +121,15 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
                     continue
                 before = committed.at[row, col]
                 entry["committed"] = before
-                numeric = isinstance(value, int | float | np.number) and isinstance(before, int | float | np.number)
-                if not numeric and str(col) != "verdict":
-                    entry["verdict"] = "text"  # criteria, evidence: quoted numbers, judged through their tables
-                elif not numeric:
-                    entry["verdict"] = "same" if str(value) == str(before) else "changed"
-                elif _is_timing(name, col):
+                numeric = _is_number(value) and _is_number(before)
+                if _is_timing(name, col):
                     entry["verdict"] = "timing"
+                elif not numeric and str(col).lower() in FREE_TEXT:
+                    entry["verdict"] = "text"  # criteria, evidence: quoted numbers, judged through their tables
+                elif not numeric:  # verdicts, names of the best method, yes/no flags
+                    entry["verdict"] = "same" if str(value) == str(before) else "changed"
+                elif _close(float(before), float(value)):
+                    entry["verdict"] = "equal"
                 elif sd_new is not None and sd_old is not None:
                     try:
                         s1, s2 = float(sd_old.at[row, col]), float(sd_new.at[row, col])
@@ -149,15 +173,12 @@ def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd
             cells.append(pd.DataFrame([{"study": study, "table": "", "row": "", "column": "",
                                         "verdict": "only new"}]))
             continue
-        try:
-            old = Results(old_folder)
-            if "tables" not in old.manifest:
-                raise KeyError("an older format without a list of tables")
-        except (KeyError, ValueError) as err:
-            cells.append(pd.DataFrame([{"study": study, "table": "", "row": "", "column": "",
-                                        "verdict": "only new", "committed": f"unreadable: {err}"}]))
-            continue
-        cells.append(compare_study(old, Results(new_folder)).assign(study=study))
+        new = Results(new_folder)
+        old = Results(old_folder)
+        if "tables" not in old.manifest:  # an older format: its CSVs read with the new tables' layouts
+            old.manifest["tables"] = {name: layout for name, layout in new.manifest["tables"].items()
+                                      if (old_folder / f"{name}.csv").exists()}
+        cells.append(compare_study(old, new).assign(study=study))
     table = pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", "verdict"])
     table = table[["study"] + [c for c in table.columns if c != "study"]]
     counts = table.groupby(["study", "verdict"], sort=False).size().unstack(fill_value=0)
@@ -202,12 +223,15 @@ def main(argv: list[str] | None = None) -> int:
     counts.to_csv(folder / "counts.csv")
     judged = int(counts.get("within", pd.Series(dtype=int)).sum() + counts.get("outside", pd.Series(dtype=int)).sum())
     print(counts.to_string(), file=sys.stderr)
-    print(f"{judged} cells judged; about {ALPHA * judged:.1f} expected outside by chance alone "
-          f"(alpha = {ALPHA}); report in {folder}", file=sys.stderr)
+    print(f"{judged} cells judged by their spread; were the two runs' replicates independent, about "
+          f"{ALPHA * judged:.1f} would fall outside by chance alone (alpha = {ALPHA}; runs that share seeds "
+          f"are correlated, which makes the test conservative); report in {folder}", file=sys.stderr)
     if len(studies) == len(STUDIES):
         target = committed / args.scale
         target.parent.mkdir(parents=True, exist_ok=True)
         old = target.with_name(f".{args.scale}.old")
+        if old.exists() and not target.exists():  # an earlier run stopped between its two moves
+            old.rename(target)
         if old.exists():
             shutil.rmtree(old)
         if target.exists():

@@ -53,7 +53,8 @@ def _init_from_environment() -> None:
 
 def _merge_state(states: list[PreconditionerState], sizes: list[int]) -> PreconditionerState:
     """The ranks' preconditioner states as one: a tensor with one row per chain is concatenated; one shared by
-    the chains (leading size 1 and the same on every rank, as a fixed preconditioner's) is kept once."""
+    the chains (leading size 1 and the same on every rank up to rounding, as a fixed preconditioner's,
+    which each rank computes) is kept once, rank 0's."""
 
     def merge(parts: list[tuple]) -> tuple:
         out = []
@@ -61,7 +62,7 @@ def _merge_state(states: list[PreconditionerState], sizes: list[int]) -> Precond
             first = pieces[0]
             if not isinstance(first, torch.Tensor) or first.ndim == 0:
                 out.append(first)
-            elif all(p.shape[0] == 1 for p in pieces) and all(torch.equal(first, p) for p in pieces[1:]):
+            elif all(p.shape[0] == 1 for p in pieces) and all(torch.allclose(first, p) for p in pieces[1:]):
                 out.append(first)
             elif all(p.shape[0] == n for p, n in zip(pieces, sizes, strict=True)):
                 out.append(torch.cat(pieces))
@@ -111,7 +112,9 @@ def run_smp_sharded(model, likelihood, x_train, theta0: torch.Tensor | None = No
     file per rank (``<path>.rank<r>-of-<W>``), each resumed by its own rank. With ``gather=True`` rank 0
     returns the whole run's :class:`~smp_core.recursion.SMPResult` (on the CPU) and the other ranks
     ``None``; with ``gather=False`` each rank returns its own shard's result. Other keyword arguments go
-    to ``run_smp``; ``progress`` is shown on rank 0 only.
+    to ``run_smp``; ``progress`` is shown on rank 0 only. One difference from a single process: a rank
+    whose chains all diverge raises :class:`~smp_core.recursion.DivergenceError` (and torchrun stops
+    the job) where one process would go on with the other ranks' chains.
     """
     _init_from_environment()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -36,6 +36,7 @@ def _fake_study(name, shift=0.0, fail=False, verdict="holds"):
         ctx.table("wide", wide)
         claims = pd.DataFrame({"claim": ["c"], "verdict": [verdict], "evidence": [f"mean {mean.iloc[0, 1]:.3f}"]})
         ctx.table("claims", claims, index=False)
+        ctx.table("flags", pd.DataFrame({"resolved": [ctx.config["shift"] < 1]}, index=pd.Index(["m"], name="method")))
         ctx.value("best", mean["score"].max())
         if fail:
             raise RuntimeError("interrupted")
@@ -105,18 +106,20 @@ def test_the_report_judges_each_cell(fake, tmp_path):
     same = chapters.results("fake", "ci", root=tmp_path / "same")
     cells = reproduce.compare_study(old, same)
     verdicts = cells.set_index(["table", "row", "column"])["verdict"]
-    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"within"}
+    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"equal"}
     assert set(verdicts.loc["scores_mean"].loc[:, "seconds"]) == {"timing"}
-    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"within"}
+    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"equal"}
     assert verdicts.loc[("wide", "m", "('x', 'ours')")] == "equal"
-    assert verdicts.loc[("claims", "0", "verdict")] == "same"
-    assert verdicts.loc[("claims", "0", "evidence")] == "text"
+    assert verdicts.loc[("claims", "c", "verdict")] == "same"  # a claims table is keyed by its claim
+    assert verdicts.loc[("claims", "c", "evidence")] == "text"
+    assert verdicts.loc[("flags", "m", "resolved")] == "same"  # a yes/no cell is judged, not passed as text
     fake(shift=5.0, verdict="does not hold")  # 50 standard deviations away
     moved = chapters.results("fake", "ci", root=tmp_path / "moved")
     verdicts = reproduce.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
     assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"outside"}
     assert set(verdicts.loc["scores"].loc[:, "score"]) == {"outside"}  # one replicate, 35 sds away
-    assert verdicts.loc[("claims", "0", "verdict")] == "changed"
+    assert verdicts.loc[("claims", "c", "verdict")] == "changed"
+    assert verdicts.loc[("flags", "m", "resolved")] == "changed"
 
 
 def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path):
@@ -150,3 +153,15 @@ def test_results_read_from_another_study_go_stale_with_it(fake, tmp_path, monkey
     chapters.results("fake", "ci", root=tmp_path)  # the source recomputed with other settings
     again = chapters.results("reader", "ci", root=tmp_path).values["best"]
     assert CALLS == ["reader", "fake", "fake", "reader"] and again > first
+
+
+def test_the_report_reads_committed_results_of_an_older_format(fake, tmp_path):
+    committed, work = tmp_path / "results", tmp_path / "work"
+    chapters.results("fake", "ci", root=committed)
+    manifest = committed / "ci" / "fake" / "manifest.json"
+    old = json.loads(manifest.read_text())
+    del old["tables"], old["format"]  # as the manifests written before chapters.py
+    manifest.write_text(json.dumps(old))
+    chapters.results("fake", "ci", root=work)
+    cells, counts = reproduce.report(committed, work, "ci")
+    assert counts.loc["fake", "equal"] > 0 and "only new" not in counts.columns
