@@ -268,8 +268,23 @@ def results(study: str, scale: str, *, recompute: bool = False, root: str | Path
     folder = Path(root) / scale / study
     wanted_code = code_hash(STUDIES[study]) if code else None
     if not recompute and _matches(folder, study_config(study, scale), wanted_code):
-        return Results(folder)
+        res = Results(folder)
+        if res.manifest.get("code") != code_hash(STUDIES[study]):
+            _note(f"These results were computed by an earlier version of the code of this chapter's study: "
+                  f"`make reproduce SCALE={scale}` recomputes them and reports what moved.")
+        return res
     return compute(study, scale, root=root, use_cache=use_cache, progress=progress)
+
+
+def _note(text: str) -> None:
+    """A note on the chapter's page when it runs in a notebook (nothing otherwise)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        display(Markdown(f":::{{note}}\n{text}\n:::"))
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
