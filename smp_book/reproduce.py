@@ -184,6 +184,8 @@ def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd
     counts = table.groupby(["study", "verdict"], sort=False).size().unstack(fill_value=0)
     counts = counts.reindex(columns=[v for v in VERDICTS if v in counts.columns]).reindex(
         [s for s in STUDIES if s in counts.index])
+    # which results the report judged, so that a study recomputed since is marked (read_report)
+    counts["results_id"] = [Results(new_root / scale / s).manifest.get("id") for s in counts.index]
     return table, counts
 
 
@@ -256,4 +258,14 @@ def read_report(scale: str, root: str | Path = "results") -> tuple[pd.DataFrame,
     folder = Path(root) / scale / REPORT
     if not (folder / "counts.csv").exists():
         return None
-    return pd.read_csv(folder / "cells.csv"), pd.read_csv(folder / "counts.csv", index_col="study")
+    counts = pd.read_csv(folder / "counts.csv", index_col="study")
+    if "results_id" in counts:  # a study recomputed after the report no longer holds the numbers it judged
+        current = []
+        for study in counts.index:
+            try:
+                current.append(Results(Path(root) / scale / study).manifest.get("id"))
+            except FileNotFoundError:
+                current.append(None)
+        counts["judged these results"] = ["yes" if a == b else "no (recomputed since)"
+                                          for a, b in zip(counts.pop("results_id"), current, strict=True)]
+    return pd.read_csv(folder / "cells.csv"), counts

@@ -132,6 +132,9 @@ def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path):
     counts = pd.read_csv(committed / "ci" / "reproduction" / "counts.csv", index_col="study")
     assert counts.loc["fake", "outside"] == 4
     assert not (work / "ci").exists()
+    assert reproduce.read_report("ci", root=committed)[1].loc["fake", "judged these results"] == "yes"
+    chapters.results("fake", "ci", root=committed, recompute=True)  # recomputed after the report
+    assert reproduce.read_report("ci", root=committed)[1].loc["fake", "judged these results"] == "no (recomputed since)"
 
 
 def test_timings_come_from_the_manifests(fake, tmp_path):

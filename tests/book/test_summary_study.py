@@ -42,3 +42,19 @@ def test_one_verdict_from_every_source():
     assert unresolved["verdict"] == "holds" and "not resolved" in unresolved["evidence"]
     none = _periodic_least(_Ctx(["SMP-fixed-diag"], "SMP-ema-diag", 5.0), _claims("does not hold"))
     assert none["verdict"] == "does not hold"
+
+
+def test_no_source_and_a_reworded_claim():
+    import pytest
+
+    class _Nothing:
+        def read(self, study):
+            return _Res({})
+
+    assert _periodic_least(_Nothing(), _claims("holds"))["verdict"] == "holds"  # the chapter alone
+    unchecked = pd.DataFrame({"claim": ["Periodic recomputation over-disperses least, reworded"],
+                              "verdict": ["holds"], "evidence": ["..."]})
+    assert _periodic_least(_Nothing(), unchecked)["verdict"] == "holds"
+    with pytest.raises(ValueError, match="reworded"):
+        _periodic_least(_Nothing(), pd.DataFrame({"claim": ["Something else"], "verdict": ["holds"],
+                                                  "evidence": ["..."]}))
