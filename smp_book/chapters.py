@@ -295,6 +295,35 @@ def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.Da
     return beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
 
 
+def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
+    """``df`` for display: floats rounded to ``digits`` decimals (``significant=True``: to ``digits``
+    significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)
+    as ``-``."""
+    import math
+
+    import numpy as np
+
+    def cell(v):
+        if isinstance(v, bool | np.bool_):
+            return "yes" if v else "no"
+        if isinstance(v, float | np.floating):
+            return "-" if math.isnan(v) else (f"{v:.{digits}g}" if significant else round(float(v), digits))
+        return "-" if v is None or (isinstance(v, str) and v == "") else v
+
+    def label(v):
+        return "-" if isinstance(v, float | np.floating) and math.isnan(v) else v
+
+    out = df.map(cell)
+    if isinstance(out.index, pd.MultiIndex):
+        out.index = pd.MultiIndex.from_tuples([tuple(label(v) for v in key) for key in out.index],
+                                              names=out.index.names)
+    else:
+        out.index = pd.Index([label(v) for v in out.index], name=out.index.name)
+    if not isinstance(out.columns, pd.MultiIndex):
+        out.columns = [label(c) for c in out.columns]
+    return out
+
+
 def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
     """Wall time and machine of every study's results at ``scale``, from their manifests (a study
     without results, or with results of an older format, is left out)."""

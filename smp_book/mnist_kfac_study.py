@@ -593,24 +593,6 @@ def tails_text(tails: pd.DataFrame, surprise: pd.DataFrame, largest: pd.DataFram
     return text, quoted
 
 
-def shown(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
-    """``df`` for display: floats with ``digits`` significant digits, missing cells (in the index too) as ``-``."""
-    def cell(v):
-        if isinstance(v, bool | np.bool_):
-            return "yes" if v else "no"
-        if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral):
-            return "-" if math.isnan(v) else f"{v:.{digits}g}"
-        return "-" if v is None or (isinstance(v, str) and v == "") else v
-
-    out = df.map(cell)
-    if isinstance(out.index, pd.MultiIndex):
-        out.index = pd.MultiIndex.from_tuples([tuple(cell(v) for v in key) for key in out.index],
-                                              names=out.index.names)
-    else:
-        out.index = pd.Index([cell(v) for v in out.index], name=out.index.name)
-    return out
-
-
 def compute(ctx) -> None:
     """The MNIST KFAC chapter's results (:mod:`smp_book.chapters`): the MAP of the MNIST chapter (its cache),
     the directions at the ridge and the float32 check of the KFAC statistic, the replicates of the three KFAC

@@ -610,8 +610,13 @@ def matched_findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.Dat
     lines.append(f"Laplace (linearised): {laplace.xs('in range', level='region')['sd_ratio'].iloc[0]:.2f} times "
                  f"NUTS's spread in range, {laplace.xs('in the gap', level='region')['sd_ratio'].iloc[0]:.2f} in the "
                  f"gap, a gap share of {shape.loc['Laplace (linearised)'].dropna().iloc[0]:.2f}")
+    return _with_both(lines, "SMP settings", summary, n_data_sets)
+
+
+def _with_both(lines: list[str], which: str, summary: pd.DataFrame, n_data_sets: int) -> str:
+    """``lines`` as a Markdown list, ending with the settings matched to NUTS's spread in both regions."""
     both = matched_in_both(summary, n_data_sets)
-    lines.append("SMP settings within a factor 2 of NUTS's spread in both regions: "
+    lines.append(f"{which} within a factor 2 of NUTS's spread in both regions: "
                  + (", ".join(f"{m} at tau = {t:g}" for m, t in both) if both else "none"))
     return "\n".join(f"- {line}" for line in lines)
 
@@ -671,10 +676,7 @@ def design_findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.Data
                      f"NUTS's spread there): {row['sd_ratio (in the gap)']:.3f} times NUTS's in the gap, a gap share "
                      f"of {shape.loc[method, row['tau']]:.3f}; 90 % intervals cover "
                      f"{row['coverage (in the gap)']:.0%} of the gap points")
-    both = matched_in_both(summary, n_data_sets)
-    lines.append("design settings within a factor 2 of NUTS's spread in both regions: "
-                 + (", ".join(f"{m} at tau = {t:g}" for m, t in both) if both else "none"))
-    return "\n".join(f"- {line}" for line in lines)
+    return _with_both(lines, "design settings", summary, n_data_sets)
 
 
 def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: pd.DataFrame) -> str:
@@ -778,29 +780,6 @@ def _matched_keys(matched: pd.DataFrame) -> list[str]:
 
 def _grid_text(values) -> str:
     return ", ".join(f"{v:g}" for v in values)
-
-
-def shown(df: pd.DataFrame, digits: int = 3) -> pd.DataFrame:
-    """``df`` for display: floats rounded to ``digits`` decimals, missing cells (in the index and the column
-    labels too) as ``-``."""
-    def cell(v):
-        if isinstance(v, bool | np.bool_):
-            return "yes" if v else "no"
-        if isinstance(v, float | np.floating):
-            return "-" if math.isnan(v) else round(float(v), digits)
-        return "-" if v is None else v
-
-    def label(v):
-        return "-" if isinstance(v, float | np.floating) and math.isnan(v) else v
-
-    out = df.map(cell)
-    if isinstance(out.index, pd.MultiIndex):
-        out.index = pd.MultiIndex.from_tuples([tuple(label(v) for v in key) for key in out.index],
-                                              names=out.index.names)
-    else:
-        out.index = pd.Index([label(v) for v in out.index], name=out.index.name)
-    out.columns = [label(c) for c in out.columns] if not isinstance(out.columns, pd.MultiIndex) else out.columns
-    return out
 
 
 def compute(ctx) -> None:
