@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from .config import SCALES, get_config
-from .results import code_hash, environment, git_revision
+from .results import code_hash, environment, write_manifest
 
 FORMAT = 1
 
@@ -241,13 +241,10 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
         ctx.manifest.setdefault("timing_note", f"other work ran: load average up to {load.peak:.1f} "
                                                f"on {threads} thread(s); not for comparisons")
     (scratch / "values.json").write_text(json.dumps(_canonical(ctx.values), indent=2))
-    manifest = {"format": FORMAT, "study": study, "scale": scale, "id": uuid.uuid4().hex, "config": _canonical(config),
-                "code": code_hash(STUDIES[study]), "git": git_revision(),
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "wall_time_s": round(wall, 2),
-                "environment": environment(), "tables": ctx._tables, "figures": ctx._figures,
-                "sources": ctx._sources,
-                **_canonical(ctx.manifest)}
-    (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    extra = _canonical(ctx.manifest)
+    write_manifest(scratch, _canonical(config), extra.pop("seeds", {}), wall, format=FORMAT, study=study,
+                   scale=scale, id=uuid.uuid4().hex, code=code_hash(STUDIES[study]), tables=ctx._tables,
+                   figures=ctx._figures, sources=ctx._sources, **extra)
     if folder.exists():
         old = folder.with_name(f".{study}.old.{os.getpid()}")
         if old.exists():

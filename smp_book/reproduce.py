@@ -76,15 +76,12 @@ def _replicate_counts(res: Results, base: str) -> pd.DataFrame | None:
 
 def _welch_p(m1: float, s1: float, n1: int, m2: float, s2: float, n2: int) -> tuple[float, float]:
     """Welch's t statistic and two-sided p-value for two means with their sample sds and counts."""
-    from scipy.stats import t as student_t
+    from scipy.stats import ttest_ind_from_stats
 
-    v1, v2 = s1 * s1 / n1, s2 * s2 / n2
-    se = math.sqrt(v1 + v2)
-    if se == 0:
+    if s1 == 0 and s2 == 0:
         return float("nan"), float("nan")
-    df = (v1 + v2) ** 2 / ((v1 * v1 / (n1 - 1) if n1 > 1 else 0) + (v2 * v2 / (n2 - 1) if n2 > 1 else 0))
-    tstat = (m2 - m1) / se
-    return tstat, float(2 * student_t.sf(abs(tstat), df))
+    test = ttest_ind_from_stats(m2, s2, n2, m1, s1, n1, equal_var=False)
+    return float(test.statistic), float(test.pvalue)
 
 
 def _close(a: float, b: float) -> bool:
