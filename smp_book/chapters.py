@@ -39,6 +39,7 @@ STUDIES = {
     "toy_baselines": "smp_book.baseline_study",
     "toy_kfac": "smp_book.toy_kfac_study",
     "toy_tail": "smp_book.tail_study",
+    "toy_gaps": "smp_book.toy_gaps_study",
     "mnist": "smp_book.mnist_study",
     "mnist_baselines": "smp_book.mnist_baseline_study",
     "mnist_seeds": "smp_book.mnist_seeds_study",

@@ -131,3 +131,37 @@ def beside_paper(mean, std, paper, title: str, ncols: int = 3):
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def sensitivity(table, ours: str, marks: dict | None = None):
+    """One panel per gap metric of :func:`smp_book.toy_gaps_study.sensitivity`, stacked: per setting (rows),
+    our mean with a bar of plus or minus one standard deviation over the replicates; the paper's value as a
+    red line and the paper-faithful mean as a grey dashed one; ``marks`` ``{metric: (value, label)}`` adds a
+    green dotted line to a panel. A metric whose values span more than a factor 50 is drawn on a log axis."""
+    metrics = list(dict.fromkeys(table.index.get_level_values("metric")))
+    sizes = [len(table.xs(m, level="metric")) for m in metrics]
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(7.5, 0.26 * sum(sizes) + 0.9 * len(metrics)),
+                             gridspec_kw={"height_ratios": sizes}, squeeze=False)
+    for ax, metric in zip(axes[:, 0], metrics, strict=True):
+        part = table.xs(metric, level="metric")
+        y = np.arange(len(part))
+        mean = part["mean"].to_numpy(dtype=float)
+        ax.errorbar(mean, y, xerr=np.nan_to_num(part["sd"].to_numpy(dtype=float)), fmt="o", ms=4,
+                    color="tab:blue", capsize=2)
+        ax.axvline(float(part["paper"].iloc[0]), color="tab:red", lw=1.2, label="paper")
+        ax.axvline(float(part.loc[ours, "mean"]), color="grey", ls="--", lw=1, label=ours)
+        if marks and metric in marks:
+            ax.axvline(marks[metric][0], color="tab:green", ls=":", lw=1.5, label=marks[metric][1])
+            ax.legend(fontsize=7, loc="best")
+        values = np.concatenate([mean, part["paper"].to_numpy(dtype=float)])
+        positive = values[np.isfinite(values) & (values > 0)]
+        if positive.size and positive.max() / positive.min() > 50:
+            ax.set_xscale("log")
+        ax.set_yticks(y)
+        ax.set_yticklabels(part.index, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(metric, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0, 0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return fig
