@@ -203,20 +203,26 @@ class _LoadMonitor:
         return False
 
 
-def _matches(folder: Path, config: dict[str, Any], code: str | None = None) -> bool:
+def _mismatch(folder: Path, config: dict[str, Any], code: str | None = None) -> str | None:
+    """Why ``folder`` does not hold a study's current results (``None`` when it does)."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
     except (OSError, ValueError):
-        return False
+        return "it holds no readable manifest.json"
     for source, run_id in manifest.get("sources", {}).items():  # results read from other studies
         try:
             if json.loads((folder.parent / source / "manifest.json").read_text()).get("id") != run_id:
-                return False
+                return f"the {source} results it read have been recomputed since"
         except (OSError, ValueError):
-            return False
-    return (manifest.get("format") == FORMAT and manifest.get("config") == _canonical(config)
-            and (code is None or manifest.get("code") == code)
-            and all((folder / f"{name}.csv").exists() for name in manifest.get("tables", {})))
+            return f"the {source} results it read are missing"
+    if manifest.get("format") != FORMAT:
+        return f"its manifest has format {manifest.get('format')}, not {FORMAT}"
+    if manifest.get("config") != _canonical(config):
+        return "it was computed with other settings"
+    if code is not None and manifest.get("code") != code:
+        return "it was computed by other code"
+    missing = [name for name in manifest.get("tables", {}) if not (folder / f"{name}.csv").exists()]
+    return f"its tables {missing} are missing" if missing else None
 
 
 def compute(study: str, scale: str, root: str | Path = "results", use_cache: bool = True,
@@ -258,19 +264,29 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
     return Results(folder)
 
 
+# Set (to anything) to make results() fail instead of computing: the committed book must only read.
+READ_ONLY = "SMP_BOOK_READ_ONLY"
+
+
 def results(study: str, scale: str, *, recompute: bool = False, root: str | Path = "results",
             use_cache: bool = True, progress: bool = False, code: bool = False) -> Results:
     """The results of ``study`` at ``scale``: read from ``<root>/<scale>/<study>/`` when they hold its
-    current settings (and, with ``code=True``, were computed by its current code), else computed."""
+    current settings (and, with ``code=True``, were computed by its current code), else computed, unless
+    the environment variable ``SMP_BOOK_READ_ONLY`` is set: then it raises, saying why it cannot read them."""
     _check(study, scale)
     folder = Path(root) / scale / study
     wanted_code = code_hash(STUDIES[study]) if code else None
-    if not recompute and _matches(folder, study_config(study, scale), wanted_code):
+    why = "recompute=True" if recompute else _mismatch(folder, study_config(study, scale), wanted_code)
+    if why is None:
         res = Results(folder)
         if res.manifest.get("code") != code_hash(STUDIES[study]):
             _note(f"These results were computed by an earlier version of the code of this chapter's study: "
                   f"`make reproduce SCALE={scale}` recomputes them and reports what moved.")
         return res
+    if os.environ.get(READ_ONLY):
+        raise RuntimeError(f"results({study!r}, {scale!r}): {folder}/ cannot be read ({why}), and {READ_ONLY} is "
+                           f"set, which forbids computing it here: run `make reproduce SCALE={scale}` (or unset "
+                           f"{READ_ONLY}) to compute it")
     return compute(study, scale, root=root, use_cache=use_cache, progress=progress)
 
 

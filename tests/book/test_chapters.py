@@ -82,6 +82,21 @@ def test_other_settings_recompute_and_code_only_when_asked(fake, tmp_path, monke
     assert len(CALLS) == 3
 
 
+def test_read_only_reads_matching_results_and_refuses_to_compute_the_rest(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv(chapters.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="no readable manifest.json.*forbids computing"):
+        chapters.results("fake", "ci", root=tmp_path)
+    assert CALLS == []
+    monkeypatch.delenv(chapters.READ_ONLY)
+    chapters.results("fake", "ci", root=tmp_path)
+    monkeypatch.setenv(chapters.READ_ONLY, "1")
+    assert chapters.results("fake", "ci", root=tmp_path).config["shift"] == 0.0  # read, not computed
+    fake(shift=1.0)
+    with pytest.raises(RuntimeError, match="computed with other settings"):
+        chapters.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+
+
 def test_an_interrupted_run_leaves_the_results_as_they_were(fake, tmp_path):
     before = chapters.results("fake", "ci", root=tmp_path).table("scores_mean")
     fake(shift=1.0, fail=True)
