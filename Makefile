@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SCALE  ?= laptop
 # Notebooks of the book, in order (jupytext MyST sources in notebooks/).
-NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
+NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines last_layer mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
 GEN    := book/generated
 STAMP  := $(VENV)/.installed-stamp
 

@@ -42,6 +42,7 @@ STUDIES = {
     "toy_gaps": "smp_book.toy_gaps_study",
     "mnist": "smp_book.mnist_study",
     "mnist_baselines": "smp_book.mnist_baseline_study",
+    "last_layer": "smp_book.last_layer_study",
     "mnist_seeds": "smp_book.mnist_seeds_study",
     "mnist_growth": "smp_book.mnist_growth_study",
     "mnist_kfac": "smp_book.mnist_kfac_study",

@@ -30,4 +30,7 @@ def test_chapters_run_in_the_order_of_their_studies():
 
     order = [nb for nb in _makefile_notebooks() if nb in STUDIES]
     assert order == [s for s in STUDIES if s in order] and order[-1] == "summary"
-    assert set(STUDIES) <= set(_makefile_notebooks()), "a study without its chapter in the Makefile"
+    # every study is shown: by its own chapter, or by a section of another (the toy's gaps in the toy chapter)
+    texts = {nb: (ROOT / "notebooks" / f"{nb}.md").read_text() for nb in _makefile_notebooks()}
+    unshown = [s for s in STUDIES if not any(f'results("{s}"' in t for t in texts.values())]
+    assert not unshown, f"studies no chapter shows: {unshown}"

@@ -1,0 +1,92 @@
+"""The last-layer study: SMP on features equals SMP on the whole network with the other layers frozen;
+laplace-torch's last-layer draws; the verdicts' criteria."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from smp_book import last_layer_study as lls
+from smp_core.models import as_chain_model, lenet5, predict
+from smp_core.recursion import Fisher, run_smp
+
+INPUT_SHAPE = (1, 28, 28)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    g = torch.Generator().manual_seed(0)
+    theta = torch.nn.utils.parameters_to_vector(lenet5().parameters()).detach() * 3  # away from zero
+    data = {"train": (torch.rand(40, 1, 28, 28, generator=g), torch.randint(0, 10, (40,), generator=g)),
+            "val": (torch.rand(30, 1, 28, 28, generator=g), torch.randint(0, 10, (30,), generator=g))}
+    return theta, data
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_body_then_head_is_the_network(tiny, layers):
+    theta, data = tiny
+    body, head = lls.split(theta, layers)
+    x = data["val"][0]
+    whole = predict(as_chain_model(lenet5(), INPUT_SHAPE), theta[None], x)[0]
+    with torch.no_grad():
+        assert torch.allclose(head(body(x)), whole, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["fixed-diag", "ema-kfac"])
+def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, variant):
+    """The study's shortcut: the same chains as SMP on LeNet-5 with all but the last layer frozen (in float64,
+    where the Kronecker factors' eigendecompositions do not amplify the features' rounding)."""
+    theta, data = tiny
+    data = {k: (x.double(), y) for k, (x, y) in data.items()}
+    body, head = lls.split(theta, 1)
+    body, head = body.double(), head.double()
+    feats = lls.features(body, data)
+    cfg = {"ridge": 1e-4, "period": 5, "ema_refresh": 3, "n_fisher_periodic": None, "n_steps": 12, "n_chains": 4,
+           "seed": 7, "tau": {"fixed": 0.05, "ema": 0.08, "periodic": 0.05, "none": 1.0}}
+    short = lls.run_variant(cfg, head, feats, variant, index=0, progress=False)
+
+    net = lenet5().double()
+    torch.nn.utils.vector_to_parameters(theta.double(), net.parameters())
+    for p in net[:-1].parameters():
+        p.requires_grad_(False)
+    model = as_chain_model(net, INPUT_SHAPE)
+    theta0 = torch.nn.utils.parameters_to_vector(net[-1].parameters()).detach()
+    from smp_core.fisher import kronecker_layers
+    from smp_core.preconditioners import preconditioner_from_name
+
+    precond = preconditioner_from_name(variant, dim=model.layout.dim, blocks=model.layout.block_slices,
+                                       layers=kronecker_layers(model) if variant.endswith("kfac") else (),
+                                       ridge=1e-4, period=5, ema_init="fisher",
+                                       ema_refresh=3 if "ema" in variant else 1)
+    full = run_smp(net, "categorical", data["train"][0], theta0=theta0, preconditioner=precond,
+                   tau=cfg["tau"][variant.split("-")[0]], n_steps=12, n_chains=4, seed=cfg["seed"] + lls.SEED_OFFSET,
+                   fisher=Fisher("empirical", *data["val"]), progress=False)
+    assert short.theta.shape == full.theta.shape == (4, 850)
+    assert short.theta.dtype == torch.float64
+    assert torch.allclose(short.theta, full.theta, atol=1e-10, rtol=1e-8)
+    assert not torch.equal(short.theta, theta0.expand(4, -1))  # the chains moved
+
+
+def test_laplace_torch_draws_the_last_layer_around_the_map(tiny):
+    theta, data = tiny
+    cfg = {"seed": 1, "laplace": {"hessian_structure": "full", "prior_precision": "marglik", "n_samples": 400}}
+    fit = lls.fit_laplace(cfg, theta, data)
+    draws = fit["theta"]
+    last = theta[-850:]
+    assert draws.shape == (400, 850) and torch.isfinite(draws).all() and fit["prior_precision"] > 0
+    # the draws' mean is the MAP's last layer, within Monte Carlo error (z-scores of 400 draws per coordinate)
+    z = (draws.mean(0) - last) / (draws.std(0) / 20)
+    assert z.abs().max() < 5.5, z.abs().max()  # 850 coordinates: P(max |z| > 5.5) < 1e-5 under the truth
+
+
+def test_verdicts_apply_the_stated_bars():
+    scores = pd.DataFrame({"mutual_info": [0.0, 0.05, 0.006, 0.004, 0.2], "ece": [0.01, 0.02, 0.03, 0.05, 0.01]},
+                          index=["MAP", "Ensemble (5)", "a", "b", "c"])
+    shift = pd.DataFrame({"nll": [3.0, 2.0, 2.5, 2.9, 3.1]},
+                         index=pd.MultiIndex.from_product([scores.index, [60]], names=["method", "angle"]))
+    v = lls.verdicts(scores, shift, "Ensemble (5)", 60)
+    assert list(v["non_degenerate"]) == [False, True, True, False, True]  # bar: 0.005
+    assert list(v["calibrated"]) == [True, True, True, False, True]  # bar: 2 x 0.02
+    assert list(v["helps_under_shift"]) == [False, True, True, True, False]
+    assert list(v.index[v["all_three"]]) == ["Ensemble (5)", "a"]
