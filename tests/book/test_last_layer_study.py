@@ -33,25 +33,26 @@ def test_body_then_head_is_the_network(tiny, layers):
         assert torch.allclose(head(body(x)), whole, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["fixed-diag", "ema-kfac"])
-def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, variant):
+@pytest.mark.parametrize(("layers", "variant"), [(1, "fixed-diag"), (1, "ema-kfac"), (2, "periodic-diag")])
+def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, layers, variant):
     """The study's shortcut: the same chains as SMP on LeNet-5 with all but the last layer frozen (in float64,
     where the Kronecker factors' eigendecompositions do not amplify the features' rounding)."""
     theta, data = tiny
     data = {k: (x.double(), y) for k, (x, y) in data.items()}
-    body, head = lls.split(theta, 1)
+    body, head = lls.split(theta, layers)
     body, head = body.double(), head.double()
     feats = lls.features(body, data)
-    cfg = {"ridge": 1e-4, "period": 5, "ema_refresh": 3, "n_fisher_periodic": None, "n_steps": 12, "n_chains": 4,
+    cfg = {"ridge": 1e-4, "period": 5, "ema_refresh": 3, "n_fisher_periodic": 10, "n_steps": 12, "n_chains": 4,
            "seed": 7, "tau": {"fixed": 0.05, "ema": 0.08, "periodic": 0.05, "none": 1.0}}
     short = lls.run_variant(cfg, head, feats, variant, index=0, progress=False)
 
     net = lenet5().double()
     torch.nn.utils.vector_to_parameters(theta.double(), net.parameters())
-    for p in net[:-1].parameters():
+    cut = len(net) - len(head)
+    for p in net[:cut].parameters():
         p.requires_grad_(False)
     model = as_chain_model(net, INPUT_SHAPE)
-    theta0 = torch.nn.utils.parameters_to_vector(net[-1].parameters()).detach()
+    theta0 = torch.nn.utils.parameters_to_vector(net[cut:].parameters()).detach()
     from smp_core.fisher import kronecker_layers
     from smp_core.preconditioners import preconditioner_from_name
 
@@ -59,10 +60,13 @@ def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, variant):
                                        layers=kronecker_layers(model) if variant.endswith("kfac") else (),
                                        ridge=1e-4, period=5, ema_init="fisher",
                                        ema_refresh=3 if "ema" in variant else 1)
+    xv, yv = data["val"]
+    n_fisher = 10 if variant.startswith("periodic") else None  # the periodic Fisher's first images
     full = run_smp(net, "categorical", data["train"][0], theta0=theta0, preconditioner=precond,
                    tau=cfg["tau"][variant.split("-")[0]], n_steps=12, n_chains=4, seed=cfg["seed"] + lls.SEED_OFFSET,
-                   fisher=Fisher("empirical", *data["val"]), progress=False)
-    assert short.theta.shape == full.theta.shape == (4, 850)
+                   fisher=Fisher("empirical", xv[:n_fisher], yv[:n_fisher]), progress=False)
+    d = {1: 850, 2: 128 * 84 + 84 + 850}[layers]
+    assert short.theta.shape == full.theta.shape == (4, d)
     assert short.theta.dtype == torch.float64
     assert torch.allclose(short.theta, full.theta, atol=1e-10, rtol=1e-8)
     assert not torch.equal(short.theta, theta0.expand(4, -1))  # the chains moved
@@ -78,6 +82,15 @@ def test_laplace_torch_draws_the_last_layer_around_the_map(tiny):
     # the draws' mean is the MAP's last layer, within Monte Carlo error (z-scores of 400 draws per coordinate)
     z = (draws.mean(0) - last) / (draws.std(0) / 20)
     assert z.abs().max() < 5.5, z.abs().max()  # 850 coordinates: P(max |z| > 5.5) < 1e-5 under the truth
+    # the draws' logits have laplace-torch's own linearised (GLM) variance: the parameter order of the draws
+    # is the Linear layer's; 400 draws give each variance to about 7 % (sd), so 35 % is five sd
+    body, head = lls.split(theta, 1)
+    x = data["val"][0][:5]
+    with torch.no_grad():
+        logits = predict(as_chain_model(head), draws, body(x))  # (400, 5, 10)
+    _, f_var = fit["la"]._glm_predictive_distribution(x)
+    ratio = logits.var(0) / torch.diagonal(f_var, dim1=-2, dim2=-1)
+    assert ((ratio > 0.65) & (ratio < 1.35)).all(), ratio
 
 
 def test_verdicts_apply_the_stated_bars():
@@ -86,7 +99,9 @@ def test_verdicts_apply_the_stated_bars():
     shift = pd.DataFrame({"nll": [3.0, 2.0, 2.5, 2.9, 3.1]},
                          index=pd.MultiIndex.from_product([scores.index, [60]], names=["method", "angle"]))
     v = lls.verdicts(scores, shift, "Ensemble (5)", 60)
-    assert list(v["non_degenerate"]) == [False, True, True, False, True]  # bar: 0.005
-    assert list(v["calibrated"]) == [True, True, True, False, True]  # bar: 2 x 0.02
-    assert list(v["helps_under_shift"]) == [False, True, True, True, False]
-    assert list(v.index[v["all_three"]]) == ["Ensemble (5)", "a"]
+    assert (v.loc[["MAP", "Ensemble (5)"], "all_three"] == "reference").all()  # they set the bars
+    judged = v.loc[["a", "b", "c"]]
+    assert list(judged["non_degenerate"]) == [True, False, True]  # bar: 0.005
+    assert list(judged["calibrated"]) == [True, False, True]  # bar: 2 x 0.02
+    assert list(judged["helps_under_shift"]) == [True, True, False]  # bar: MAP's 3.0
+    assert list(judged["all_three"]) == [True, False, False]

@@ -38,8 +38,7 @@ def test_every_setting_reruns_the_rows_it_touches(tiny_rows):
         if not any(k in change for k in ("ridge", "fisher")):
             expected.add("SMP-none")
         assert methods[setting] == expected, setting
-    # a setting that changes nothing SMP-none sees leaves it as it was: relabelling with the same chain
-    # changes NUTS-mean (theta0) only through the draws' labels, the ensemble not at all
+    # relabelling the same chain's draws changes NUTS-mean (theta0), never the NUTS ensemble's predictions
     assert tiny_rows.loc[("NUTS draws not relabelled", "NUTS"), "accuracy"] == \
         tiny_rows.loc[(tg.OURS, "NUTS"), "accuracy"]
 
@@ -63,6 +62,7 @@ def test_a_shift_well_above_its_paired_noise_moves_and_can_reach_the_paper():
     assert not table.loc[("SMP-none mutual_info", tg.OURS), "paper_within_spread"]
     found = tg.findings(table).loc["SMP-none mutual_info"]
     assert found["closest_setting"] == "float64 chains" and found["paper_within_spread_of"] == "float64 chains"
+    assert not found["ours_within_spread"]
 
 
 def test_a_shift_within_its_paired_noise_does_not_move():
@@ -70,6 +70,12 @@ def test_a_shift_within_its_paired_noise_does_not_move():
     table = tg.sensitivity(rows, {("SMP-none", "mutual_info"): 0.17})
     assert not table.loc[("SMP-none mutual_info", "float64 chains"), "moves"]
     assert tg.findings(table).loc["SMP-none mutual_info", "paper_within_spread_of"] == "none"
+
+
+def test_the_paper_inside_our_own_spread_is_no_gap():
+    table = tg.sensitivity(_fake_runs(shift=0.12), {("SMP-none", "mutual_info"): 0.055})
+    found = tg.findings(table).loc["SMP-none mutual_info"]
+    assert found["ours_within_spread"] and found["paper_within_spread_of"] == "none"
 
 
 def test_bayes_accuracy_bounds_every_classifier_and_is_what_the_data_give():
