@@ -246,10 +246,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
-
 def read_report(scale: str, root: str | Path = "results") -> tuple[pd.DataFrame, pd.DataFrame] | None:
     """The reproduction report saved with ``results/<scale>/``: ``(cells, counts)``, or None."""
     folder = Path(root) / scale / REPORT
@@ -266,3 +262,7 @@ def read_report(scale: str, root: str | Path = "results") -> tuple[pd.DataFrame,
         counts["judged these results"] = ["yes" if a == b else "no (recomputed since)"
                                           for a, b in zip(counts.pop("results_id"), current, strict=True)]
     return pd.read_csv(folder / "cells.csv"), counts
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
