@@ -7,12 +7,15 @@
 #
 # Each command runs in its own clone under a temporary folder (kept, with its log, for inspection).
 # make book shows the committed results; the last row names the chapters it had to compute (those whose
-# results were missing or held other settings), which should be none.
+# results were missing or held other settings), which should be none. The table, with the machine and
+# its load average before and after, is printed and written to benchmarks/fresh_clone.md (shown by the
+# book's how_to_run page): measure on an otherwise idle machine.
 set -uo pipefail
 
 src=$(git rev-parse --show-toplevel)
 what=${1:-both}
 rows=()
+load_before=$(cut -d' ' -f1 /proc/loadavg)
 for target in test book; do
   [[ $what == both || $what == "$target" ]] || continue
   dir=$(mktemp -d)
@@ -21,12 +24,19 @@ for target in test book; do
   (cd "$dir/clone" && make "$target" > "$dir/make-$target.log" 2>&1)
   status=$?
   minutes=$(awk -v s="$(( $(date +%s) - start ))" 'BEGIN { printf "%.1f", s / 60 }')
-  rows+=("| make $target | $minutes | $status | $dir/make-$target.log |")
+  rows+=("| make $target | $minutes | $status |")
+  echo "make $target: log in $dir/make-$target.log" >&2
   if [[ $target == book ]]; then
     computed=$(cd "$dir/clone" && git status --porcelain -- results | awk '{print $2}' | cut -d/ -f3 | sort -u | tr '\n' ' ')
-    rows+=("| of which chapters computed (not read) | ${computed:-none} | | |")
+    rows+=("| of which chapters computed (not read) | ${computed:-none} | |")
   fi
 done
-echo "| command | wall time (min) | exit status | log |"
-echo "|---|---|---|---|"
-printf '%s\n' "${rows[@]}"
+cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null)
+{
+  echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) ${load_before} before, \
+$(cut -d' ' -f1 /proc/loadavg) after."
+  echo
+  echo "| command | wall time (min) | exit status |"
+  echo "|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+} | tee "$src/benchmarks/fresh_clone.md"
