@@ -482,7 +482,8 @@ def _presentation_module(name: str):
 
 
 # Where the paper-scale results of this study are, once a run at the paper scale has written them
-# (``smp_book.chapters.compute("mnist", "paper")``, or ``tools/run_myst.py notebooks/mnist.md scale=paper``).
+# (``smp_book.chapters.results("mnist", "paper")``, or ``python -m smp_book.reproduce --scale paper --only mnist``
+# and its folder build/reproduce/paper/mnist/ copied here).
 PAPER_RESULTS = Path("results") / "paper" / "mnist"
 
 
