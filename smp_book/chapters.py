@@ -310,6 +310,28 @@ def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.Da
     return beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
 
 
+def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
+                  digits: int = 4) -> pd.DataFrame:
+    """The paper's table beside ours at several scales, per column: ``(column, "paper")`` then
+    ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (``std`` None or NaN: no spread shown),
+    rows and columns those of the first scale's mean. A cell without a value shows "-"."""
+    from .toy_study import beside_paper
+
+    if not scaled:
+        raise ValueError("scaled: give at least one scale's (mean, std)")
+    rows = next(iter(scaled.values()))[0].index
+    parts = {name: beside_paper(mean.reindex(rows), pd.DataFrame(), None if std is None else std.reindex(rows),
+                                digits).droplevel(1, axis=1) for name, (mean, std) in scaled.items()}
+    cols = {}
+    for column in parts[next(iter(parts))].columns:
+        if column in paper.columns:
+            theirs = paper[column].reindex(rows)
+            cols[(column, "paper")] = theirs.map(lambda v: "-" if pd.isna(v) else f"{v:.{digits}f}")
+        for name, part in parts.items():
+            cols[(column, name)] = part[column] if column in part.columns else "-"
+    return pd.DataFrame(cols, index=rows)
+
+
 def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
     """``df`` for display: floats rounded to ``digits`` decimals (``significant=True``: to ``digits``
     significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)

@@ -183,3 +183,17 @@ def test_the_report_reads_committed_results_of_an_older_format(fake, tmp_path):
     chapters.results("fake", "ci", root=work)
     cells, counts = reproduce.report(committed, work, "ci")
     assert counts.loc["fake", "equal"] > 0 and "only new" not in counts.columns
+
+
+def test_beside_scales_puts_the_paper_then_each_scale_per_column():
+    paper = pd.DataFrame({"nll": [0.038, 0.5]}, index=["MAP", "SMP-none"])
+    big = pd.DataFrame({"nll": [0.04, 0.6]}, index=["MAP", "SMP-none"])
+    small = pd.DataFrame({"nll": [0.041, 0.55], "mi": [0.0, 0.01]}, index=["MAP", "SMP-none"])
+    small_sd = pd.DataFrame({"nll": [np.nan, 0.02], "mi": [np.nan, 0.001]}, index=["MAP", "SMP-none"])
+    table = chapters.beside_scales(paper, {"paper scale": (big, None), "laptop": (small, small_sd)})
+    assert list(table.columns) == [("nll", "paper"), ("nll", "paper scale"), ("nll", "laptop")]
+    assert table.loc["SMP-none", ("nll", "laptop")] == "0.5500 ± 0.0200"
+    assert table.loc["MAP", ("nll", "laptop")] == "0.0410"  # one value, no spread
+    assert table.loc["MAP", ("nll", "paper")] == "0.0380"
+    with pytest.raises(ValueError, match="scaled"):
+        chapters.beside_scales(paper, {})
