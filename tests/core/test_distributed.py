@@ -77,3 +77,52 @@ def test_torchrun_with_two_processes_gives_the_single_run(tmp_path):
     net, x = _problem()
     whole = run_smp(net, "bernoulli", x, n_chains=7, preconditioner="ema-diag", tau=0.3, **KW)
     assert torch.equal(torch.load(out), whole.theta)
+
+
+RESUME = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from smp_core.distributed import run_smp_sharded
+    from smp_core.models import toy_mlp
+    torch.manual_seed(0)
+    net = toy_mlp().double()
+    x = torch.rand(60, 2, dtype=torch.float64) * 2 - 1
+    result = run_smp_sharded(net, "bernoulli", x, n_chains=7, preconditioner="ema-diag", tau=0.3,
+                             n_steps=int(sys.argv[2]), seed=11, progress=False,
+                             options={"check_every": 10, "checkpoint": sys.argv[3], "checkpoint_every": 10})
+    if dist.get_rank() == 0:
+        torch.save(result.theta, sys.argv[1])
+    dist.destroy_process_group()
+""")
+
+
+def test_each_rank_checkpoints_and_resumes_its_own_chains(tmp_path):
+    """A sharded run stopped at K = 30 and resumed to K = 60 gives the single run's samples; each rank
+    reads back its own file (a change to rank 1's file moves rank 1's chains only)."""
+    script, out, ckpt = tmp_path / "run.py", tmp_path / "theta.pt", tmp_path / "run.ckpt"
+    script.write_text(RESUME)
+
+    def torchrun(n_steps):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(script), str(out), str(n_steps), str(ckpt)], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return torch.load(out)
+
+    net, x = _problem()
+    kw = dict(n_chains=7, preconditioner="ema-diag", tau=0.3, seed=11, progress=False, options={"check_every": 10})
+    assert torch.equal(torchrun(30), run_smp(net, "bernoulli", x, n_steps=30, **kw).theta)
+    files = [tmp_path / f"run.ckpt.rank{r}-of-2" for r in range(2)]
+    assert [torch.load(f, weights_only=False)["step"] for f in files] == [30, 30]
+    whole = run_smp(net, "bernoulli", x, n_steps=60, **kw).theta
+    payload = torch.load(files[1], weights_only=False)
+    saved = payload["theta"].clone()
+    payload["theta"] = saved + 1e-3  # rank 1 resumes from a moved state
+    torch.save(payload, files[1])
+    moved = torchrun(60)
+    lo, hi = shard(7, 2, 1)
+    assert torch.equal(moved[:lo], whole[:lo]) and not torch.equal(moved[lo:hi], whole[lo:hi])
+    payload["theta"], payload["step"] = saved, 30  # put rank 1's file back as it was at K = 30
+    torch.save(payload, files[1])
+    files[0].unlink()  # rank 0 starts again from step 0: the same chains
+    assert torch.equal(torchrun(60), whole)
+    assert [torch.load(f, weights_only=False)["step"] for f in files] == [60, 60]
