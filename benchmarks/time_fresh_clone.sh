@@ -4,16 +4,23 @@
 # Usage (from anywhere inside the repository):
 #   benchmarks/time_fresh_clone.sh            # make test, then make book
 #   benchmarks/time_fresh_clone.sh book       # only make book (SCALE=laptop by default)
+#   benchmarks/time_fresh_clone.sh test       # only make test
+# (Linux: it reads /proc for the processor and the load average.)
 #
 # Each command runs in its own clone under a temporary folder (kept, with its log, for inspection).
 # make book shows the committed results; the last row names the chapters it had to compute (those whose
 # results were missing or held other settings), which should be none. The table, with the machine and
-# its load average before and after, is printed and written to benchmarks/fresh_clone.md (shown by the
-# book's how_to_run page): measure on an otherwise idle machine.
+# its load average just before, is printed; when make book was timed it is also written to
+# benchmarks/fresh_clone.md (shown by the book's how_to_run page). Measure on an otherwise idle machine:
+# the load average before the start is the only check of that here.
 set -uo pipefail
 
 src=$(git rev-parse --show-toplevel)
 what=${1:-both}
+case $what in
+  both|test|book) ;;
+  *) echo "usage: $0 [test|book|both]" >&2; exit 2 ;;
+esac
 rows=()
 load_before=$(cut -d' ' -f1 /proc/loadavg)
 for target in test book; do
@@ -33,10 +40,13 @@ for target in test book; do
 done
 cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null)
 {
-  echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) ${load_before} before, \
-$(cut -d' ' -f1 /proc/loadavg) after."
+  echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) before the start: ${load_before}."
   echo
   echo "| command | wall time (min) | exit status |"
   echo "|---|---|---|"
   printf '%s\n' "${rows[@]}"
-} | tee "$src/benchmarks/fresh_clone.md"
+} > "$dir/table.md"
+cat "$dir/table.md"
+if [[ $what != test ]]; then
+  cp "$dir/table.md" "$src/benchmarks/fresh_clone.md"
+fi

@@ -88,3 +88,16 @@ def test_bayes_accuracy_bounds_every_classifier_and_is_what_the_data_give():
     hits = ((p > 0.5) == (y.numpy() > 0.5)).astype(float)
     z = (hits.mean() - bayes) / (hits.std(ddof=1) / np.sqrt(len(hits)))
     assert abs(z) < 4, z  # the Bayes rule's accuracy on fresh data, within Monte Carlo error
+
+
+def test_values_near_zero_do_not_hold_a_number_far_above_them():
+    """A collapsed setting (values 1e-7 to 1e-4) must not 'hold' a paper value of 0.02: on the log scale its
+    prediction interval reaches 0.022 and would hold it; on the natural scale it ends at 1.6e-4."""
+    rows = []
+    for r, tiny in enumerate([1e-7, 1e-6, 1e-5, 1e-4, 3e-5]):
+        rows.append({"setting": tg.OURS, "replicate": r, "method": "SMP-none", "mutual_info": 0.01 + 0.001 * r})
+        rows.append({"setting": "NUTS draws not relabelled", "replicate": r, "method": "SMP-none",
+                     "mutual_info": tiny})
+    table = tg.sensitivity(pd.DataFrame(rows).set_index(["setting", "replicate", "method"]),
+                           {("SMP-none", "mutual_info"): 0.02})
+    assert not table.loc[("SMP-none mutual_info", "NUTS draws not relabelled"), "paper_within_spread"]

@@ -83,6 +83,7 @@ RESUME = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from smp_core.distributed import run_smp_sharded
     from smp_core.models import toy_mlp
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     net = toy_mlp().double()
     x = torch.rand(60, 2, dtype=torch.float64) * 2 - 1
@@ -97,7 +98,7 @@ RESUME = textwrap.dedent("""
 
 def test_each_rank_checkpoints_and_resumes_its_own_chains(tmp_path):
     """A sharded run stopped at K = 30 and resumed to K = 60 gives the single run's samples; each rank
-    reads back its own file (a change to rank 1's file moves rank 1's chains only)."""
+    reads back its own file (a change to one rank's file moves that rank's chains only)."""
     script, out, ckpt = tmp_path / "run.py", tmp_path / "theta.pt", tmp_path / "run.ckpt"
     script.write_text(RESUME)
 
@@ -112,17 +113,22 @@ def test_each_rank_checkpoints_and_resumes_its_own_chains(tmp_path):
     kw = dict(n_chains=7, preconditioner="ema-diag", tau=0.3, seed=11, progress=False, options={"check_every": 10})
     assert torch.equal(torchrun(30), run_smp(net, "bernoulli", x, n_steps=30, **kw).theta)
     files = [tmp_path / f"run.ckpt.rank{r}-of-2" for r in range(2)]
-    assert [torch.load(f, weights_only=False)["step"] for f in files] == [30, 30]
+    at_30 = [torch.load(f, weights_only=False) for f in files]
+    assert [p["step"] for p in at_30] == [30, 30]
     whole = run_smp(net, "bernoulli", x, n_steps=60, **kw).theta
-    payload = torch.load(files[1], weights_only=False)
-    saved = payload["theta"].clone()
-    payload["theta"] = saved + 1e-3  # rank 1 resumes from a moved state
-    torch.save(payload, files[1])
-    moved = torchrun(60)
     lo, hi = shard(7, 2, 1)
-    assert torch.equal(moved[:lo], whole[:lo]) and not torch.equal(moved[lo:hi], whole[lo:hi])
-    payload["theta"], payload["step"] = saved, 30  # put rank 1's file back as it was at K = 30
-    torch.save(payload, files[1])
-    files[0].unlink()  # rank 0 starts again from step 0: the same chains
-    assert torch.equal(torchrun(60), whole)
+
+    def resume_with(moved_rank):
+        for rank, (path, payload) in enumerate(zip(files, at_30, strict=True)):
+            theta = payload["theta"] + (1e-3 if rank == moved_rank else 0.0)
+            torch.save({**payload, "theta": theta}, path)  # both ranks back at K = 30, one of them moved
+        return torchrun(60)
+
+    for moved_rank, (mine, other) in enumerate([(slice(0, lo), slice(lo, hi)), (slice(lo, hi), slice(0, lo))]):
+        theta = resume_with(moved_rank)
+        assert not torch.equal(theta[mine], whole[mine]) and torch.equal(theta[other], whole[other])
+    assert torch.equal(resume_with(None), whole)  # both files as written at K = 30: the single run
     assert [torch.load(f, weights_only=False)["step"] for f in files] == [60, 60]
+    files[0].unlink()  # a rank without its file starts again from step 0, with the same chains
+    torch.save(at_30[1], files[1])
+    assert torch.equal(torchrun(60), whole)
