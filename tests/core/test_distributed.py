@@ -52,6 +52,7 @@ def test_gathered_shards_are_the_single_run(preconditioner, tau, exact):
     assert merged.config["n_chains"] == 7 and merged.config["ranks"] == 3
 
 
+# argv: where rank 0 saves the samples, then optionally K (default 60) and a checkpoint path
 SCRIPT = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from smp_core.distributed import run_smp_sharded
@@ -60,8 +61,12 @@ SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     net = toy_mlp().double()
     x = torch.rand(60, 2, dtype=torch.float64) * 2 - 1
+    n_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 60
+    options = {"check_every": 10}
+    if len(sys.argv) > 3:
+        options.update(checkpoint=sys.argv[3], checkpoint_every=10)
     result = run_smp_sharded(net, "bernoulli", x, n_chains=7, preconditioner="ema-diag", tau=0.3,
-                             n_steps=60, seed=11, progress=False, options={"check_every": 20})
+                             n_steps=n_steps, seed=11, progress=False, options=options)
     if dist.get_rank() == 0:
         torch.save(result.theta, sys.argv[1])
     dist.destroy_process_group()
@@ -79,28 +84,11 @@ def test_torchrun_with_two_processes_gives_the_single_run(tmp_path):
     assert torch.equal(torch.load(out), whole.theta)
 
 
-RESUME = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist
-    from smp_core.distributed import run_smp_sharded
-    from smp_core.models import toy_mlp
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    net = toy_mlp().double()
-    x = torch.rand(60, 2, dtype=torch.float64) * 2 - 1
-    result = run_smp_sharded(net, "bernoulli", x, n_chains=7, preconditioner="ema-diag", tau=0.3,
-                             n_steps=int(sys.argv[2]), seed=11, progress=False,
-                             options={"check_every": 10, "checkpoint": sys.argv[3], "checkpoint_every": 10})
-    if dist.get_rank() == 0:
-        torch.save(result.theta, sys.argv[1])
-    dist.destroy_process_group()
-""")
-
-
 def test_each_rank_checkpoints_and_resumes_its_own_chains(tmp_path):
     """A sharded run stopped at K = 30 and resumed to K = 60 gives the single run's samples; each rank
     reads back its own file (a change to one rank's file moves that rank's chains only)."""
     script, out, ckpt = tmp_path / "run.py", tmp_path / "theta.pt", tmp_path / "run.ckpt"
-    script.write_text(RESUME)
+    script.write_text(SCRIPT)
 
     def torchrun(n_steps):
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
