@@ -319,14 +319,15 @@ def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.
 
     if not scaled:
         raise ValueError("scaled: give at least one scale's (mean, std)")
-    rows = next(iter(scaled.values()))[0].index
+    first = next(iter(scaled.values()))[0]
+    rows = first.index
+    theirs = beside_paper(first, paper, None, digits)  # its (column, "paper") cells, formatted as everywhere
     parts = {name: beside_paper(mean.reindex(rows), pd.DataFrame(), None if std is None else std.reindex(rows),
                                 digits).droplevel(1, axis=1) for name, (mean, std) in scaled.items()}
     cols = {}
-    for column in parts[next(iter(parts))].columns:
-        if column in paper.columns:
-            theirs = paper[column].reindex(rows)
-            cols[(column, "paper")] = theirs.map(lambda v: "-" if pd.isna(v) else f"{v:.{digits}f}")
+    for column in first.columns:
+        if (column, "paper") in theirs.columns:
+            cols[(column, "paper")] = theirs[(column, "paper")]
         for name, part in parts.items():
             cols[(column, name)] = part[column] if column in part.columns else "-"
     return pd.DataFrame(cols, index=rows)

@@ -95,6 +95,13 @@ def surfaces_side_by_side(grid_x, grid_y, surfaces: dict[str, np.ndarray], title
     return fig
 
 
+def _log_axis_if_wide(ax, values) -> None:
+    """A log x axis when the positive finite ``values`` span more than a factor 50."""
+    positive = values[np.isfinite(values) & (values > 0)]
+    if positive.size and positive.max() / positive.min() > 50:
+        ax.set_xscale("log")
+
+
 def beside_paper(mean, std, paper, title: str, ncols: int = 3):
     """One panel per metric that both tables have: per method (rows), the paper's value (a cross) and ours
     (a dot with a bar of plus or minus one standard deviation over the replicates, where there are several).
@@ -115,10 +122,7 @@ def beside_paper(mean, std, paper, title: str, ncols: int = 3):
         theirs = paper[metric].reindex(mean.index).to_numpy(dtype=float)
         ax.errorbar(ours, y, xerr=np.nan_to_num(spread), fmt="o", ms=4, color="tab:blue", label="ours", capsize=2)
         ax.plot(theirs, y, "x", color="tab:red", ms=6, label="paper")
-        values = np.concatenate([ours, theirs])
-        positive = values[np.isfinite(values) & (values > 0)]
-        if positive.size and positive.max() / positive.min() > 50:
-            ax.set_xscale("log")
+        _log_axis_if_wide(ax, np.concatenate([ours, theirs]))
         ax.set_title(metric, fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     for ax in list(axes.flat)[len(metrics):]:
@@ -153,10 +157,7 @@ def sensitivity(table, ours: str, marks: dict | None = None):
         if marks and metric in marks:
             ax.axvline(marks[metric][0], color="tab:green", ls=":", lw=1.5, label=marks[metric][1])
             ax.legend(fontsize=7, loc="best")
-        values = np.concatenate([mean, part["paper"].to_numpy(dtype=float)])
-        positive = values[np.isfinite(values) & (values > 0)]
-        if positive.size and positive.max() / positive.min() > 50:
-            ax.set_xscale("log")
+        _log_axis_if_wide(ax, np.concatenate([mean, part["paper"].to_numpy(dtype=float)]))
         ax.set_yticks(y)
         ax.set_yticklabels(part.index, fontsize=8)
         ax.invert_yaxis()
