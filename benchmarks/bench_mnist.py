@@ -20,6 +20,13 @@ rows (theta copied per example), one example at a time for all chains, and by la
 one batched forward and backward pass of the module; the path ``estimate_fisher`` takes for it).
 The process opts in to ``smp_core.memory.retain_freed_memory()`` on a CPU, as the MNIST study does.
 
+``--full-steps K`` adds a measured run (not a projection) of each of ``--full-variants`` at K steps with the
+paper's tau (S = ``--chains``, theta_0 the initial weights, the Fisher from the largest of ``--val-images`` and
+``--fisher-examples`` validation images), timed from start to end: the Fisher set-up and, for a periodic variant,
+its recomputations included. A run whose projection (its measured step time times K, plus for a periodic variant
+K / 500 Fisher recomputations at the time measured by layers) would end after ``--budget-s`` seconds from the
+start of the script is left out, and the table says so.
+
 With ``--smoke`` every table runs at tiny sizes; the images are MNIST's when ``data/`` holds them
 (never downloaded then) and otherwise uniform noise of MNIST's shape and random labels (the times do
 not depend on the values), so that the smoke run works offline; the header says which.
@@ -34,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import smp_core.fisher as fisher_module
+from smp_book.config import MNIST_TAU
 from smp_book.mnist import mnist_tensors
 from smp_book.results import cpu_model
 from smp_core import Fisher, as_chain_model, lenet5, run_smp
@@ -48,7 +56,7 @@ MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched t
               "graphs": "CUDA graphs"}
 # --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
 SMOKE = {"chains": 2, "steps": 2, "map_batches": 2, "map_warmup": 1, "val_images": 16, "fisher_examples": 8,
-         "repeats": 1}
+         "repeats": 1, "full_steps": 4}
 
 
 def _sync(device: torch.device) -> None:
@@ -101,6 +109,18 @@ def bench_smp_step(x, xv, yv, device, variant, n_chains, n_steps, mode, repeats=
     short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(repeats))
     long = min(run_smp(net, "categorical", x, n_steps=base + n_steps, **kw).elapsed for _ in range(repeats))
     return (long - short) / n_steps
+
+
+def full_run(x, xv, yv, device, variant, n_chains, n_steps):
+    """Wall seconds of one whole run of ``variant`` at ``n_steps`` steps (paper's tau), and its diverged chains."""
+    net = lenet5().to(device)
+    _sync(device)
+    started = time.perf_counter()
+    result = run_smp(net, "categorical", x.to(device), preconditioner=variant, tau=MNIST_TAU[variant],
+                     n_steps=n_steps, n_chains=n_chains, seed=0, progress=False,
+                     fisher=Fisher("empirical", xv.to(device), yv.to(device)))
+    _sync(device)
+    return time.perf_counter() - started, result.n_diverged
 
 
 def _virtual_rows(model, lik, theta, x, y):
@@ -172,9 +192,24 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fisher-examples", type=int, default=200)
     parser.add_argument("--variants", nargs="*", default=["none", "fixed-diag", "ema-diag", "periodic-diag"])
+    parser.add_argument("--full-steps", type=int, default=0, help="K of the measured whole runs (0: none)")
+    parser.add_argument("--full-variants", nargs="*", default=["none"], help="variants of the measured whole runs")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="leave out a whole run projected to end later than this many seconds from the start")
     parser.add_argument("--smoke", action="store_true",
                         help="every table at tiny sizes, in seconds (times mean nothing); offline")
     args = parser.parse_args()
+    for name in ("chains", "steps", "map_batches", "val_images", "repeats", "threads", "fisher_examples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
+    if args.full_steps < 0:
+        parser.error(f"--full-steps: must be at least 0, got {args.full_steps}")
+    unknown = [v for v in args.variants + args.full_variants if v not in MNIST_TAU]
+    if unknown:
+        parser.error(f"--variants/--full-variants: unknown {unknown}; known: {', '.join(MNIST_TAU)}")
+    if args.full_steps and not set(args.full_variants) <= set(args.variants):
+        parser.error("--full-variants: each must be among --variants (its step time decides whether it fits)")
+    started = time.perf_counter()
     if args.smoke:
         parser.set_defaults(**SMOKE)
         args = parser.parse_args()
@@ -197,6 +232,7 @@ def main():
     print("| device | variant | step run by | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
     print("|---|---|---|---|---|---|")
     xf, yf = xv[: args.val_images], yv[: args.val_images]
+    step_seconds = {}
     for name in devices:
         # on a GPU, the step-by-step loop and blocks of 50 steps replayed as CUDA graphs; on a CPU, the
         # compiled kernel (the default) and the batched torch model it replaces
@@ -208,15 +244,37 @@ def main():
                     continue
                 step = bench_smp_step(x, xf, yf, torch.device(name), variant, args.chains, args.steps, mode,
                                       args.repeats)
+                step_seconds[(name, variant)] = min(step, step_seconds.get((name, variant), float("inf")))
                 paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
                 print(f"| {name} | SMP-{variant} | {MODE_NAMES[mode]} | {1000 * step:.2f} | {step * 1e6:.0f} | "
                       f"{paper} |", flush=True)
     print(f"\nDiagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} validation images\n")
     print("| device | path | seconds |")
     print("|---|---|---|")
+    fisher_seconds = {}
     for name in devices:
         for path, seconds in bench_fisher(xv, yv, torch.device(name), args.chains, args.fisher_examples):
+            fisher_seconds[(name, path)] = seconds * len(xv) / args.fisher_examples
             print(f"| {name} | {path} | {seconds:.2f} |", flush=True)
+    if not args.full_steps:
+        return
+    print(f"\nWhole runs, measured: S = {args.chains}, K = {args.full_steps:,}, the paper's tau, the Fisher from "
+          f"{len(xv)} validation images (set-up and periodic recomputations included)\n")
+    print("| device | variant | seconds | diverged chains | paper, SMP-none (s) |")
+    print("|---|---|---|---|---|")
+    for name in devices:
+        for variant in args.full_variants:
+            projected = step_seconds[(name, variant)] * args.full_steps
+            if variant.startswith("periodic"):
+                projected += args.full_steps // 500 * fisher_seconds[(name, "by layers")]
+            left = args.budget_s - (time.perf_counter() - started)
+            if projected > left:
+                print(f"| {name} | SMP-{variant} | left out: projected {projected:.0f} s, {max(left, 0):.0f} s of "
+                      f"the budget left | | |", flush=True)
+                continue
+            seconds, diverged = full_run(x, xv, yv, torch.device(name), variant, args.chains, args.full_steps)
+            paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
+            print(f"| {name} | SMP-{variant} | {seconds:.1f} | {diverged} | {paper} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -379,3 +379,25 @@ def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
                      "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
                      "note": res.manifest.get("timing_note", "")})
     return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")
+
+
+def benchmark_table(path: str | Path, heading: str) -> pd.DataFrame | None:
+    """The markdown table after the last line of ``path`` (a benchmark's saved output, such as
+    ``benchmarks/gpu_h200.md``) that starts with ``heading``, as a table of strings; ``None`` when the
+    file or the heading is missing."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    lines = path.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith(heading)]
+    if not starts:
+        return None
+    rows = []
+    for line in lines[starts[-1] + 1:]:
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif rows:
+            break
+    if len(rows) < 2:
+        return None
+    return pd.DataFrame(rows[2:], columns=rows[0])

@@ -3,6 +3,7 @@ sizes, in seconds) exits with status 0, and none is left out of this list or of 
 
 Left out: benchmarks/time_fresh_clone.sh. It times `make test` and `make book` in fresh clones (about an
 hour on 2 cores, and `make book` fetches MNIST and MathJax), so it has no smoke size, and it is not Python.
+And benchmarks/gpu_checks.sh, which needs a GPU; its bench_mnist.py options run in the smoke run above.
 """
 
 from __future__ import annotations

@@ -197,3 +197,15 @@ def test_beside_scales_puts_the_paper_then_each_scale_per_column():
     assert table.loc["MAP", ("nll", "paper")] == "0.0380"
     with pytest.raises(ValueError, match="scaled"):
         chapters.beside_scales(paper, {})
+
+
+def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
+    from smp_book.chapters import benchmark_table
+
+    path = tmp_path / "bench.md"
+    path.write_text("Runs\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+                    "Runs\n\n| a | b |\n|---|---|\n| 3 | 4 |\n| 5 | 6 |\n\ntext\n")
+    table = benchmark_table(path, "Runs")
+    assert table.columns.tolist() == ["a", "b"] and table.to_numpy().tolist() == [["3", "4"], ["5", "6"]]
+    assert benchmark_table(path, "Other") is None
+    assert benchmark_table(tmp_path / "missing.md", "Runs") is None
