@@ -381,10 +381,10 @@ def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")
 
 
-def benchmark_table(path: str | Path, heading: str) -> pd.DataFrame | None:
+def benchmark_table(path: str | Path, heading: str, index: list[str] | None = None) -> pd.DataFrame | None:
     """The markdown table after the last line of ``path`` (a benchmark's saved output, such as
-    ``benchmarks/gpu_h200.md``) that starts with ``heading``, as a table of strings; ``None`` when the
-    file or the heading is missing."""
+    ``benchmarks/gpu_h200.md``) that starts with ``heading``, as a table of strings indexed by the
+    columns ``index``; ``None`` when the file or the heading is missing."""
     path = Path(path)
     if not path.exists():
         return None
@@ -400,4 +400,5 @@ def benchmark_table(path: str | Path, heading: str) -> pd.DataFrame | None:
             break
     if len(rows) < 2:
         return None
-    return pd.DataFrame(rows[2:], columns=rows[0])
+    table = pd.DataFrame(rows[2:], columns=rows[0])
+    return table.set_index(index) if index else table

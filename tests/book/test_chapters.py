@@ -207,5 +207,6 @@ def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
                     "Runs\n\n| a | b |\n|---|---|\n| 3 | 4 |\n| 5 | 6 |\n\ntext\n")
     table = benchmark_table(path, "Runs")
     assert table.columns.tolist() == ["a", "b"] and table.to_numpy().tolist() == [["3", "4"], ["5", "6"]]
+    assert benchmark_table(path, "Runs", index=["a"]).loc["5", "b"] == "6"
     assert benchmark_table(path, "Other") is None
     assert benchmark_table(tmp_path / "missing.md", "Runs") is None
