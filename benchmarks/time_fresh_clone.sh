@@ -23,6 +23,8 @@ case $what in
 esac
 rows=()
 load_before=$(cut -d' ' -f1 /proc/loadavg)
+# pip's download cache before the start: where it holds the packages, creating .venv downloads none
+pip_cache=$(du -sm "$(python3 -m pip cache dir 2>/dev/null || echo "$HOME/.cache/pip")" 2>/dev/null | cut -f1)
 for target in test book; do
   [[ $what == both || $what == "$target" ]] || continue
   dir=$(mktemp -d)
@@ -40,7 +42,8 @@ for target in test book; do
 done
 cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null)
 {
-  echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) before the start: ${load_before}."
+  echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) before the start: ${load_before};"
+  echo "pip's download cache held ${pip_cache:-0} MB before the start (packages it holds are not downloaded)."
   echo
   echo "| command | wall time (min) | exit status |"
   echo "|---|---|---|"
