@@ -14,18 +14,19 @@ run by the compiled kernel of ``smp_core.fused``, and the batched torch model it
 kernel per layer for all chains, step by step). On a GPU also twice: step by step and in blocks
 of 50 steps replayed as CUDA graphs (``run_smp(options={"cuda_graph": ...})``). The paper-scale SMP-none time
 (S = 100, K = 10^6, 10^8 score evaluations) is that step time times 10^6: a projection, labelled as
-such, not a measured run. The last table times one periodic recomputation of the diagonal empirical Fisher for every
+such, not a measured run. The next table times one periodic recomputation of the diagonal empirical Fisher for every
 chain (``--fisher-examples`` validation images) by the three paths of ``smp_core.fisher``: virtual
 rows (theta copied per example), one example at a time for all chains, and by layers (per chain,
-one batched forward and backward pass of the module; the path ``estimate_fisher`` takes for it).
+one batched forward and backward pass of the module), then by ``estimate_fisher``, whichever of them it
+takes.
 The process opts in to ``smp_core.memory.retain_freed_memory()`` on a CPU, as the MNIST study does.
 
 ``--full-steps K`` adds a measured run (not a projection) of each of ``--full-variants`` at K steps with the
 paper's tau (S = ``--chains``, theta_0 the initial weights, the Fisher from the largest of ``--val-images`` and
 ``--fisher-examples`` validation images), timed from start to end: the Fisher set-up and, for a periodic variant,
-its recomputations included. A run whose projection (its measured step time times K, plus for a periodic variant
-K / 500 Fisher recomputations at the time measured by layers) would end after ``--budget-s`` seconds from the
-start of the script is left out, and the table says so.
+its recomputations included. A run whose projection (its measured step time times K, plus the Fisher at theta_0
+and, for a periodic variant, K / 500 recomputations, each at the time ``estimate_fisher`` took in the Fisher
+table) would end after ``--budget-s`` seconds from the start of the script is left out, and the table says so.
 
 With ``--smoke`` every table runs at tiny sizes; the images are MNIST's when ``data/`` holds them
 (never downloaded then) and otherwise uniform noise of MNIST's shape and random labels (the times do
@@ -56,7 +57,7 @@ MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched t
               "graphs": "CUDA graphs"}
 # --smoke: tiny sizes in place of the defaults (options given on the command line still apply)
 SMOKE = {"chains": 2, "steps": 2, "map_batches": 2, "map_warmup": 1, "val_images": 16, "fisher_examples": 8,
-         "repeats": 1, "full_steps": 4}
+         "repeats": 1, "full_steps": 4, "full_variants": ["none", "periodic-diag"]}
 
 
 def _sync(device: torch.device) -> None:
@@ -151,6 +152,9 @@ def bench_fisher(xv, yv, device, n_chains, n_examples):
         # per chain, all examples in one forward and backward pass of the module (what estimate_fisher
         # takes for LeNet-5 from about 45 chains up, and for one chain)
         "by layers": lambda t, xs, ys: fisher_module.diagonal_empirical_fisher_by_layers(model, lik, t, xs, ys),
+        # whichever path estimate_fisher itself takes here: what a run's recomputations cost
+        "estimate_fisher (its own choice)": lambda t, xs, ys: fisher_module.estimate_fisher(
+            model, lik, t, xs, ys, kind="empirical", structure="diag"),
     }
     if n_chains < 2:
         del paths["virtual rows"]
@@ -199,6 +203,11 @@ def main():
     parser.add_argument("--smoke", action="store_true",
                         help="every table at tiny sizes, in seconds (times mean nothing); offline")
     args = parser.parse_args()
+    started = time.perf_counter()
+    if args.smoke:
+        parser.set_defaults(**SMOKE)
+        args = parser.parse_args()
+        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
     for name in ("chains", "steps", "map_batches", "val_images", "repeats", "threads", "fisher_examples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be at least 1, got {getattr(args, name)}")
@@ -209,11 +218,8 @@ def main():
         parser.error(f"--variants/--full-variants: unknown {unknown}; known: {', '.join(MNIST_TAU)}")
     if args.full_steps and not set(args.full_variants) <= set(args.variants):
         parser.error("--full-variants: each must be among --variants (its step time decides whether it fits)")
-    started = time.perf_counter()
-    if args.smoke:
-        parser.set_defaults(**SMOKE)
-        args = parser.parse_args()
-        print("Smoke run: tiny sizes, to check that the script runs end to end; the times mean nothing.\n")
+    if not args.budget_s >= 0:  # NaN too
+        parser.error(f"--budget-s: must be a number of seconds >= 0, got {args.budget_s}")
     torch.set_num_threads(args.threads)
     devices = args.devices or (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
     retained = retain_freed_memory() if "cpu" in devices else False  # as the MNIST study on a CPU
@@ -264,9 +270,10 @@ def main():
     print("|---|---|---|---|---|")
     for name in devices:
         for variant in args.full_variants:
-            projected = step_seconds[(name, variant)] * args.full_steps
-            if variant.startswith("periodic"):
-                projected += args.full_steps // 500 * fisher_seconds[(name, "by layers")]
+            projected = max(0.0, step_seconds[(name, variant)]) * args.full_steps
+            fisher = fisher_seconds[(name, "estimate_fisher (its own choice)")]
+            if variant != "none":  # the Fisher at theta_0, and periodic's recomputations every 500 steps
+                projected += fisher * (1 + (args.full_steps // 500 if variant.startswith("periodic") else 0))
             left = args.budget_s - (time.perf_counter() - started)
             if projected > left:
                 print(f"| {name} | SMP-{variant} | left out: projected {projected:.0f} s, {max(left, 0):.0f} s of "

@@ -23,8 +23,9 @@ case $what in
 esac
 rows=()
 load_before=$(cut -d' ' -f1 /proc/loadavg)
-# pip's download cache before the start: where it holds the packages, creating .venv downloads none
+# where .venv's packages can come from without a download: pip's cache, and a local wheel folder or index
 pip_cache=$(du -sm "$(python3 -m pip cache dir 2>/dev/null || echo "$HOME/.cache/pip")" 2>/dev/null | cut -f1)
+pip_local=$(python3 -m pip config list 2>/dev/null | grep -cE '(find-links|index-url)')
 for target in test book; do
   [[ $what == both || $what == "$target" ]] || continue
   dir=$(mktemp -d)
@@ -43,7 +44,9 @@ done
 cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null)
 {
   echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) before the start: ${load_before};"
-  echo "pip's download cache held ${pip_cache:-0} MB before the start (packages it holds are not downloaded)."
+  echo "pip's download cache held ${pip_cache:-an unknown number of} MB before the start; pip's configuration"
+  echo "names ${pip_local:-0} wheel folder or index setting(s) (find-links, index-url), which can serve packages from"
+  echo "this machine's disk: a machine without them downloads what they hold, and takes longer."
   echo
   echo "| command | wall time (min) | exit status |"
   echo "|---|---|---|"

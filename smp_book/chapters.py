@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -382,9 +383,10 @@ def timings(scale: str, root: str | Path = "results") -> pd.DataFrame:
 
 
 def benchmark_table(path: str | Path, heading: str, index: list[str] | None = None) -> pd.DataFrame | None:
-    """The markdown table after the last line of ``path`` (a benchmark's saved output, such as
-    ``benchmarks/gpu_h200.md``) that starts with ``heading``, as a table of strings indexed by the
-    columns ``index``; ``None`` when the file or the heading is missing."""
+    """The markdown table right after the last line of ``path`` (a benchmark's saved output, such as
+    ``benchmarks/gpu_h200.md``) that starts with ``heading`` (blank lines between them allowed), as a
+    table of strings indexed by the columns ``index``, with that line in ``attrs["heading"]``; ``None``
+    when the file, the heading or a table right after it is missing."""
     path = Path(path)
     if not path.exists():
         return None
@@ -395,10 +397,43 @@ def benchmark_table(path: str | Path, heading: str, index: list[str] | None = No
     rows = []
     for line in lines[starts[-1] + 1:]:
         if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
-        elif rows:
+            rows.append([cell.strip() for cell in line.strip()[1:-1].split("|")])
+        elif rows or line.strip():
             break
-    if len(rows) < 2:
+    if len(rows) < 2 or not all(set(cell) <= set("-: ") and cell for cell in rows[1]):
         return None
     table = pd.DataFrame(rows[2:], columns=rows[0])
+    table.attrs["heading"] = lines[starts[-1]]
     return table.set_index(index) if index else table
+
+
+def numeric_rows(table: pd.DataFrame | None, column: str) -> pd.DataFrame | None:
+    """The rows of a :func:`benchmark_table` whose ``column`` is a number (a whole run left out of a
+    budget says so in words instead)."""
+    if table is None:
+        return None
+    keep = pd.to_numeric(table[column].str.replace(",", ""), errors="coerce").notna()
+    return table[keep] if keep.any() else None
+
+
+def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
+    """How one GPU's SMP-fixed-diag step with CUDA graphs (``steps``: ``bench_mnist.py``'s step table on a
+    GPU, indexed by device, variant and what ran the step, its heading naming S) compares with the most
+    processes of ``scaling`` (``bench_scaling.py``, the same variant on this CPU): a sentence, an estimate
+    from the two tables and labelled so; ``None`` when a row it needs is missing."""
+    found = re.search(r"S = (\d+)", steps.attrs.get("heading", ""))
+    try:
+        graphs = float(steps.loc[("cuda", "SMP-fixed-diag", "CUDA graphs"), "ms / step"])
+        eager = float(steps.loc[("cuda", "SMP-fixed-diag", "batched torch, one by one"), "ms / step"])
+        cpu = float(str(scaling["chain-steps / s"].iloc[-1]).replace(",", ""))
+    except (KeyError, ValueError):
+        return None
+    if found is None:
+        return None
+    gpu = int(found.group(1)) / (graphs / 1000)
+    return (f"An estimate from these tables and `benchmarks/gpu_h200.md`, not a run: with CUDA graphs one H200 "
+            f"steps {found.group(1)} chains of SMP-fixed-diag in {graphs} ms, {gpu:,.0f} chain-steps per second, "
+            f"{gpu / cpu:.0f} times the {scaling.index[-1]} processes here. Without the graphs, which take away "
+            f"the overhead of launching each kernel, the step takes {eager} ms ({eager / graphs:.1f} times as "
+            "long): it is bound by launches more than by arithmetic, so we expect that splitting these chains "
+            "over more GPUs would shorten a run little, and that more GPUs pay for more chains or a larger network.")

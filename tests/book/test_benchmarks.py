@@ -3,7 +3,8 @@ sizes, in seconds) exits with status 0, and none is left out of this list or of 
 
 Left out: benchmarks/time_fresh_clone.sh. It times `make test` and `make book` in fresh clones (about an
 hour on 2 cores, and `make book` fetches MNIST and MathJax), so it has no smoke size, and it is not Python.
-And benchmarks/gpu_checks.sh, which needs a GPU; its bench_mnist.py options run in the smoke run above.
+And benchmarks/gpu_checks.sh, which needs a GPU; its bench_mnist.py options (whole runs, a budget) run at smoke
+size here.
 """
 
 from __future__ import annotations
@@ -70,3 +71,34 @@ def test_smoke_run(script):
     assert done.returncode == 0, (
         f"{script} --smoke exited with status {done.returncode}; stderr ends:\n{done.stderr[-3000:]}")
     assert "|---" in done.stdout or "| ---" in done.stdout, f"{script} --smoke printed no table:\n{done.stdout}"
+
+
+def test_a_whole_run_that_overruns_its_budget_is_left_out_and_said_so():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_mnist.py"), "--smoke", "--budget-s", "0"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| cpu | SMP-")]
+    assert any("SMP-periodic-diag | left out: projected" in line for line in rows[-2:]), done.stdout
+
+
+def test_the_committed_benchmark_tables_parse_as_the_book_reads_them():
+    """how_to_run and the MNIST chapter read these tables; a renamed heading would show 'Not measured yet'."""
+    from smp_book.chapters import benchmark_table
+
+    gpu = benchmark_table(BENCHMARKS / "gpu_h200.md", "Whole runs, measured", index=["device", "variant"])
+    assert float(gpu.loc[("cuda", "SMP-none"), "seconds"]) > 0
+    steps = benchmark_table(BENCHMARKS / "gpu_h200.md", "SMP step, LeNet-5", index=["device", "variant"])
+    assert len(steps) == 8 and {"step run by", "ms / step"} <= set(steps.columns)
+    scaling = benchmark_table(BENCHMARKS / "scaling.md", "LeNet-5, S =", index=["ranks"])
+    assert list(scaling.index) == ["1", "2"] and "chain-steps / s" in scaling.columns
+
+
+def test_the_gpu_estimate_reads_both_tables():
+    from smp_book.chapters import benchmark_table, gpu_estimate
+
+    steps = benchmark_table(BENCHMARKS / "gpu_h200.md", "SMP step, LeNet-5", index=["device", "variant", "step run by"])
+    scaling = benchmark_table(BENCHMARKS / "scaling.md", "LeNet-5, S =", index=["ranks"])
+    text = gpu_estimate(scaling, steps)
+    assert text.startswith("An estimate") and "chain-steps per second" in text and "the 2 processes" in text
+    assert gpu_estimate(scaling, steps.drop(index=("cuda", "SMP-fixed-diag", "CUDA graphs"))) is None

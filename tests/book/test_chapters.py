@@ -210,3 +210,8 @@ def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
     assert benchmark_table(path, "Runs", index=["a"]).loc["5", "b"] == "6"
     assert benchmark_table(path, "Other") is None
     assert benchmark_table(tmp_path / "missing.md", "Runs") is None
+    assert table.attrs["heading"] == "Runs"
+    path.write_text("Runs\n\nno table here\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert benchmark_table(path, "Runs") is None  # not the table of the next section
+    path.write_text("Runs\n| a | b |\n| 1 | 2 |\n| 3 | |\n")
+    assert benchmark_table(path, "Runs") is None  # no separator row: not a table
