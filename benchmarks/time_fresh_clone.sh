@@ -24,7 +24,8 @@ esac
 rows=()
 load_before=$(cut -d' ' -f1 /proc/loadavg)
 # where .venv's packages can come from without a download: pip's cache, and a local wheel folder or index
-pip_cache=$(du -sm "$(python3 -m pip cache dir 2>/dev/null || echo "$HOME/.cache/pip")" 2>/dev/null | cut -f1)
+cache_dir=$(python3 -m pip cache dir 2>/dev/null || echo "$HOME/.cache/pip")
+if [[ -d $cache_dir ]]; then pip_cache="$(du -sm "$cache_dir" 2>/dev/null | cut -f1) MB"; else pip_cache="nothing (no cache folder)"; fi
 pip_local=$(python3 -m pip config list 2>/dev/null | grep -cE '(find-links|index-url)')
 for target in test book; do
   [[ $what == both || $what == "$target" ]] || continue
@@ -44,7 +45,7 @@ done
 cpu=$(awk -F': ' '/model name/ {print $2; exit}' /proc/cpuinfo 2>/dev/null)
 {
   echo "Machine: ${cpu:-unknown processor}, $(nproc) cores; load average (1 min) before the start: ${load_before};"
-  echo "pip's download cache held ${pip_cache:-an unknown number of} MB before the start; pip's configuration"
+  echo "pip's download cache held ${pip_cache:-an unknown amount} before the start; pip's configuration"
   echo "names ${pip_local:-0} wheel folder or index setting(s) (find-links, index-url), which can serve packages from"
   echo "this machine's disk: a machine without them downloads what they hold, and takes longer."
   echo
