@@ -407,12 +407,17 @@ def benchmark_table(path: str | Path, heading: str, index: list[str] | None = No
     return table.set_index(index) if index else table
 
 
+def _numbers(cells: pd.Series) -> pd.Series:
+    """A benchmark table's cells (``"16,729"``, say) as numbers, NaN where a cell holds words."""
+    return pd.to_numeric(cells.astype(str).str.replace(",", ""), errors="coerce")
+
+
 def numeric_rows(table: pd.DataFrame | None, column: str) -> pd.DataFrame | None:
     """The rows of a :func:`benchmark_table` whose ``column`` is a number (a whole run left out of a
     budget says so in words instead)."""
     if table is None:
         return None
-    keep = pd.to_numeric(table[column].str.replace(",", ""), errors="coerce").notna()
+    keep = _numbers(table[column]).notna()
     return table[keep] if keep.any() else None
 
 
@@ -423,12 +428,12 @@ def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
     from the two tables and labelled so; ``None`` when a row it needs is missing."""
     found = re.search(r"S = (\d+)", steps.attrs.get("heading", ""))
     try:
-        graphs = float(steps.loc[("cuda", "SMP-fixed-diag", "CUDA graphs"), "ms / step"])
-        eager = float(steps.loc[("cuda", "SMP-fixed-diag", "batched torch, one by one"), "ms / step"])
-        cpu = float(str(scaling["chain-steps / s"].iloc[-1]).replace(",", ""))
-    except (KeyError, ValueError):
+        graphs, eager = _numbers(steps.loc[[("cuda", "SMP-fixed-diag", "CUDA graphs"),
+                                            ("cuda", "SMP-fixed-diag", "batched torch, one by one")], "ms / step"])
+    except KeyError:
         return None
-    if found is None:
+    cpu = _numbers(scaling["chain-steps / s"]).iloc[-1]
+    if found is None or pd.isna([graphs, eager, cpu]).any():
         return None
     gpu = int(found.group(1)) / (graphs / 1000)
     return (f"An estimate from these tables and `benchmarks/gpu_h200.md`, not a run: with CUDA graphs one H200 "
