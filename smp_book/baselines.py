@@ -160,9 +160,11 @@ class LaplacePosterior:
         returned in the mean's dtype.
 
         ``diag``: ``z / sqrt(Lambda)``; ``dense`` and ``block``: ``L^-T z`` with ``L L^T = Lambda`` (per
-        block); ``kfac``: per layer ``U_G [Z / sqrt(N lambda_G lambda_A^T + alpha)] U_A^T`` with ``Z``
-        the layer's part of ``z`` as an ``n_out x p`` matrix and ``U`` the factors' eigenvectors,
-        which has the covariance ``(N G (x) A + alpha I)^-1`` exactly.
+        block); ``kfac``: per layer ``U_G [(U_G^T Z U_A) / sqrt(N lambda_G lambda_A^T + alpha)] U_A^T``
+        with ``Z`` the layer's part of ``z`` as an ``n_out x p`` matrix and ``U`` the factors'
+        eigenvectors: the symmetric inverse square root of ``N G (x) A + alpha I`` applied to ``z``, so
+        the covariance is exact and the draws do not depend on the signs (or, for repeated
+        eigenvalues, the basis) that the eigensolver of a device picks.
 
         ``z`` is drawn on the CPU (with a CPU ``generator``), so the same seed gives the same draws on
         any device; the draws are returned on the mean's device.
@@ -176,7 +178,8 @@ class LaplacePosterior:
         elif self.structure == "kfac":
             offsets = torch.empty_like(z)
             for layer, u_a, u_g, scale in self._spectrum()[1]:
-                m = layer.matrix(z) / (scale + alpha).sqrt()
+                # the symmetric root: a function of the precision alone, not of the eigenvectors' signs
+                m = u_g.T @ layer.matrix(z) @ u_a / (scale + alpha).sqrt()
                 layer.scatter_(offsets, u_g @ m @ u_a.T)
         else:
             blocks = self.shape.blocks if self.structure == "block" else (slice(0, self.dim),)

@@ -272,6 +272,24 @@ def test_structured_draws_have_the_covariance_of_the_formed_precision(fit_of, st
     assert cov_z(cov * 1.1).abs().max() > 10
 
 
+def test_kfac_draws_do_not_depend_on_the_eigenvectors_signs(monkeypatch):
+    """Eigensolvers (the CPU's, CUDA's) may return an eigenvector or its negative: the kfac draws, through
+    the symmetric root of the precision, must be the same either way (the draws through the eigenbasis
+    itself were not, and differed between the CPU and a GPU)."""
+    fit = _mlp_fit("kfac")
+    expected = fit.sample(9, torch.Generator().manual_seed(5))
+    eigh = torch.linalg.eigh
+
+    def flipped(matrix):
+        values, vectors = eigh(matrix)
+        signs = torch.where(torch.arange(vectors.shape[-1]) % 2 == 0, -1.0, 1.0).to(vectors)
+        return values, vectors * signs
+
+    monkeypatch.setattr(torch.linalg, "eigh", flipped)
+    again = baselines.LaplacePosterior(fit.mean, fit.shape, fit.ggn, fit.prior_precision, fit.n_data)
+    torch.testing.assert_close(again.sample(9, torch.Generator().manual_seed(5)), expected, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("structure", baselines.LAPLACE_STRUCTURES)
 def test_draws_on_cuda_equal_those_on_the_cpu(structure):
