@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
+from smp_book import last_layer_runs as llr
 from smp_book import last_layer_study as lls
 from smp_core.models import as_chain_model, lenet5, predict
 from smp_core.recursion import Fisher, run_smp
@@ -26,7 +27,7 @@ def tiny():
 @pytest.mark.parametrize("layers", [1, 2])
 def test_body_then_head_is_the_network(tiny, layers):
     theta, data = tiny
-    body, head = lls.split(theta, layers)
+    body, head = llr.split(theta, layers)
     x = data["val"][0]
     whole = predict(as_chain_model(lenet5(), INPUT_SHAPE), theta[None], x)[0]
     with torch.no_grad():
@@ -39,12 +40,12 @@ def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, layers, variant)
     where the Kronecker factors' eigendecompositions do not amplify the features' rounding)."""
     theta, data = tiny
     data = {k: (x.double(), y) for k, (x, y) in data.items()}
-    body, head = lls.split(theta, layers)
+    body, head = llr.split(theta, layers)
     body, head = body.double(), head.double()
-    feats = lls.features(body, data)
+    feats = llr.features(body, data)
     cfg = {"ridge": 1e-4, "period": 5, "ema_refresh": 3, "n_fisher_periodic": 10, "n_steps": 12, "n_chains": 4,
            "seed": 7, "tau": {"fixed": 0.05, "ema": 0.08, "periodic": 0.05, "none": 1.0}}
-    short = lls.run_variant(cfg, head, feats, variant, index=0, progress=False)
+    short = llr.run_variant(cfg, head, feats, variant, index=0, progress=False)
 
     net = lenet5().double()
     torch.nn.utils.vector_to_parameters(theta.double(), net.parameters())
@@ -63,7 +64,7 @@ def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, layers, variant)
     xv, yv = data["val"]
     n_fisher = 10 if variant.startswith("periodic") else None  # the periodic Fisher's first images
     full = run_smp(net, "categorical", data["train"][0], theta0=theta0, preconditioner=precond,
-                   tau=cfg["tau"][variant.split("-")[0]], n_steps=12, n_chains=4, seed=cfg["seed"] + lls.SEED_OFFSET,
+                   tau=cfg["tau"][variant.split("-")[0]], n_steps=12, n_chains=4, seed=cfg["seed"] + llr.SEED_OFFSET,
                    fisher=Fisher("empirical", xv[:n_fisher], yv[:n_fisher]), progress=False)
     d = {1: 850, 2: 128 * 84 + 84 + 850}[layers]
     assert short.theta.shape == full.theta.shape == (4, d)
@@ -84,7 +85,7 @@ def test_laplace_torch_draws_the_last_layer_around_the_map(tiny):
     assert z.abs().max() < 5.5, z.abs().max()  # 850 coordinates: P(max |z| > 5.5) < 1e-5 under the truth
     # the draws' logits have laplace-torch's own linearised (GLM) variance: the parameter order of the draws
     # is the Linear layer's; 400 draws give each variance to about 7 % (sd), so 35 % is five sd
-    body, head = lls.split(theta, 1)
+    body, head = llr.split(theta, 1)
     x = data["val"][0][:5]
     with torch.no_grad():
         logits = predict(as_chain_model(head), draws, body(x))  # (400, 5, 10)
@@ -96,12 +97,19 @@ def test_laplace_torch_draws_the_last_layer_around_the_map(tiny):
 def test_verdicts_apply_the_stated_bars():
     scores = pd.DataFrame({"mutual_info": [0.0, 0.05, 0.006, 0.004, 0.2], "ece": [0.01, 0.02, 0.03, 0.05, 0.01]},
                           index=["MAP", "Ensemble (5)", "a", "b", "c"])
-    shift = pd.DataFrame({"nll": [3.0, 2.0, 2.5, 2.9, 3.1]},
-                         index=pd.MultiIndex.from_product([scores.index, [60]], names=["method", "angle"]))
-    v = lls.verdicts(scores, shift, "Ensemble (5)", 60)
+    leads = pd.DataFrame({0: [float("nan"), 9.0, 1.0, 1.0, 1.0], 60: [float("nan"), 30.0, 2.5, 1.9, 5.0]},
+                         index=scores.index)
+    v = lls.verdicts(scores, leads, "Ensemble (5)", 60)
     assert (v.loc[["MAP", "Ensemble (5)"], "all_three"] == "reference").all()  # they set the bars
     judged = v.loc[["a", "b", "c"]]
     assert list(judged["non_degenerate"]) == [True, False, True]  # bar: 0.005
     assert list(judged["calibrated"]) == [True, False, True]  # bar: 2 x 0.02
-    assert list(judged["helps_under_shift"]) == [True, True, False]  # bar: MAP's 3.0
-    assert list(judged["all_three"]) == [True, False, False]
+    assert list(judged["helps_under_shift"]) == [True, False, True]  # bar: 2 standard errors at 60 degrees
+    assert list(judged["all_three"]) == [True, False, True]
+
+
+def test_split_refuses_a_cut_that_lenet_does_not_have():
+    theta = torch.nn.utils.parameters_to_vector(lenet5().parameters()).detach()
+    for layers in (0, 4, 1.0, True):
+        with pytest.raises(ValueError, match="layers must be an integer from 1 to 3"):
+            llr.split(theta, layers)
