@@ -120,7 +120,8 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
 
 
 def verdicts(scores: pd.DataFrame, leads: pd.DataFrame, ensemble: str, worst: int) -> pd.DataFrame:
-    """The chapter's three questions per method (ours); the MAP and the ensemble set the bars, so their rows are marked ``reference`` and left unjudged:
+    """The chapter's three questions per method (ours); the MAP and the ensemble set the bars, so their
+    rows are marked ``reference`` and left unjudged:
 
     * ``non_degenerate``: its mutual information on the test set is at least a tenth of the deep
       ensemble's (the MAP's is zero; SMP-none's on the whole network about a hundredth of it);

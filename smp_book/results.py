@@ -84,7 +84,7 @@ def _imports(path: Path) -> set[Path]:
                 if parts[0] in roots:
                     add(roots[parts[0]], parts[1] if len(parts) > 1 else None)
     if path.parent == _CORE and path.name == "fused.py":
-        found |= set((_CORE / "csrc").glob("*"))
+        found |= {p for p in (_CORE / "csrc").iterdir() if p.suffix in (".cpp", ".h", ".cu")}
     return found
 
 
@@ -107,13 +107,6 @@ def code_hash(module: str) -> str:
         digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(_normalised_code(path) if path.suffix == ".py" else path.read_bytes())
     return digest.hexdigest()[:16]
-
-
-def results_dir(scale: str, study: str, root: str | os.PathLike = "results") -> Path:
-    """``results/<scale>/<study>/``, created if needed."""
-    path = Path(root) / scale / study
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def git_revision() -> str:

@@ -97,9 +97,10 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     rows: list[dict[str, Any]] = []
     base_samples = nuts({})
     for name, change in SETTINGS.items():
-        samples = nuts(change) if any(k in change for k in NUTS_KEYS) or name == OURS else base_samples
+        moves_nuts = any(k in change for k in NUTS_KEYS) or name == OURS
+        samples = nuts(change) if moves_nuts else base_samples
         theta_hat = torch.as_tensor(samples, dtype=torch.float32).mean(0)  # as the toy chapter computes it
-        if any(k in change for k in NUTS_KEYS) or name == OURS:
+        if moves_nuts:
             rows.append({"setting": name, "method": "NUTS", "diverged": 0,
                          **metrics_of(torch.as_tensor(samples, dtype=torch.float32))})
             rows.append({"setting": name, "method": "NUTS-mean", "diverged": 0, **metrics_of(theta_hat[None])})

@@ -51,11 +51,6 @@ def _the_uniform(self, u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return u[..., 0].to(dtype).clamp_(max=1 - torch.finfo(dtype).eps / 2)
 
 
-def _check_finite(out: torch.Tensor, what: str = "network output") -> None:
-    if not torch.isfinite(out).all():
-        raise ValueError(f"the {what} contains NaN or infinite values")
-
-
 class Bernoulli:
     """Binary response with ``P(Y=1 | x) = sigmoid(g(x, theta))`` for a scalar logit (eq. 2.7)."""
 
