@@ -14,8 +14,10 @@ import hashlib
 import json
 import os
 import platform
+import runpy
 import subprocess
 import time
+import types
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
@@ -32,30 +34,67 @@ _CORE = Path(__file__).resolve().parents[1] / "smp_core"
 _BOOK = Path(__file__).resolve().parent
 
 
-def _normalised_code(path: Path) -> bytes:
-    """A Python file's syntax tree without comments and docstrings (so that prose edits keep caches)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body \
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                and isinstance(body[0].value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree).encode()
-
-
 # Modules that only draw, show or file results: no computed number depends on them, so they stay out
 # of code_hash (editing a figure does not recompute hours of runs).
 PRESENTATION = {"plots", "chapters", "reproduce", "paper"}
+# The settings module: a study depends on the names it imports from it, not on the whole file, so that
+# editing one study's or one scale's settings recomputes only what uses them (_settings_part).
+SETTINGS = "config"
+# Functions of the settings module whose output every cache key holds (each study puts the config it is
+# given, get_config's dict, into the keys of its runs): their code counts, the tables they read do not.
+SETTINGS_IN_KEYS = {"get_config"}
 
 
-def _imports(path: Path) -> set[Path]:
+def _without_docstring(node: ast.AST) -> ast.AST:
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if isinstance(child, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and body \
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+                and isinstance(body[0].value.value, str):
+            child.body = body[1:] or [ast.Pass()]
+    return node
+
+
+def _normalised_code(path: Path) -> bytes:
+    """A Python file's syntax tree without comments and docstrings (so that prose edits keep caches)."""
+    return ast.dump(_without_docstring(ast.parse(path.read_text()))).encode()
+
+
+def _settings_part(path: Path, names: set[str]) -> bytes:
+    """What ``names`` of the settings module ``path`` are: a value as JSON; a function as its syntax tree
+    (docstring left out) with the values of the module-level names it reads, but for the functions of
+    :data:`SETTINGS_IN_KEYS`, whose output the cache keys hold. A name the module lacks counts as such."""
+    namespace = runpy.run_path(str(path))
+    functions = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+    def as_json(value) -> str:
+        return json.dumps(value, sort_keys=True, default=str)
+
+    parts = []
+    for name in sorted(names):
+        if name in functions:
+            node = _without_docstring(functions[name])
+            loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            read = set() if name in SETTINGS_IN_KEYS else {
+                n for n in loads & set(namespace)
+                if not callable(namespace[n]) and not isinstance(namespace[n], types.ModuleType)}
+            parts.append(f"def {name}: {ast.dump(node)} reads {as_json({r: namespace[r] for r in sorted(read)})}")
+        elif name in namespace:
+            parts.append(f"{name} = {as_json(namespace[name])}")
+        else:
+            parts.append(f"{name}: not defined")
+    return "\n".join(parts).encode()
+
+
+def _imports(path: Path) -> tuple[set[Path], set[str]]:
     """The files of ``smp_book`` and ``smp_core`` that a file of either imports (absolute or relative,
-    at module level or inside a function), but for the presentation modules of :data:`PRESENTATION`.
-    ``from pkg import name`` counts the module ``name`` when there is one, else the package's
-    ``__init__``; the compiled kernel's sources count with ``fused.py``."""
+    at module level or inside a function), but for the presentation modules of :data:`PRESENTATION`,
+    and the names it imports from the settings module (:data:`SETTINGS`; a file that imports the module
+    itself depends on all of it). ``from pkg import name`` counts the module ``name`` when there is one,
+    else the package's ``__init__``; the compiled kernel's sources count with ``fused.py``."""
     package_dir = path.parent
     found: set[Path] = set()
+    settings: set[str] = set()
 
     def add(package: Path, name: str | None) -> None:
         module = package / f"{name}.py" if name else package / "__init__.py"
@@ -73,7 +112,9 @@ def _imports(path: Path) -> set[Path]:
                 package, module = roots[node.module.split(".")[0]], ".".join(node.module.split(".")[1:]) or None
             else:
                 continue
-            if module:
+            if package == _BOOK and module == SETTINGS:
+                settings |= {alias.name for alias in node.names}
+            elif module:
                 add(package, module.split(".")[0])
             else:
                 for alias in node.names:
@@ -85,27 +126,34 @@ def _imports(path: Path) -> set[Path]:
                     add(roots[parts[0]], parts[1] if len(parts) > 1 else None)
     if path.parent == _CORE and path.name == "fused.py":
         found |= {p for p in (_CORE / "csrc").iterdir() if p.suffix in (".cpp", ".h", ".cu")}
-    return found
+    return found, settings
 
 
 @functools.cache
 def code_hash(module: str) -> str:
     """A hash of the code a result of ``module`` (``"smp_book.toy_study"``, say) depends on: ``module``
     and every file of ``smp_book`` and ``smp_core`` it imports, transitively (the C++ kernel's sources
-    with ``smp_core/fused.py``), but for the presentation modules. Comments and docstrings do not count.
-    Cache keys hold it instead of version numbers, so editing code a study does not import (a new
-    module of ``smp_core``, a figure) leaves its cached runs valid."""
-    todo, seen = [_BOOK / f"{module.removeprefix('smp_book.')}.py"], set()
+    with ``smp_core/fused.py``), but for the presentation modules, and of the settings it imports by name
+    from ``smp_book/config.py`` (their values, not the rest of the file: :func:`_settings_part`).
+    Comments and docstrings do not count. Cache keys hold it instead of version numbers, so editing code
+    a study does not import (a new module of ``smp_core``, a figure, another study's settings) leaves
+    its cached runs valid."""
+    todo, seen, settings = [_BOOK / f"{module.removeprefix('smp_book.')}.py"], set(), set()
     while todo:
         path = todo.pop()
         if path not in seen:
             seen.add(path)
             if path.suffix == ".py":
-                todo += sorted(_imports(path) - seen)
+                files, names = _imports(path)
+                todo += sorted(files - seen)
+                settings |= names
     digest = hashlib.sha256()
     for path in sorted(seen, key=lambda p: (p.parent.name, p.name)):
         digest.update(f"{path.parent.name}/{path.name}".encode())
         digest.update(_normalised_code(path) if path.suffix == ".py" else path.read_bytes())
+    config = _BOOK / f"{SETTINGS}.py"
+    if settings and config not in seen:
+        digest.update(_settings_part(config, settings))
     return digest.hexdigest()[:16]
 
 

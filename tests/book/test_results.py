@@ -144,3 +144,37 @@ def test_code_hash_follows_the_code_not_its_prose(tmp_path, monkeypatch):
     (core / "recursion.py").write_text("def step(x):\n    return x + 2\n")  # the library code it calls
     assert fresh() != base
     results.code_hash.cache_clear()
+
+
+def test_code_hash_follows_the_settings_a_study_imports(tmp_path, monkeypatch):
+    """A study depends on the names it imports from config.py: their values, and a function's code with the
+    values it reads; get_config's tables reach the cache keys as the config itself, so editing another
+    study's or another scale's settings keeps the hash."""
+    from smp_book import results
+
+    book, core = tmp_path / "smp_book", tmp_path / "smp_core"
+    book.mkdir(), core.mkdir(), (core / "csrc").mkdir()
+    settings = ('TAU = {"a": 1.0}\nOTHER = [1, 2]\nTABLES = {"toy": {"ci": {"k": 1}, "paper": {"k": 2}}}\n\n'
+                'def tau(v):\n    """Doc."""\n    return TAU[v]\n\n'
+                'def get_config(study, scale):\n    return dict(TABLES[study][scale])\n')
+    (book / "config.py").write_text(settings)
+    (book / "study.py").write_text("from .config import get_config, tau\n\ndef run():\n    return tau('a')\n")
+    monkeypatch.setattr(results, "_BOOK", book)
+    monkeypatch.setattr(results, "_CORE", core)
+
+    def fresh(text):
+        (book / "config.py").write_text(text)
+        results.code_hash.cache_clear()
+        return results.code_hash("smp_book.study")
+
+    base = fresh(settings)
+    assert fresh(settings.replace('"paper": {"k": 2}', '"paper": {"k": 3}')) == base  # a table get_config reads
+    assert fresh(settings.replace("OTHER = [1, 2]", "OTHER = [1, 3]")) == base  # not imported, not read
+    assert fresh(settings.replace('"""Doc."""', '"""Other doc."""')) == base
+    assert fresh(settings.replace('{"a": 1.0}', '{"a": 2.0}')) != base  # read by the imported tau
+    assert fresh(settings.replace("return TAU[v]", "return 2 * TAU[v]")) != base
+    assert fresh(settings.replace("dict(TABLES[study][scale])", "{**TABLES[study][scale]}")) != base
+    (book / "study.py").write_text("from . import config\n\ndef run():\n    return config.tau('a')\n")
+    whole = fresh(settings)  # the module itself imported: all of it counts
+    assert fresh(settings.replace("OTHER = [1, 2]", "OTHER = [1, 3]")) != whole
+    results.code_hash.cache_clear()
