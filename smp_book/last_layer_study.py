@@ -38,9 +38,9 @@ def config(scale: str) -> dict[str, Any]:
     and the subset change; the EMA of block, dense and kfac refactorises every 50 steps (1 / (1 - beta)),
     as in the MNIST KFAC chapter."""
     base = get_config("mnist_baselines", scale)
-    keep = ("n_train", "n_val", "n_test", "split_seed", "seed", "n_chains", "n_steps", "ridge", "period",
-            "n_fisher_periodic", "shift_angles", "shift_images", "ensemble_members")
-    return {"study": "last_layer", "scale": scale, **{k: base[k] for k in keep},
+    keep = ("n_train", "n_val", "n_test", "split_seed", "seed", "select_map_from_seeds", "n_chains", "n_steps",
+            "ridge", "period", "n_fisher_periodic", "shift_angles", "shift_images", "ensemble_members")
+    return {"study": "last_layer", "scale": scale, **{k: base[k] for k in keep if k in base},
             **{k: v for k, v in base.items() if k.startswith("map_")},
             "subsets": SUBSETS, "structures": STRUCTURES, "strategies": STRATEGIES, "ema_refresh": 50,
             "tau": {s: MNIST_TAU[f"{s}-diag"] for s in STRATEGIES} | {"none": MNIST_TAU["none"]},
@@ -81,7 +81,7 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
     diverged chains) and the Laplace fit's prior precision."""
     from .results import cached, code_hash
 
-    fit = ms.fit_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
+    fit = ms.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
                      progress=progress, cache_root=cache_root)
     theta_map = fit["theta"].cpu()
     sets = mbs.test_sets(cfg, data)

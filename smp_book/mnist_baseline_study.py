@@ -218,7 +218,7 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     """
     device = device or ms.default_device()
     mnist_cfg = mnist_settings(cfg)
-    fit = ms.fit_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
+    fit = ms.chapter_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
     theta_map = fit["theta"]
     chain = as_chain_model(lenet5().to(device), ms.INPUT_SHAPE)
     net = lenet5().to(device)

@@ -239,12 +239,13 @@ def compute(ctx) -> None:
     prediction, the least dispersed diagonal variant at each K, the figure, the MNIST chapter's numbers at
     its K beside this chapter's (``ctx.read("mnist")``) and the numbers the prose quotes."""
     from .config import MNIST_VARIANTS, get_config
-    from .mnist_study import fisher_zero_mask, fit_map, load_data, smp_seed
+    from .mnist_study import chapter_map, fisher_zero_mask, load_data, smp_seed
 
     cfg = ctx.config
     device = default_device()
     data, provenance = load_data(cfg)
-    theta_map = fit_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)["theta"]
+    map_fit = chapter_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    theta_map = map_fit["theta"]
     zero_mask = fisher_zero_mask(theta_map, data, device)
     zero_fraction = float(zero_mask.double().mean())
     growth = pd.concat([run_growth(cfg, variant, theta_map, data, i, zero_mask, device, ctx.use_cache,
@@ -296,6 +297,6 @@ def compute(ctx) -> None:
     ctx.value("paper_n_train", paper["n_train"])
     ctx.value("paper_share_growth", reached_share(paper["n_train"], paper["n_steps"])
               / reached_share(paper["n_train"], laptop["n_steps"]))
-    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+    ctx.record(seeds={"split": cfg["split_seed"], "map": map_fit["seed"],
                       "smp": {v: smp_seed(cfg, i) for i, v in enumerate(MNIST_VARIANTS)}},
                device=str(device), data=provenance, fisher_zero_fraction=zero_fraction, smp_path=smp_path(device))

@@ -602,13 +602,14 @@ def compute(ctx) -> None:
     calibration figure and the numbers the prose quotes."""
     from . import plots
     from .chapters import study_config
-    from .mnist_study import fit_map, load_data, r_ratio, run_replicates, smp_seed, summarise
+    from .mnist_study import chapter_map, load_data, r_ratio, run_replicates, smp_seed, summarise
 
     cfg = ctx.config
     mnist = ctx.read("mnist")  # first: it fits the MAP and runs the diagonal variants this chapter reuses
     device = default_device()
     data, provenance = load_data(cfg)
-    theta_map = fit_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)["theta"]
+    map_fit = chapter_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
+    theta_map = map_fit["theta"]
 
     at_ridge = ctx.table("directions_at_the_ridge", directions_at_the_ridge(theta_map, data, cfg["ridge"], device))
     precision = ctx.table("kfac_statistic_precision",
@@ -729,7 +730,7 @@ def compute(ctx) -> None:
     for key, value in quoted.items():
         ctx.value(key, value)
 
-    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+    ctx.record(seeds={"split": cfg["split_seed"], "map": map_fit["seed"],
                       "smp": {f"replicate_{r}": {v: smp_seed(cfg, i, r) for i, v in enumerate(cfg["variants"])}
                               for r in range(cfg["smp_replicates"])},
                       "step_law": [step_law_seed(cfg, 0), step_law_seed(cfg, 1)]},

@@ -188,7 +188,7 @@ def compute(ctx) -> None:
     cfg = settings  # the MNIST chapter's settings, so that its runs are found in the cache
     device = ms.default_device()
     data, provenance = ms.load_data(cfg)
-    theta_map = ms.fit_map(cfg, data, device, ctx.use_cache, progress=ctx.progress)["theta"]
+    theta_map = ms.chapter_map(cfg, data, device, ctx.use_cache, progress=ctx.progress)["theta"]
     result = mnist_tails(cfg, tail_cfg, theta_map, data, device, ctx.use_cache, progress=ctx.progress)
     names = sampler_names(tail_cfg, cfg["n_steps"])
     scores = ctx.table("scores", pd.DataFrame(result["rows"]).set_index(["method", "sampler"]))

@@ -123,9 +123,18 @@ def test_mnist_seeds_study_shares_the_mnist_settings():
     for scale in SCALES:
         mnist, seeds = get_config("mnist", scale), get_config("mnist_seeds", scale)
         assert {k: v for k, v in seeds.items() if k not in ("map_seeds", "study")} == {
-            k: v for k, v in mnist.items() if k != "study"}
+            k: v for k, v in mnist.items() if k not in ("study", "select_map_from_seeds")}
         assert seeds["map_seeds"] >= 2
         # every SMP run of every MAP and replicate draws its own random numbers
         runs = [ms.smp_seed({**seeds, "seed": mss.map_seed(seeds, m)}, i, r) for m in range(seeds["map_seeds"])
                 for r in range(seeds["smp_replicates"]) for i in range(len(MNIST_VARIANTS))]
         assert len(set(runs)) == len(runs)
+
+
+def test_the_paper_scale_chooses_its_map_among_five_seeds():
+    paper, laptop = get_config("mnist", "paper"), get_config("mnist", "laptop")
+    assert paper["select_map_from_seeds"] == [paper["seed"] + 100 * m for m in range(5)]
+    assert "select_map_from_seeds" not in laptop and "select_map_from_seeds" not in get_config("mnist", "ci")
+    for study in ("mnist_kfac", "mnist_growth", "mnist_baselines"):  # the same MAP as the MNIST chapter's
+        assert get_config(study, "paper")["select_map_from_seeds"] == paper["select_map_from_seeds"]
+    assert "select_map_from_seeds" not in get_config("mnist_seeds", "paper")  # each of its MAPs is its seed's

@@ -616,3 +616,24 @@ def test_verdict_summary():
     assert ms.verdict_summary(["holds", "does not hold", "holds", "partly"]) == "2 hold, 1 partly, 1 does not hold"
     assert ms.verdict_summary(["does not hold"]) == "1 does not hold"
     assert ms.verdict_summary([]) == "none"
+
+
+def test_chapter_map_takes_the_lowest_validation_loss_of_its_seeds(tmp_path):
+    """The paper scale's rule: among select_map_from_seeds, the MAP whose last validation loss is lowest,
+    each candidate the fit of its own seed (so shared through the cache); without the key, the seed's MAP."""
+    from smp_book.config import get_config
+
+    cfg = {**get_config("mnist", "ci"), "n_train": 40, "n_val": 20, "n_test": 30, "map_epochs": 1}
+    data = _tiny_mnist(1)
+    chosen = ms.chapter_map({**cfg, "select_map_from_seeds": [5, 6, 7]}, data, progress=False, cache_root=tmp_path)
+    losses = {s: float(ms.fit_map({**cfg, "seed": s}, data, progress=False, cache_root=tmp_path)["history"]
+                       ["val_loss"].iloc[-1]) for s in (5, 6, 7)}
+    assert len(set(losses.values())) == 3  # the seeds give different MAPs: the choice is not vacuous
+    best = min(losses, key=losses.get)
+    assert chosen["seed"] == best and chosen["candidates"].set_index("seed")["val_loss"].to_dict() == losses
+    assert torch.equal(chosen["theta"], ms.fit_map({**cfg, "seed": best}, data, progress=False,
+                                                   cache_root=tmp_path)["theta"])
+    plain = ms.chapter_map(cfg, data, progress=False, cache_root=tmp_path)
+    assert plain["seed"] == cfg["seed"] and len(plain["candidates"]) == 1
+    with pytest.raises(ValueError, match="select_map_from_seeds must list distinct integer seeds"):
+        ms.chapter_map({**cfg, "select_map_from_seeds": [5, 5]}, data, progress=False, cache_root=tmp_path)
