@@ -137,10 +137,10 @@ for _scale, _settings in MNIST_KFAC.items():
 
 # Beyond the paper (notebooks/mnist_seeds.md): the MNIST study's four SMP variants, in the MNIST study's
 # smp_replicates replicates (3 at laptop: about 8 minutes per MAP and replicate), from each of map_seeds MAPs
-# trained with the same settings and the seeds seed + 100 m (MAP 0 is the MNIST chapter's, with its runs; the
-# others are the MNIST baselines chapter's ensemble members, so the MAPs are shared): how much the paper's
-# verdicts depend on the training run of the MAP, and how much on the SMP random stream. The number of MAPs
-# is ours (5, as the ensemble).
+# trained with the same settings and the seeds seed + 100 m (MAP 0 is the MNIST chapter's at the laptop and ci
+# scales, with its runs; the MAPs are the MNIST baselines chapter's ensemble members, so they are shared): how
+# much the paper's verdicts depend on the training run of the MAP, and how much on the SMP random stream. The
+# number of MAPs is ours (5, as the ensemble).
 MNIST_SEEDS: dict[str, dict[str, Any]] = {
     scale: {**{k: v for k, v in settings.items() if k != "select_map_from_seeds"},
             "map_seeds": 2 if scale == "ci" else 5}

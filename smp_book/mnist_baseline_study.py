@@ -59,7 +59,9 @@ def weight_decay_prior(cfg: dict[str, Any]) -> float:
 
 
 def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
-    """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself."""
+    """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself at the laptop
+    and ci scales (at the paper scale that MAP is the member with the lowest validation loss,
+    :func:`smp_book.mnist_study.chapter_map`)."""
     return mss.map_seed(cfg, member)
 
 
