@@ -230,6 +230,16 @@ def test_estimate_fisher_takes_the_by_layers_path_for_one_chain_or_instead_of_on
     assert not calls  # only the empirical Fisher
 
 
+def test_a_gpu_keeps_the_virtual_rows_where_a_cpu_takes_the_examples_one_at_a_time():
+    from smp_core.fisher import _MIN_VIRTUAL_BATCH, _path
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device name: no GPU is needed to decide
+    assert _path(100, 14, 6000, cpu) == "one example at a time"  # LeNet-5's passes at 2^26 elements
+    assert _path(100, 14, 6000, cuda) == "virtual rows"
+    assert _path(100, _MIN_VIRTUAL_BATCH, 6000, cpu) == _path(1, 1, 6000, cpu) == "virtual rows"
+    assert _path(100, 5, 5, cpu) == "virtual rows"  # every example in one pass
+
+
 @pytest.mark.parametrize(
     "module, shape",
     [
