@@ -172,6 +172,14 @@ class Context:
         """Entries for the manifest (seeds, device, timings of parts, ...)."""
         self.manifest.update(entries)
 
+    def settings(self, study: str, scale: str) -> dict[str, Any]:
+        """Another study's or scale's settings (``get_config(study, scale)``), for numbers the prose
+        quotes (the paper's K, say). The manifest records them, so that these results count as stale
+        once those settings change (the code hash leaves the settings tables out)."""
+        cfg = get_config(study, scale)
+        self.manifest.setdefault("settings_read", {})[f"{study}/{scale}"] = _canonical(cfg)
+        return cfg
+
     def read(self, study: str) -> Results:
         """The results of an earlier study at the same scale and root (computed first if missing). The
         manifest records which results were read, so that these results are recomputed when those are."""
@@ -217,6 +225,9 @@ def _mismatch(folder: Path, config: dict[str, Any], code: str | None = None) -> 
                 return f"the {source} results it read have been recomputed since"
         except (OSError, ValueError):
             return f"the {source} results it read are missing"
+    for name, stored in manifest.get("settings_read", {}).items():  # settings quoted from other studies
+        if _canonical(get_config(*name.split("/"))) != stored:
+            return f"the {name} settings it quotes have changed"
     if manifest.get("format") != FORMAT:
         return f"its manifest has format {manifest.get('format')}, not {FORMAT}"
     if manifest.get("config") != _canonical(config):

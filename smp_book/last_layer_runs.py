@@ -2,14 +2,15 @@
 frozen layers' output (the features) computed once, and one run per variant on the sampled layers.
 
 They live apart from the study's scoring so that their cache key holds the code they run alone (this
-module and :mod:`smp_core`, :func:`~smp_book.results.code_hash`): a change to how the runs are scored,
-to the baselines or to the verdicts reuses them. A run is the same recursion with the same random numbers
-as SMP on the whole network with the other layers frozen (``requires_grad=False``), which a test checks,
-at a fraction of the cost.
+module and :mod:`smp_core`, :func:`~smp_book.results.code_hash`) and a digest of what they start from:
+a change to the code that scores them, to the baselines' code or to the verdicts reuses them. A run is
+the same recursion with the same random numbers as SMP on the whole network with the other layers frozen
+(``requires_grad=False``), which a test checks, at a fraction of the cost.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -79,13 +80,28 @@ def run_variant(cfg: dict[str, Any], head: nn.Module, feats: dict, variant: str,
                    progress=progress, options={"checkpoint": checkpoint})
 
 
+def inputs_digest(*tensors: torch.Tensor) -> str:
+    """A short hash of the tensors' values (dtype and shape included)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def run(cfg: dict[str, Any], subset: str, variant: str, index: int, head: nn.Module, feats: dict,
         use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
-    """:func:`run_variant`, cached in ``<cache_root>/last_layer/`` by the settings, the run's name and this
-    module's code: ``theta`` (the converged chains), ``seconds`` and ``diverged`` (the chains left out)."""
+    """:func:`run_variant`, cached in ``<cache_root>/last_layer/`` by the settings, the run's name, this
+    module's code and a digest of what the run starts from (the sampled layers at the MAP, the training
+    and validation features: a new MAP or other data runs it again): ``theta`` (the converged chains),
+    ``seconds`` and ``diverged`` (the chains left out)."""
     def compute():
         res = run_variant(cfg, head, feats, variant, index, progress)
         return {"theta": res.theta[~res.diverged], "seconds": res.elapsed, "diverged": int(res.n_diverged)}
 
-    key = {**cfg, "method": f"{PREFIX[subset]} SMP-{variant}", "part": "run", "code": code_hash(__name__)}
+    start = inputs_digest(torch.nn.utils.parameters_to_vector(head.parameters()), feats["train"][0],
+                          *feats["val"])
+    key = {**cfg, "method": f"{PREFIX[subset]} SMP-{variant}", "part": "run", "code": code_hash(__name__),
+           "inputs": start}
     return cached("last_layer", key, compute, root=cache_root, enabled=use_cache)

@@ -31,6 +31,7 @@ from .last_layer_runs import PREFIX, SEED_OFFSET, STRATEGIES, STRUCTURES, SUBSET
 
 LAPLACE = "LL Laplace (laplace-torch)"
 
+
 def config(scale: str) -> dict[str, Any]:
     """The MNIST baselines chapter's settings (data, MAP, S, K, lambda, T, the periodic Fisher's images, the
     rotated test sets) with the subsets, structures and strategies run here. tau (ours) is the paper's
@@ -38,9 +39,10 @@ def config(scale: str) -> dict[str, Any]:
     and the subset change; the EMA of block, dense and kfac refactorises every 50 steps (1 / (1 - beta)),
     as in the MNIST KFAC chapter."""
     base = get_config("mnist_baselines", scale)
-    keep = ("n_train", "n_val", "n_test", "split_seed", "seed", "select_map_from_seeds", "n_chains", "n_steps",
-            "ridge", "period", "n_fisher_periodic", "shift_angles", "shift_images", "ensemble_members")
-    return {"study": "last_layer", "scale": scale, **{k: base[k] for k in keep if k in base},
+    keep = ("n_train", "n_val", "n_test", "split_seed", "seed", "n_chains", "n_steps", "ridge", "period",
+            "n_fisher_periodic", "shift_angles", "shift_images", "ensemble_members")
+    chosen = {"select_map_from_seeds": base["select_map_from_seeds"]} if "select_map_from_seeds" in base else {}
+    return {"study": "last_layer", "scale": scale, **{k: base[k] for k in keep}, **chosen,
             **{k: v for k, v in base.items() if k.startswith("map_")},
             "subsets": SUBSETS, "structures": STRUCTURES, "strategies": STRATEGIES, "ema_refresh": 50,
             "tau": {s: MNIST_TAU[f"{s}-diag"] for s in STRATEGIES} | {"none": MNIST_TAU["none"]},

@@ -11,9 +11,10 @@ practitioner would reach for, at the same MAP LeNet-5 and on the same test set:
   minimised the mean NLL plus ``wd/2 |theta|^2``, i.e. the sum of the NLL plus ``N wd/2 |theta|^2``),
   and the one that maximises the Laplace evidence (:func:`smp_book.baselines.optimise_prior_precision`);
   each with the linearised ("GLM") predictive and, at the MAP's prior, the network's own;
-* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP);
+* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP at the laptop and ci scales; at
+  the paper scale the MAP is the member with the lowest validation loss);
 * MC dropout (Gal and Ghahramani 2016): LeNet-5 with dropout before each fully connected layer,
-  trained with the MAP's settings, seed and minibatch order for every rate of ``dropout_rates``; the
+  trained with the MAP's settings, the config's seed and minibatch order for every rate of ``dropout_rates``; the
   rate whose MC predictive (``S = n_chains`` passes) has the lowest NLL on the validation set
   predicts (:func:`select_dropout`).
 
@@ -178,7 +179,7 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
 def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
                    progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
     """Train LeNet-5 with every dropout rate of ``cfg["dropout_rates"]`` (:func:`dropout_settings`; the
-    MAP's settings and seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
+    MAP's settings and the config's seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
     (``S = n_chains`` passes, masks from :func:`dropout_seed` ``"validation"``) on the validation set.
 
     Returns one row per rate: the validation NLL and accuracy of the MC predictive, the seconds of the
@@ -296,12 +297,12 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
                     dropped, theta, x, cfg["n_chains"], torch.Generator().manual_seed(dropout_seed(cfg, "test"))))
 
             fit_seconds[name] = float(dropout_table["train_seconds"].sum() + dropout_table["val_seconds"].sum())
-        else:  # the ensemble: member 0 is the MAP
-            members, seconds = [theta_map], [fit["seconds"]]
-            for m in range(1, cfg["ensemble_members"]):
+        else:  # the ensemble: the MAPs of the ensemble seeds (member 0 the chapter's MAP at the laptop scale)
+            members, seconds = [], []
+            for m in range(cfg["ensemble_members"]):
                 member = ms.fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}, data, device, use_cache=use_cache,
                                     progress=False, cache_root=cache_root)
-                members.append(member["theta"])
+                members.append(member["theta"].to(theta_map.device))
                 seconds.append(member["seconds"])
             compute = lambda members=members: score(torch.stack(members))  # noqa: E731
             fit_seconds[name] = float(sum(seconds))
@@ -523,7 +524,7 @@ def compute(ctx) -> None:
     if "dropout" in out:
         ctx.value("dropout_rate", float(out["dropout"].index[out["dropout"]["selected"]][0]))
     mnist_cfg = mnist_settings(cfg)
-    ctx.record(seeds={"split": cfg["split_seed"], "map": cfg["seed"],
+    ctx.record(seeds={"split": cfg["split_seed"], "map": study["map"]["seed"],
                       "ensemble": [ensemble_seed(cfg, m) for m in range(cfg["ensemble_members"])],
                       "smp": {v: ms.smp_seed(mnist_cfg, i) for i, v in enumerate(ms.study_variants(mnist_cfg))},
                       "laplace": {f"{st} ({pr})": laplace_seed(cfg, st, pr)

@@ -238,7 +238,7 @@ def compute(ctx) -> None:
     (:func:`run_growth`, cached under ``.cache/mnist_growth/``), its growth against the one-Fisher
     prediction, the least dispersed diagonal variant at each K, the figure, the MNIST chapter's numbers at
     its K beside this chapter's (``ctx.read("mnist")``) and the numbers the prose quotes."""
-    from .config import MNIST_VARIANTS, get_config
+    from .config import MNIST_VARIANTS
     from .mnist_study import chapter_map, fisher_zero_mask, load_data, smp_seed
 
     cfg = ctx.config
@@ -274,7 +274,7 @@ def compute(ctx) -> None:
         chapter = chapter.join(here.add_suffix(" (here)"))
     ctx.table("mnist_comparison", chapter)
 
-    paper, laptop = get_config("mnist", "paper"), get_config("mnist", "laptop")
+    paper, laptop = ctx.settings("mnist", "paper"), ctx.settings("mnist", "laptop")
     for key in ("n_chains", "n_train"):
         ctx.value(key, cfg[key])
     ctx.value("first_k", first)

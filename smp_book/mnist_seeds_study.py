@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .config import MNIST_VARIANTS, get_config
+from .config import MNIST_VARIANTS
 from .mnist_study import DIAGONAL_METHODS, fit_map, run_replicates, smp_seed
 from .results import summarise_replicates, variance_components
 
@@ -26,11 +26,11 @@ def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None =
     ``cfg["map_seeds"]`` MAPs.
 
     MAP ``m`` is trained with the MNIST study's settings and the seed :func:`map_seed` (``m = 0``: the
-    MNIST chapter's MAP), and its variants run as that chapter's replicates with the MAP's seed
-    (:func:`run_replicates`), so MAP 0's runs are the MNIST chapter's and every MAP and run is shared
-    through ``<cache_root>/mnist/``. Between MAPs the spread is that of the MAP's training run (initial
-    weights and minibatch order) together with the SMP random stream; between the replicates of one
-    MAP, that of the stream alone.
+    MNIST chapter's MAP at the laptop and ci scales), and its variants run as that chapter's replicates
+    with the MAP's seed (:func:`run_replicates`), so MAP 0's runs are then the MNIST chapter's and every
+    MAP and run is shared through ``<cache_root>/mnist/``. Between MAPs the spread is that of the MAP's
+    training run (initial weights and minibatch order) together with the SMP random stream; between the
+    replicates of one MAP, that of the stream alone.
 
     Returns ``runs`` (per MAP, :func:`tables` per replicate), ``tables`` (per MAP, the mean over its
     replicates of each table), ``diverged`` (chains per MAP and variant, summed over its replicates)
@@ -306,8 +306,8 @@ def compute(ctx) -> None:
     found = excursions(per_run, trimmed, shares, n_left_out, split, split_trimmed)
 
     # the numbers the prose quotes
-    paper_steps = get_config("mnist", "paper")["n_steps"]
-    ctx.value("laptop_n_steps", get_config("mnist", "laptop")["n_steps"])
+    paper_steps = ctx.settings("mnist", "paper")["n_steps"]
+    ctx.value("laptop_n_steps", ctx.settings("mnist", "laptop")["n_steps"])
     for key in ("n_steps", "n_chains", "seed", "map_epochs"):
         ctx.value(key, cfg[key])
     ctx.value("n_maps", n_maps)

@@ -125,6 +125,8 @@ def chapter_map(cfg: dict[str, Any], data: dict, device: torch.device | None = N
     fits = [fit_map({**cfg, "seed": seed}, data, device, use_cache=use_cache, progress=progress,
                     cache_root=cache_root) for seed in seeds]
     candidates = pd.DataFrame({"seed": seeds, "val_loss": [float(f["history"]["val_loss"].iloc[-1]) for f in fits]})
+    if not np.isfinite(candidates["val_loss"]).all():
+        raise ValueError(f"a MAP to choose from has a non-finite validation loss:\n{candidates}")
     best = int(candidates["val_loss"].idxmin())
     return {**fits[best], "seed": seeds[best], "candidates": candidates}
 

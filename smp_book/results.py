@@ -60,30 +60,46 @@ def _normalised_code(path: Path) -> bytes:
     return ast.dump(_without_docstring(ast.parse(path.read_text()))).encode()
 
 
+def _as_data(value: Any) -> Any:
+    """``value`` as JSON-able data that does not depend on insertion or hash order (dicts by key, sets
+    sorted); anything else by its ``repr``."""
+    if isinstance(value, dict):
+        return [[repr(k), _as_data(v)] for k, v in sorted(value.items(), key=lambda item: repr(item[0]))]
+    if isinstance(value, list | tuple):
+        return [_as_data(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted((_as_data(v) for v in value), key=repr)
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return repr(value)
+
+
 def _settings_part(path: Path, names: set[str]) -> bytes:
-    """What ``names`` of the settings module ``path`` are: a value as JSON; a function as its syntax tree
-    (docstring left out) with the values of the module-level names it reads, but for the functions of
-    :data:`SETTINGS_IN_KEYS`, whose output the cache keys hold. A name the module lacks counts as such."""
+    """What ``names`` of the settings module ``path`` are: a value as data; a function as its syntax tree
+    (docstring left out) with the values of the module-level names it reads and, in turn, the functions
+    of the module it calls; but for the functions of :data:`SETTINGS_IN_KEYS`, whose output the cache
+    keys hold, the syntax tree alone. A name the module lacks counts as such."""
     namespace = runpy.run_path(str(path))
     functions = {n.name: n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
-
-    def as_json(value) -> str:
-        return json.dumps(value, sort_keys=True, default=str)
-
-    parts = []
-    for name in sorted(names):
+    parts, todo, done = [], sorted(names), set()
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        done.add(name)
         if name in functions:
             node = _without_docstring(functions[name])
-            loads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-            read = set() if name in SETTINGS_IN_KEYS else {
-                n for n in loads & set(namespace)
-                if not callable(namespace[n]) and not isinstance(namespace[n], types.ModuleType)}
-            parts.append(f"def {name}: {ast.dump(node)} reads {as_json({r: namespace[r] for r in sorted(read)})}")
+            loads = set() if name in SETTINGS_IN_KEYS else {
+                n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+            todo += sorted(loads & set(functions))
+            read = {n: namespace[n] for n in sorted(loads & set(namespace) - set(functions))
+                    if not callable(namespace[n]) and not isinstance(namespace[n], types.ModuleType)}
+            parts.append(f"def {name}: {ast.dump(node)} reads {json.dumps(_as_data(read))}")
         elif name in namespace:
-            parts.append(f"{name} = {as_json(namespace[name])}")
+            parts.append(f"{name} = {json.dumps(_as_data(namespace[name]))}")
         else:
             parts.append(f"{name}: not defined")
-    return "\n".join(parts).encode()
+    return "\n".join(sorted(parts)).encode()
 
 
 def _imports(path: Path) -> tuple[set[Path], set[str]]:
@@ -112,7 +128,7 @@ def _imports(path: Path) -> tuple[set[Path], set[str]]:
                 package, module = roots[node.module.split(".")[0]], ".".join(node.module.split(".")[1:]) or None
             else:
                 continue
-            if package == _BOOK and module == SETTINGS:
+            if package == _BOOK and module == SETTINGS and all(alias.name != "*" for alias in node.names):
                 settings |= {alias.name for alias in node.names}
             elif module:
                 add(package, module.split(".")[0])
@@ -125,7 +141,7 @@ def _imports(path: Path) -> tuple[set[Path], set[str]]:
                 if parts[0] in roots:
                     add(roots[parts[0]], parts[1] if len(parts) > 1 else None)
     if path.parent == _CORE and path.name == "fused.py":
-        found |= {p for p in (_CORE / "csrc").iterdir() if p.suffix in (".cpp", ".h", ".cu")}
+        found |= {p for p in (_CORE / "csrc").glob("*") if p.suffix in (".cpp", ".h", ".cu")}
     return found, settings
 
 

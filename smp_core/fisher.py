@@ -64,12 +64,14 @@ _MIN_VIRTUAL_BATCH = 32
 
 def _path(n_chains: int, batch: int, n: int, device: torch.device) -> str:
     """How :func:`estimate_fisher` runs: ``"virtual rows"`` (every chain paired with ``batch`` examples per
-    pass) or, below :data:`_MIN_VIRTUAL_BATCH` examples per pass on a CPU, ``"one example at a time"``.
-    On a GPU the virtual rows are taken down to one example per pass: for LeNet-5, 100 chains and 6,000
-    images, 14 per pass took 0.64 s on an H200, against 2.35 s by layers and 7.5 s one example at a time
-    (``benchmarks/gpu_h200.md``)."""
-    least = 1 if torch.device(device).type == "cuda" else _MIN_VIRTUAL_BATCH
-    return "one example at a time" if n_chains > 1 and batch < min(n, least) else "virtual rows"
+    pass) or, on a CPU below :data:`_MIN_VIRTUAL_BATCH` examples per pass, ``"one example at a time"``.
+    A CUDA device always takes the virtual rows: for the diagonal empirical Fisher of LeNet-5, 100 chains
+    and 6,000 images, 14 per pass took 0.64 s on an H200, against 2.35 s by layers and 7.5 s one example
+    at a time (``benchmarks/gpu_h200.md``); the other statistics were not timed there, but a pass over
+    several examples launches fewer kernels than one per example. Other devices are treated as a CPU."""
+    if torch.device(device).type == "cuda":
+        return "virtual rows"
+    return "one example at a time" if n_chains > 1 and batch < min(n, _MIN_VIRTUAL_BATCH) else "virtual rows"
 
 
 def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: Structure,

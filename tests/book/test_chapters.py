@@ -215,3 +215,30 @@ def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
     assert benchmark_table(path, "Runs") is None  # not the table of the next section
     path.write_text("Runs\n| a | b |\n| 1 | 2 |\n| 3 | |\n")
     assert benchmark_table(path, "Runs") is None  # no separator row: not a table
+
+
+def test_results_that_quote_another_scales_settings_are_stale_once_those_change(fake, tmp_path, monkeypatch):
+    """ctx.settings records what a chapter quotes from other settings (the code hash leaves the settings
+    tables out), and a change there makes its results stale."""
+    module = sys.modules["fake_study"]
+    plain = module.compute
+
+    def compute(ctx):
+        plain(ctx)
+        ctx.value("paper_k", ctx.settings("mnist", "paper")["n_steps"])
+
+    monkeypatch.setattr(module, "compute", compute)
+    first = chapters.results("fake", "ci", root=tmp_path)
+    assert first.values["paper_k"] == 1_000_000 and "mnist/paper" in first.manifest["settings_read"]
+    chapters.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+    original = chapters.get_config
+    changed = {**original("mnist", "paper"), "n_steps": 10}
+
+    def patched(study, scale):
+        return changed if (study, scale) == ("mnist", "paper") else original(study, scale)
+
+    monkeypatch.setattr(chapters, "get_config", patched)
+    monkeypatch.setenv(chapters.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the mnist/paper settings it quotes have changed"):
+        chapters.results("fake", "ci", root=tmp_path)

@@ -113,3 +113,23 @@ def test_split_refuses_a_cut_that_lenet_does_not_have():
     for layers in (0, 4, 1.0, True):
         with pytest.raises(ValueError, match="layers must be an integer from 1 to 3"):
             llr.split(theta, layers)
+
+
+def test_a_run_is_cached_by_what_it_starts_from(tiny, tmp_path, monkeypatch):
+    """Another MAP (the sampled layers' start) or other features run again; the same ones are read back."""
+    theta, data = tiny
+    cfg = {"ridge": 1e-4, "period": 5, "ema_refresh": 3, "n_fisher_periodic": 10, "n_steps": 4, "n_chains": 2,
+           "seed": 7, "tau": {"fixed": 0.05, "ema": 0.08, "periodic": 0.05, "none": 1.0}}
+    calls = []
+    original = llr.run_variant
+    monkeypatch.setattr(llr, "run_variant", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def run(theta):
+        body, head = llr.split(theta, 1)
+        feats = llr.features(body, data)
+        return llr.run(cfg, "last layer", "fixed-diag", 0, head, feats, progress=False, cache_root=tmp_path)
+
+    first = run(theta)
+    assert torch.equal(run(theta)["theta"], first["theta"]) and len(calls) == 1
+    run(theta * 1.01)  # another MAP: other features and another start
+    assert len(calls) == 2

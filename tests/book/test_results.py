@@ -174,7 +174,13 @@ def test_code_hash_follows_the_settings_a_study_imports(tmp_path, monkeypatch):
     assert fresh(settings.replace('{"a": 1.0}', '{"a": 2.0}')) != base  # read by the imported tau
     assert fresh(settings.replace("return TAU[v]", "return 2 * TAU[v]")) != base
     assert fresh(settings.replace("dict(TABLES[study][scale])", "{**TABLES[study][scale]}")) != base
-    (book / "study.py").write_text("from . import config\n\ndef run():\n    return config.tau('a')\n")
-    whole = fresh(settings)  # the module itself imported: all of it counts
-    assert fresh(settings.replace("OTHER = [1, 2]", "OTHER = [1, 3]")) != whole
+    settings += "\ndef twice(v):\n    return 2 * tau(v)\n"
+    (book / "study.py").write_text("from .config import twice\n\ndef run():\n    return twice('a')\n")
+    calls = fresh(settings)
+    assert fresh(settings.replace('{"a": 1.0}', '{"a": 2.0}')) != calls  # read by tau, which twice calls
+    for study in ("from . import config\n\ndef run():\n    return config.tau('a')\n",
+                  "from .config import *\n\ndef run():\n    return tau('a')\n"):
+        (book / "study.py").write_text(study)
+        whole = fresh(settings)  # the module itself imported: all of it counts
+        assert fresh(settings.replace("OTHER = [1, 2]", "OTHER = [1, 3]")) != whole
     results.code_hash.cache_clear()
