@@ -230,6 +230,25 @@ def test_estimate_fisher_takes_the_by_layers_path_for_one_chain_or_instead_of_on
     assert not calls  # only the empirical Fisher
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_virtual_rows_equal_the_by_layers_path_and_the_cpu():
+    from smp_core import lenet5
+    from smp_core.fisher import diagonal_empirical_fisher_by_layers
+
+    torch.manual_seed(0)
+    net = lenet5()
+    cpu_model = as_chain_model(net, (1, 28, 28))
+    theta = cpu_model.layout.flatten(net) + 0.01 * torch.randn(40, cpu_model.layout.dim)
+    x, y = torch.rand(100, 1, 28, 28), torch.randint(0, 10, (100,))
+    model = as_chain_model(lenet5().cuda(), (1, 28, 28))
+    (gpu,) = fisher_module.estimate_fisher(model, Categorical(), theta.cuda(), x.cuda(), y.cuda(), kind="empirical",
+                                           structure="diag")
+    (layers,) = diagonal_empirical_fisher_by_layers(model, Categorical(), theta.cuda(), x.cuda(), y.cuda())
+    (cpu,) = fisher_module.estimate_fisher(cpu_model, Categorical(), theta, x, y, kind="empirical", structure="diag")
+    torch.testing.assert_close(gpu, layers, rtol=1e-4, atol=1e-6 * float(layers.abs().max()))
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-6 * float(cpu.abs().max()))
+
+
 def test_a_gpu_keeps_the_virtual_rows_where_a_cpu_takes_the_examples_one_at_a_time():
     from smp_core.fisher import _MIN_VIRTUAL_BATCH, _path
 
