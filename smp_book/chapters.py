@@ -180,6 +180,19 @@ class Context:
         self.manifest.setdefault("settings_read", {})[f"{study}/{scale}"] = _canonical(cfg)
         return cfg
 
+    def read_other_scale(self, study: str, scale: str) -> Results | None:
+        """``study``'s results at another ``scale`` when they are there and hold that scale's current
+        settings, else ``None``; never computed here (the paper scale takes hours). The manifest records
+        what was read, or that nothing was, so that these results count as stale once that changes."""
+        _check(study, scale)
+        folder, key = self.root / scale / study, f"../{scale}/{study}"
+        if _mismatch(folder, study_config(study, scale)) is not None:
+            self._sources[key] = None
+            return None
+        res = Results(folder)
+        self._sources[key] = res.manifest.get("id")
+        return res
+
     def read(self, study: str) -> Results:
         """The results of an earlier study at the same scale and root (computed first if missing). The
         manifest records which results were read, so that these results are recomputed when those are."""
@@ -220,6 +233,11 @@ def _mismatch(folder: Path, config: dict[str, Any], code: str | None = None) -> 
     except (OSError, ValueError):
         return "it holds no readable manifest.json"
     for source, run_id in manifest.get("sources", {}).items():  # results read from other studies
+        if run_id is None:  # another scale's results it looked for and did not find (read_other_scale)
+            scale, study = source.split("/")[1:]
+            if _mismatch(folder.parent / source, study_config(study, scale)) is None:
+                return f"the {source} results it did not find are there now"
+            continue
         try:
             if json.loads((folder.parent / source / "manifest.json").read_text()).get("id") != run_id:
                 return f"the {source} results it read have been recomputed since"

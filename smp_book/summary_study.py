@@ -67,40 +67,49 @@ def _periodic_least(ctx, mnist_claims: pd.DataFrame) -> dict[str, str]:
                          "growth chapter where its lead is resolved (2 se); partly: in some of these"}
 
 
-def claims(ctx, toy, mnist) -> pd.DataFrame:
-    """One row per claim of Section 3: its section, the claim, the criterion, the verdict, the evidence and
-    the chapter that shows it."""
-    toy_claims = toy.table("claims").assign(section="3.2 toy", chapter="toy")
-    mnist_claims = mnist.table("claims").assign(section="3.3 MNIST", chapter="mnist")
+def claims(ctx, toy, mnist, mnist_here=None) -> pd.DataFrame:
+    """One row per claim of Section 3: its section, the claim, the criterion, the verdict, the evidence, the
+    scale of the run that judged it and the chapter that shows it. ``mnist`` judges the MNIST claims (the
+    paper scale's results where they exist); ``mnist_here``, when given, is this scale's MNIST chapter, whose
+    verdict each MNIST row's evidence adds."""
+    toy_claims = toy.table("claims").assign(section="3.2 toy", chapter="toy", scale=toy.manifest.get("scale"))
+    mnist_claims = mnist.table("claims").assign(section="3.3 MNIST", chapter="mnist", scale=mnist.manifest.get("scale"))
     combined = _periodic_least(ctx, mnist_claims)
     periodic = mnist_claims["claim"].str.startswith(PERIODIC_CLAIM)
     for key, value in combined.items():
         mnist_claims.loc[periodic, key] = value
     mnist_claims.loc[periodic, "chapter"] = "mnist, mnist_seeds, mnist_growth"
+    if mnist_here is not None:
+        here = mnist_here.table("claims").set_index("claim")["verdict"]
+        mnist_claims["evidence"] = [
+            f"{e}; at the {mnist_here.manifest.get('scale')} scale: {here.get(c, 'not judged')}"
+            for c, e in zip(mnist_claims["claim"], mnist_claims["evidence"], strict=True)]
     nuts = toy.table("scores_mean")
     acc_gap = abs(nuts.loc["NUTS-mean", "accuracy"] - nuts.loc["NUTS", "accuracy"])
     brier_gap = abs(nuts.loc["NUTS-mean", "brier"] - nuts.loc["NUTS", "brier"])
     zero = mnist.values.get("fisher_zero_fraction", mnist.manifest.get("fisher_zero_fraction"))
     r_ratio, n_steps = toy.values.get("r_ratio"), toy.config["n_steps"]
+    toy_scale, mnist_scale = toy.manifest.get("scale"), mnist.manifest.get("scale")
     extra = pd.DataFrame([
-        {"section": "3.2 toy", "chapter": "toy",
+        {"section": "3.2 toy", "chapter": "toy", "scale": toy_scale,
          "claim": "NUTS-mean predicts almost exactly like NUTS (accuracy, Brier)",
          "criterion": "accuracy within 0.005 and Brier within 0.005",
          "verdict": "holds" if acc_gap < 0.005 and brier_gap < 0.005 else "does not hold",
          "evidence": f"accuracy {nuts.loc['NUTS-mean', 'accuracy']:.4f} vs {nuts.loc['NUTS', 'accuracy']:.4f}; "
                      f"Brier {nuts.loc['NUTS-mean', 'brier']:.4f} vs {nuts.loc['NUTS', 'brier']:.4f}"},
-        {"section": "3.2 toy", "chapter": "toy", "claim": "r_K^2 / r_0^2 is about 9 % (N = 500, K = 5000)",
+        {"section": "3.2 toy", "chapter": "toy", "scale": toy_scale,
+         "claim": "r_K^2 / r_0^2 is about 9 % (N = 500, K = 5000)",
          "criterion": "the formula of Section 3.2.3 at the toy's N and K",
          "verdict": ("not checked (K differs at this scale)" if n_steps != 5000
                      else "holds" if abs(r_ratio - 0.09) < 0.005 else "does not hold"),
          "evidence": f"{r_ratio:.2%} at K = {n_steps:,}"},
-        {"section": "3.3 MNIST", "chapter": "mnist",
+        {"section": "3.3 MNIST", "chapter": "mnist", "scale": mnist_scale,
          "claim": "More than half of the diagonal empirical Fisher entries are exact zeros",
          "criterion": "fraction of zeros > 0.5 at the MAP, validation set",
          "verdict": ("not checked" if zero is None else "holds" if zero > 0.5 else "does not hold"),
          "evidence": "-" if zero is None else f"{zero:.1%}"},
     ])
-    columns = ["section", "claim", "verdict", "criterion", "evidence", "chapter"]
+    columns = ["section", "claim", "verdict", "criterion", "evidence", "scale", "chapter"]
     table = pd.concat([toy_claims, extra, mnist_claims], ignore_index=True)[columns]
     return table.sort_values("section", kind="stable", ignore_index=True)
 
@@ -111,12 +120,18 @@ def _copy(ctx, source, name: str, as_name: str) -> None:
 
 
 def compute(ctx) -> None:
-    toy, mnist = ctx.read("toy"), ctx.read("mnist")
+    """Every table of the paper beside ours and one verdict per claim. The MNIST tables and claims come
+    from the paper scale's MNIST chapter where its results are there and current (the paper's K and S),
+    the MNIST rows' evidence adding this scale's verdict; else from this scale's."""
+    toy, mnist_here = ctx.read("toy"), ctx.read("mnist")
+    paper = ctx.read_other_scale("mnist", "paper") if ctx.scale != "paper" else None
+    mnist = paper or mnist_here
     for name, digits in (("scores", 4), ("variances", 4), ("elapsed", 1)):
         _table_figure(ctx, toy, "ex1", name, digits)
     for name, digits in (("scores", 4), ("variances", 6), ("elapsed", 1)):
         _table_figure(ctx, mnist, "ex2", name, digits)
-    verdicts = ctx.table("claims", claims(ctx, toy, mnist), index=False)
+    verdicts = ctx.table("claims", claims(ctx, toy, mnist, mnist_here if paper else None), index=False)
+    ctx.value("mnist_scale", mnist.manifest.get("scale", ctx.scale))
     counts = verdicts["verdict"].value_counts()
     for verdict in ("holds", "partly", "does not hold"):
         ctx.value(verdict.replace(" ", "_"), int(counts.get(verdict, 0)))

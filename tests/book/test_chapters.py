@@ -242,3 +242,32 @@ def test_results_that_quote_another_scales_settings_are_stale_once_those_change(
     monkeypatch.setenv(chapters.READ_ONLY, "1")
     with pytest.raises(RuntimeError, match="the mnist/paper settings it quotes have changed"):
         chapters.results("fake", "ci", root=tmp_path)
+
+
+def test_another_scales_results_are_read_when_there_and_their_arrival_makes_a_reader_stale(fake, tmp_path,
+                                                                                           monkeypatch):
+    """read_other_scale never computes; what it found, or that it found nothing, is in the manifest, so the
+    reader is stale once the other scale's results appear or are recomputed."""
+    reader = types.ModuleType("reader_study")
+    reader.config = lambda scale: {"scale": scale}
+
+    def compute(ctx):
+        CALLS.append("reader")
+        other = ctx.read_other_scale("fake", "paper")
+        ctx.value("found", other is not None)
+
+    reader.compute = compute
+    monkeypatch.setitem(sys.modules, "reader_study", reader)
+    monkeypatch.setattr(chapters, "STUDIES", {"fake": "fake_study", "reader": "reader_study"})
+    assert chapters.results("reader", "ci", root=tmp_path).values["found"] is False
+    assert CALLS == ["reader"]  # the paper scale was not computed
+    chapters.results("fake", "paper", root=tmp_path)
+    monkeypatch.setenv(chapters.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the ../paper/fake results it did not find are there now"):
+        chapters.results("reader", "ci", root=tmp_path)
+    monkeypatch.delenv(chapters.READ_ONLY)
+    assert chapters.results("reader", "ci", root=tmp_path).values["found"] is True
+    chapters.results("fake", "paper", root=tmp_path, recompute=True)
+    monkeypatch.setenv(chapters.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the ../paper/fake results it read have been recomputed since"):
+        chapters.results("reader", "ci", root=tmp_path)

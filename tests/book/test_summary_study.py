@@ -58,3 +58,35 @@ def test_no_source_and_a_reworded_claim():
     with pytest.raises(ValueError, match="reworded"):
         _periodic_least(_Nothing(), pd.DataFrame({"claim": ["Something else"], "verdict": ["holds"],
                                                   "evidence": ["..."]}))
+
+
+class _Results(_Res):
+    def __init__(self, tables, scale, values=None, config=None):
+        super().__init__(tables)
+        self.manifest, self.values, self.config = {"scale": scale}, values or {}, config or {}
+
+
+def test_the_mnist_claims_come_from_the_paper_scale_when_it_is_there():
+    from smp_book.summary_study import claims
+
+    class _Nothing:
+        def read(self, study):
+            return _Res({})
+
+    scores = pd.DataFrame({"accuracy": [0.94, 0.94], "brier": [0.08, 0.08]}, index=["NUTS", "NUTS-mean"])
+    toy = _Results({"claims": pd.DataFrame({"claim": ["a toy claim"], "verdict": ["holds"], "criterion": ["c"],
+                                            "evidence": ["e"]}), "scores_mean": scores},
+                   "laptop", values={"r_ratio": 0.09}, config={"n_steps": 5000})
+
+    def mnist(scale, verdict):
+        table = _claims(verdict).assign(criterion="c")
+        return _Results({"claims": table}, scale, values={"fisher_zero_fraction": 0.6})
+
+    judged = claims(_Nothing(), toy, mnist("paper", "does not hold"), mnist("laptop", "holds"))
+    row = judged[judged["claim"].str.startswith("Periodic")].iloc[0]
+    assert row["verdict"] == "does not hold" and row["scale"] == "paper"
+    assert row["evidence"].endswith("at the laptop scale: holds")
+    assert set(judged.loc[judged["section"] == "3.2 toy", "scale"]) == {"laptop"}
+    alone = claims(_Nothing(), toy, mnist("laptop", "holds"))  # no paper-scale results: this scale's
+    row = alone[alone["claim"].str.startswith("Periodic")].iloc[0]
+    assert row["scale"] == "laptop" and "at the laptop scale" not in row["evidence"]
