@@ -6,8 +6,9 @@ methods used in practice. On the toy example NUTS gives the local Bayesian poste
 
 * ``MAP``: the maximum of the same posterior, found by L-BFGS from NUTS-mean (NUTS's basin);
 * ``Laplace-<structure>``: ``N(MAP, (N GGN + I)^-1)`` with the prior's precision 1 and the GGN restricted
-  to ``diag``, ``block``, ``kfac`` or ``dense`` (the SMP preconditioner structures), predicting with the
-  network linearised at the MAP (:func:`smp_book.baselines.linearised_logits`);
+  to ``diag``, ``block``, ``kfac`` or ``dense`` (the SMP preconditioner structures; laplace-torch's
+  ``diag``, ``kron`` and ``full``, the book's own ``block``: :func:`smp_book.baselines.fit_laplace`),
+  predicting with the network linearised at the MAP (:func:`smp_book.baselines.linearised_logits`);
   ``Laplace-dense-nn`` predicts with the network itself at the same draws;
 * ``Ensemble``: MAPs of the same posterior from random starts (a deep ensemble with the prior as weight
   decay), one sample per member;
@@ -121,8 +122,8 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     draws: dict[str, tuple[torch.Tensor, float]] = {}  # structure -> (samples, seconds): shared by its rows
     for i, structure in enumerate(cfg["laplace_structures"]):
         started = time.perf_counter()
-        posterior = fit_laplace(net, "bernoulli", theta_map, x, prior_precision=cfg["prior_precision"],
-                                structure=structure)
+        posterior = fit_laplace(net, "bernoulli", theta_map, x, torch.as_tensor(y_np), structure=structure,
+                                prior_precision=cfg["prior_precision"])
         samples = posterior.sample(cfg["n_chains"], torch.Generator().manual_seed(seeds["laplace"] + i))
         draws[structure] = samples, map_seconds + time.perf_counter() - started
     for name, (structure, predictive) in laplace_rows(cfg["laplace_structures"]).items():

@@ -3,25 +3,23 @@
 The paper's first limitation (Section 4.5) is that SMP was compared only with NUTS and a point
 estimate, not with the approximate methods practitioners use: Laplace approximations, deep ensembles,
 MC dropout. This module gives the Laplace approximation for any ``nn.Module`` with a Bernoulli,
-categorical or Gaussian likelihood, built on the same Fisher statistics as the SMP preconditioners:
+categorical or Gaussian likelihood, in the structures of the SMP preconditioners:
 
-* :func:`fit_laplace`: ``theta ~ N(theta_MAP, Lambda^-1)`` with the precision
-  ``Lambda = N * GGN(theta_MAP) + alpha I``. ``GGN`` is the model-expected Fisher of
-  :func:`smp_core.fisher.estimate_fisher` over the ``N`` training inputs (for these likelihoods it
-  equals the generalised Gauss-Newton matrix ``(1/N) sum_i J_i^T H_i J_i``, ``H_i`` the Hessian of the
-  negative log likelihood in the network output), restricted to a structure: ``diag``, ``block``
-  (one block per parameter tensor), ``kfac`` (``G (x) A`` per layer) or ``dense``. ``alpha`` is the
-  precision of the Gaussian prior ``N(0, alpha^-1 I)`` whose log density the MAP maximised with the
-  log likelihood (MacKay 1992; Ritter, Botev and Barber 2018 for KFAC; Daxberger et al. 2021).
-  ``diag`` and ``kfac`` never form a ``d x d`` matrix (a ``kfac`` posterior is sampled through the
-  eigenvectors of its factors), so they serve networks of any size, LeNet-5 included.
-* :meth:`LaplacePosterior.log_marginal_likelihood` and :func:`optimise_prior_precision`: the
-  Laplace approximation of the evidence ``log p(D | alpha)`` and the prior precision that maximises
-  it with ``theta_MAP`` held fixed (MacKay 1992; the post-hoc tuning of Daxberger et al. 2021).
+* :func:`fit_laplace`: ``theta ~ N(theta_MAP, (GGN + alpha I)^-1)``, the generalised Gauss-Newton
+  matrix summed over the training set and restricted to a structure, ``alpha`` the precision of the
+  Gaussian prior ``N(0, alpha^-1 I)`` the MAP was fitted under (MacKay 1992; Ritter, Botev and Barber
+  2018 for KFAC; Daxberger et al. 2021). ``diag``, ``kfac`` and ``dense`` are laplace-torch's
+  (``Laplace(model, likelihood, subset_of_weights="all", hessian_structure=...)``, as its users run it,
+  with its evidence and its prior-precision optimisation, :class:`TorchLaplace`); ``block`` (one dense
+  block per parameter tensor, an SMP preconditioner structure that laplace-torch lacks) is this module's
+  own (:class:`BlockLaplace`), tested equal to the blocks of laplace-torch's ``full``.
 * :func:`linearised_logits`: the "GLM" predictive of Immer, Korzepa and Bauer (2021): a sample's
   logits are ``g(x, theta_MAP) + J(x) (theta - theta_MAP)``, the network linearised at the MAP, the
   model whose exact Laplace approximation is the dense GGN one (the other structures approximate
-  it). Sampling the network itself at Laplace draws (``predict``) is the other, known to underfit.
+  it). It is laplace-torch's ``"glm"`` predictive with one parameter draw shared by every input
+  (laplace-torch draws each input's logits apart: the same distribution at each input, smoother
+  surfaces here). Sampling the network itself at Laplace draws (``predict``) is the other, known to
+  underfit.
 
 * :func:`mc_dropout_logits`: MC dropout (Gal and Ghahramani 2016): a network trained with dropout
   predicts with dropout left on, each of ``S`` passes under fresh masks drawn from an explicit
@@ -33,176 +31,157 @@ Deep ensembles need no code of their own here: they are independent MAP fits fro
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from smp_core.fisher import diagonal_fisher_by_layers, estimate_fisher, structure_for
+from smp_core.fisher import estimate_fisher, structure_for
 from smp_core.layout import ParamLayout
 from smp_core.likelihoods import get_likelihood
 from smp_core.models import ChainModel, as_chain_model, predict
 from smp_core.preconditioners import Stat, Structure
 
 LAPLACE_STRUCTURES = ("diag", "block", "kfac", "dense")
-# Beyond this many parameters a dense d x d precision (and its Cholesky factor) is not built.
+# The structures laplace-torch fits, by its names (Daxberger et al. 2021: "diag", "kron", "full").
+LAPLACE_TORCH = {"diag": "diag", "kfac": "kron", "dense": "full"}
+# Beyond this many parameters a block's d x d precision (and its Cholesky factor) is not built.
 MAX_DENSE_DIM = 10_000
 
 
+class _TwoClass(nn.Module):
+    """A one-logit Bernoulli network as laplace-torch's two-class classifier: the logits ``(0, g)``,
+    whose softmax is ``(1 - sigmoid(g), sigmoid(g))``; the GGN, the likelihood and the draws are
+    the Bernoulli model's (the constant logit has no parameters and no curvature)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.net(x)
+        return torch.cat([torch.zeros_like(g), g], dim=-1)
+
+
 @dataclass(frozen=True, eq=False)
-class LaplacePosterior:
-    """``N(mean, Lambda^-1)`` with ``Lambda = n_data * GGN + prior_precision * I``, the GGN kept in a structure.
+class TorchLaplace:
+    """A laplace-torch ``Laplace`` object (``la``) under one prior precision: what the studies draw
+    from and score. ``with_prior_precision`` shares ``la`` (its curvature is not computed again)."""
 
-    ``ggn`` is the GGN statistic of ``shape`` (a :class:`~smp_core.preconditioners.Structure`, batch
-    dimension 1): the diagonal, the blocks, the Kronecker factors ``(A_1, G_1, ...)`` or the matrix.
-    Nothing of size ``d x d`` is formed for ``diag`` and ``kfac``, so these work for networks of any
-    size; ``block`` forms one matrix per block, ``dense`` one ``d x d`` matrix.
+    la: Any
+    structure: str
+    prior_precision: float
 
-    The prior precision can be changed afterwards (:meth:`with_prior_precision`), for example to the
-    value that maximises the Laplace approximation of the marginal likelihood
-    (:func:`optimise_prior_precision`), without computing the GGN again.
-    """
+    @property
+    def mean(self) -> torch.Tensor:
+        return self.la.mean.detach()
+
+    def with_prior_precision(self, prior_precision: float) -> TorchLaplace:
+        _check_prior_precision(prior_precision)
+        return replace(self, prior_precision=float(prior_precision))
+
+    def _set_prior(self) -> None:
+        self.la.prior_precision = self.prior_precision
+
+    def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(n_samples, d)`` draws from ``N(theta_MAP, P^-1)``, ``P`` laplace-torch's posterior precision:
+        ``la.sample``'s formulas (``diag``: ``z / sqrt(P)``; ``full``: ``z`` times its posterior scale;
+        ``kron``: the symmetric root of each block, so no eigenvector's sign matters) with ``z`` drawn on the
+        CPU from ``generator``, so that a seed gives the same draws on any device (``la.sample`` draws ``z``
+        on the model's device, where a CPU generator cannot serve). On the CPU they equal ``la.sample``'s."""
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be at least 1, got {n_samples}")
+        self._set_prior()
+        la = self.la
+        z = torch.randn(n_samples, la.n_params, generator=generator, dtype=la._dtype).to(la._device)
+        if self.structure == "diag":
+            offsets = z * la.posterior_scale
+        elif self.structure == "kfac":
+            offsets = la.posterior_precision.bmm(z, exponent=-0.5).reshape(n_samples, la.n_params)
+        else:
+            offsets = z @ la.posterior_scale.T
+        return (la.mean.reshape(1, -1) + offsets).detach()
+
+    def log_marginal_likelihood(self) -> float:
+        """laplace-torch's Laplace approximation of ``log p(D | alpha)`` (MacKay 1992)."""
+        self._set_prior()
+        return float(self.la.log_marginal_likelihood())
+
+    def ggn_eigenvalues(self) -> torch.Tensor:
+        """The eigenvalues of the GGN summed over the training set, in laplace-torch's structure (float64):
+        the diagonal for ``diag``, the products of the Kronecker factors' eigenvalues for ``kron``, those
+        of the matrix for ``full``. ``P``'s are these plus ``alpha``."""
+        h = self.la.H
+        if self.structure == "diag":
+            return h.detach().double()
+        if self.structure == "kfac":
+            parts = []
+            for values in h.eigenvalues:
+                block = values[0].double()
+                for more in values[1:]:
+                    block = (block[:, None] * more.double()[None, :]).reshape(-1)
+                parts.append(block)
+            return torch.cat(parts).clamp_min(0)
+        return torch.linalg.eigvalsh(h.detach().double()).clamp_min(0)
+
+    def optimise_prior_precision(self, **options) -> TorchLaplace:
+        """The prior precision that maximises the evidence, found as laplace-torch's users find it:
+        ``la.optimize_prior_precision(method="marglik")``, one scalar, Adam on ``log alpha`` from the current
+        ``alpha`` (``options`` pass on, e.g. ``n_steps``, ``lr``)."""
+        self._set_prior()
+        with warnings.catch_warnings():  # its note on link_approx concerns the 'gridsearch' method, not this one
+            warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
+            self.la.optimize_prior_precision(pred_type="glm", method="marglik", prior_structure="scalar",
+                                             init_prior_prec=self.prior_precision, **options)
+        return replace(self, prior_precision=float(self.la.prior_precision.reshape(-1)[0]))
+
+
+@dataclass(frozen=True, eq=False)
+class BlockLaplace:
+    """``N(mean, Lambda^-1)`` with ``Lambda = n_data * GGN + prior_precision * I``, the GGN kept as one dense
+    block per parameter tensor: the one structure laplace-torch does not fit. ``ggn`` holds the blocks
+    (batch dimension 1) of ``shape`` (a :class:`~smp_core.preconditioners.Structure`)."""
 
     mean: torch.Tensor
     shape: Structure
     ggn: Stat
     prior_precision: float
     n_data: int
-
-    @property
-    def structure(self) -> str:
-        return self.shape.name
+    structure: str = "block"
 
     @property
     def dim(self) -> int:
         return self.mean.shape[0]
 
-    def with_prior_precision(self, prior_precision: float) -> LaplacePosterior:
-        """The same GGN and mean with another prior precision ``alpha``."""
+    def with_prior_precision(self, prior_precision: float) -> BlockLaplace:
         _check_prior_precision(prior_precision)
-        other = replace(self, prior_precision=float(prior_precision))
-        other.__dict__["_cache"] = self.__dict__.setdefault("_cache", {})  # the GGN's spectrum does not depend on alpha
-        return other
+        return replace(self, prior_precision=float(prior_precision))
 
     @property
     def precision(self) -> torch.Tensor:
-        """``Lambda``: the ``(d,)`` diagonal for ``diag``, otherwise the ``(d, d)`` matrix (refused above
-        ``MAX_DENSE_DIM`` parameters)."""
-        if self.structure == "diag":
-            return self.n_data * self.ggn[0][0] + self.prior_precision
-        _check_dense_size(self.dim, f"the {self.structure!r} precision as a d x d matrix")
+        """``Lambda`` as a ``(d, d)`` matrix (zero between blocks)."""
+        _check_dense_size(self.dim, "the 'block' precision as a d x d matrix")
         ggn = self.shape.to_dense(self.ggn)[0]
         precision = self.n_data * ggn + self.prior_precision * torch.eye(self.dim, dtype=ggn.dtype, device=ggn.device)
         return (precision + precision.T) / 2
 
-    def ggn_eigenvalues(self) -> torch.Tensor:
-        """The ``d`` eigenvalues of ``n_data * GGN`` in its structure (float64; ``Lambda``'s are these
-        plus ``alpha``). ``kfac``: ``N lambda_G,i lambda_A,j`` per layer; ``block``: those of every block."""
-        return self._spectrum()[0]
-
-    def log_det_precision(self) -> float:
-        """``log det Lambda`` from :meth:`ggn_eigenvalues` (no ``d x d`` matrix for ``diag`` and ``kfac``)."""
-        return float(torch.log1p(self.ggn_eigenvalues() / self.prior_precision).sum()
-                     + self.dim * math.log(self.prior_precision))
-
-    def log_marginal_likelihood(self, log_likelihood: float) -> float:
-        """The Laplace approximation of ``log p(D | alpha)`` (MacKay 1992; Immer et al. 2021,
-        *Scalable marginal likelihood estimation*):
-
-        ``log p(D | theta*) + log N(theta* | 0, I / alpha) + (d / 2) log 2 pi - (1 / 2) log det Lambda``
-        ``= log p(D | theta*) - alpha |theta*|^2 / 2 + (d / 2) log alpha - (1 / 2) log det Lambda``,
-
-        with ``theta*`` = ``mean`` and ``log_likelihood`` = ``log p(D | theta*)``, the sum over the
-        ``N`` training points (:func:`log_likelihood`). Exact for a linear-Gaussian model at its MAP.
-        """
-        if not math.isfinite(log_likelihood):
-            raise ValueError(f"log_likelihood must be finite, got {log_likelihood!r}")
-        sq_norm = float(self.mean.double().square().sum())
-        return (log_likelihood - self.prior_precision * sq_norm / 2
-                - 0.5 * float(torch.log1p(self.ggn_eigenvalues() / self.prior_precision).sum()))
-
-    def _spectrum(self) -> tuple[torch.Tensor, list]:
-        """``(eigenvalues of N * GGN, pieces)``, computed once: ``pieces`` holds what sampling needs
-        (``kfac``: per layer the eigenvectors and eigenvalues of both factors)."""
-        cache = self.__dict__.setdefault("_cache", {})
-        if "spectrum" not in cache:
-            n = self.n_data
-            if self.structure == "diag":
-                eigenvalues, pieces = n * _psd_eigenvalues(self.ggn[0][0].double(), "diagonal", self.ggn[0].dtype), []
-            elif self.structure == "kfac":
-                parts, pieces = [], []
-                for layer, a, g in zip(self.shape.layers, self.ggn[0::2], self.ggn[1::2], strict=True):
-                    eig_a, u_a = torch.linalg.eigh(a[0].double())
-                    eig_g, u_g = torch.linalg.eigh(g[0].double())
-                    scale = (n * _psd_eigenvalues(eig_g, "G", g.dtype)[:, None]
-                             * _psd_eigenvalues(eig_a, "A", a.dtype)[None, :])
-                    parts.append(scale.reshape(-1))
-                    pieces.append((layer, u_a, u_g, scale))
-                eigenvalues = torch.cat(parts)
-            else:
-                blocks = self.ggn if self.structure == "block" else (self.ggn[0],)
-                eigenvalues = torch.cat([n * _psd_eigenvalues(torch.linalg.eigvalsh(b[0].double()), "GGN", b.dtype)
-                                         for b in blocks])
-                pieces = []
-            cache["spectrum"] = (eigenvalues, pieces)
-        return cache["spectrum"]
-
-    def covariance(self) -> torch.Tensor:
-        """The ``(d, d)`` covariance ``Lambda^-1`` (float64; refused above ``MAX_DENSE_DIM`` parameters)."""
-        if self.structure == "diag":
-            return torch.diag(1 / self.precision.double())
-        _check_dense_size(self.dim, "the covariance as a d x d matrix")
-        return torch.cholesky_inverse(_cholesky(self.precision.double()))
-
     def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """``(n_samples, d)`` draws ``mean + Lambda^{-1/2} z`` (``z`` standard normal, float64),
-        returned in the mean's dtype.
-
-        ``diag``: ``z / sqrt(Lambda)``; ``dense`` and ``block``: ``L^-T z`` with ``L L^T = Lambda`` (per
-        block); ``kfac``: per layer ``U_G [(U_G^T Z U_A) / sqrt(N lambda_G lambda_A^T + alpha)] U_A^T``
-        with ``Z`` the layer's part of ``z`` as an ``n_out x p`` matrix and ``U`` the factors'
-        eigenvectors: the symmetric inverse square root of ``N G (x) A + alpha I`` applied to ``z``, so
-        the covariance is exact and the draws do not depend on the signs (or, for repeated
-        eigenvalues, the basis) that the eigensolver of a device picks.
-
-        ``z`` is drawn on the CPU (with a CPU ``generator``), so the same seed gives the same draws on
-        any device; the draws are returned on the mean's device.
-        """
+        """``(n_samples, d)`` draws ``mean + L^-T z`` per block, ``L L^T`` the block of ``Lambda`` and ``z``
+        standard normal (float64, drawn on the CPU, so a seed gives the same draws on any device),
+        returned in the mean's dtype on its device."""
         if n_samples < 1:
             raise ValueError(f"n_samples must be at least 1, got {n_samples}")
         z = torch.randn(n_samples, self.dim, generator=generator, dtype=torch.float64).to(self.mean.device)
-        alpha = self.prior_precision
-        if self.structure == "diag":
-            offsets = z / self.precision.double().sqrt()
-        elif self.structure == "kfac":
-            offsets = torch.empty_like(z)
-            for layer, u_a, u_g, scale in self._spectrum()[1]:
-                # the symmetric root: a function of the precision alone, not of the eigenvectors' signs
-                m = u_g.T @ layer.matrix(z) @ u_a / (scale + alpha).sqrt()
-                layer.scatter_(offsets, u_g @ m @ u_a.T)
-        else:
-            blocks = self.shape.blocks if self.structure == "block" else (slice(0, self.dim),)
-            stats = self.ggn if self.structure == "block" else (self.ggn[0],)
-            offsets = torch.empty_like(z)
-            for b, stat in zip(blocks, stats, strict=True):
-                m = stat[0].double()
-                precision = self.n_data * m + alpha * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
-                factor = _cholesky((precision + precision.T) / 2)
-                offsets[:, b] = torch.linalg.solve_triangular(factor.mT, z[:, b].T, upper=True).T
+        offsets = torch.empty_like(z)
+        for b, stat in zip(self.shape.blocks, self.ggn, strict=True):
+            m = stat[0].double()
+            precision = self.n_data * m + self.prior_precision * torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+            factor = _cholesky((precision + precision.T) / 2)
+            offsets[:, b] = torch.linalg.solve_triangular(factor.mT, z[:, b].T, upper=True).T
         return (self.mean.double() + offsets).to(self.mean.dtype)
-
-
-def _psd_eigenvalues(eigenvalues: torch.Tensor, what: str, dtype: torch.dtype) -> torch.Tensor:
-    """Eigenvalues of a positive semi-definite matrix stored in ``dtype``, the small negatives that
-    rounding leaves (down to ``-n eps`` times the largest) set to 0."""
-    if not torch.isfinite(eigenvalues).all():
-        raise ValueError(f"the {what} matrix of the GGN is not finite")
-    floor = -eigenvalues.numel() * torch.finfo(dtype).eps * float(eigenvalues.abs().max().clamp_min(1e-300))
-    if float(eigenvalues.min()) < floor:
-        raise ValueError(f"the {what} matrix of the GGN has a negative eigenvalue {float(eigenvalues.min()):.3g} "
-                         "(it should be positive semi-definite)")
-    return eigenvalues.clamp_min(0)
 
 
 def _cholesky(precision: torch.Tensor) -> torch.Tensor:
@@ -227,29 +206,40 @@ def _check_prior_precision(prior_precision) -> None:
 
 
 def fit_laplace(
-    model: nn.Module | ChainModel,
+    model: nn.Module,
     likelihood,
     theta_map: torch.Tensor,
     x: torch.Tensor,
+    y: torch.Tensor,
     *,
     prior_precision: float,
     structure: str = "dense",
     input_shape: tuple[int, ...] | None = None,
-) -> LaplacePosterior:
-    """The Laplace approximation at ``theta_map`` with the GGN restricted to ``structure``.
+    batch_size: int | None = None,
+) -> TorchLaplace | BlockLaplace:
+    """The Laplace approximation at ``theta_map``: ``N(theta_MAP, (GGN + alpha I)^-1)``, the GGN summed
+    over the training set ``(x, y)`` and kept in ``structure``.
+
+    ``diag``, ``kfac`` and ``dense`` go through laplace-torch as its users run it,
+    ``Laplace(model, likelihood, subset_of_weights="all", hessian_structure=...)`` (``diag``, ``kron``,
+    ``full``), fitted on ``(x, y)`` in batches of ``batch_size``; a Bernoulli network goes in as the
+    two-class classifier with logits ``(0, g)`` (the same model), a Gaussian likelihood as ``regression``
+    with its ``sigma`` as ``sigma_noise``. ``block`` (one dense block per parameter tensor, as the SMP
+    preconditioner) is not one of laplace-torch's: it is this module's own, from the model-expected Fisher
+    of :func:`smp_core.fisher.estimate_fisher` (the GGN for these likelihoods); ``tests/book`` checks that
+    its blocks equal those of laplace-torch's ``full``.
 
     Args:
-        model: the network (or a :class:`~smp_core.models.ChainModel`).
+        model: the network (an ``nn.Module``; its parameters are not changed).
         likelihood: ``"bernoulli"``, ``"categorical"``, ``"gaussian"`` or a likelihood object.
         theta_map: ``(d,)`` the MAP of ``sum_i log f(y_i | x_i, theta) - alpha |theta|^2 / 2``.
-        x: ``(N, *input_shape)`` the training inputs the MAP was fitted on (the GGN needs no labels).
-        prior_precision: ``alpha > 0``, the prior precision the MAP was fitted with.
+        x, y: the training set the MAP was fitted on.
+        prior_precision: ``alpha > 0``, the precision of the prior ``N(0, I / alpha)``.
         structure: one of ``diag``, ``block``, ``kfac``, ``dense``.
-        input_shape: the shape of one input, for modules that are not MLPs.
-
-    Returns:
-        A :class:`LaplacePosterior` with precision ``N * GGN + alpha I`` (a ``kfac`` precision is
-        ``N (G (x) A) + alpha I`` per layer, its ridge exact, never formed as a matrix).
+        input_shape: the shape of one input, where ``x`` holds its rows flattened.
+        batch_size: training inputs per batch of laplace-torch's fit; by default 16 for ``diag`` (its
+            diagonal GGN holds every input's whole Jacobian: on LeNet-5, 1.1 GB at 16 and 3.3 GB at 64,
+            and slower) and 500 otherwise.
     """
     if structure not in LAPLACE_STRUCTURES:
         raise ValueError(f"unknown Laplace structure {structure!r}; choose one of {LAPLACE_STRUCTURES}")
@@ -262,26 +252,61 @@ def fit_laplace(
         raise ValueError("theta_map contains NaN or infinite values")
     if x.shape[0] == 0:
         raise ValueError("the Laplace approximation needs at least one training input x")
+    if y.shape[0] != x.shape[0]:
+        raise ValueError(f"x has {x.shape[0]} rows but y has {y.shape[0]}")
     if x.is_floating_point() and not torch.isfinite(x).all():
         raise ValueError("the training inputs x contain NaN or infinite values")
-    shape = structure_for(chain, structure)
-    if structure == "dense":
-        _check_dense_size(dim, "a 'dense' Laplace precision")
-    elif structure == "block":
+    if batch_size is None:
+        batch_size = 16 if structure == "diag" else 500
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    lik = get_likelihood(likelihood)
+    if structure == "block":
+        shape = structure_for(chain, structure)
         largest = max(b.stop - b.start for b in shape.blocks)
         _check_dense_size(largest, "the largest block of a 'block' Laplace precision")
-    lik = get_likelihood(likelihood)
-    stat = None
-    if structure == "diag":  # layer by layer where the network allows it: no per-example gradient of it all
-        stat = diagonal_fisher_by_layers(chain, lik, theta_map.unsqueeze(0), x, kind="model")
-    if stat is None:
         stat = estimate_fisher(chain, lik, theta_map.unsqueeze(0), x, kind="model", structure=shape)
-    if not all(bool(torch.isfinite(t).all()) for t in stat):
-        raise ValueError("the GGN at theta_map is not finite (does the network overflow at theta_map?)")
-    stat = tuple(t.detach() for t in stat)
-    if structure in ("block", "dense"):
-        stat = tuple((t + t.mT) / 2 for t in stat)  # exactly symmetric for the Cholesky factor
-    return LaplacePosterior(theta_map.detach().clone(), shape, stat, float(prior_precision), x.shape[0])
+        if not all(bool(torch.isfinite(t).all()) for t in stat):
+            raise ValueError("the GGN at theta_map is not finite (does the network overflow at theta_map?)")
+        stat = tuple(((t + t.mT) / 2).detach() for t in stat)  # exactly symmetric for the Cholesky factor
+        return BlockLaplace(theta_map.detach().clone(), shape, stat, float(prior_precision), x.shape[0])
+    if structure == "dense":
+        _check_dense_size(dim, "a 'dense' Laplace precision")
+    return _laplace_torch(model, lik, theta_map, x, y, structure, float(prior_precision), input_shape, batch_size)
+
+
+def _laplace_torch(model, lik, theta_map, x, y, structure, prior_precision, input_shape, batch_size) -> TorchLaplace:
+    import copy
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with warnings.catch_warnings():  # laplace-torch's import calls torch.jit.script, which torch 2.14 deprecates
+        warnings.filterwarnings("ignore", message="`torch.jit.script` is deprecated", category=FutureWarning)
+        from laplace import Laplace
+
+    net = copy.deepcopy(model)
+    torch.nn.utils.vector_to_parameters(theta_map.detach().to(next(net.parameters()).dtype), net.parameters())
+    if input_shape is not None:
+        x = x.reshape(x.shape[0], *input_shape)
+    options: dict[str, Any] = {}
+    if lik.name == "bernoulli":
+        net, kind, y = _TwoClass(net), "classification", y.reshape(-1).long()
+    elif lik.name == "categorical":
+        kind, y = "classification", y.reshape(-1).long()
+    elif lik.name == "gaussian":
+        kind, options["sigma_noise"] = "regression", lik.sigma
+        y = y.reshape(x.shape[0], -1).to(theta_map.dtype)
+    else:
+        raise ValueError(f"no laplace-torch likelihood for {lik.name!r}")
+    la = Laplace(net, kind, subset_of_weights="all", hessian_structure=LAPLACE_TORCH[structure],
+                 prior_precision=prior_precision, **options)
+    default = torch.get_default_dtype()
+    try:  # laplace-torch forms the full GGN as linop @ eye(d) in the default dtype: keep the network's
+        torch.set_default_dtype(la._dtype)  # float64 throughout (in float32 it is off by ~4e-8 relative)
+        la.fit(DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    finally:
+        torch.set_default_dtype(default)
+    return TorchLaplace(la, structure, prior_precision)
 
 
 def log_likelihood(
@@ -324,40 +349,6 @@ def log_likelihood_gradient(
     return total
 
 
-def optimise_prior_precision(posterior: LaplacePosterior, bounds: tuple[float, float] = (1e-6, 1e8)) -> float:
-    """The prior precision ``alpha`` that maximises :meth:`LaplacePosterior.log_marginal_likelihood`
-    with the GGN and ``theta*`` held fixed (the post-hoc choice of Daxberger et al. 2021; the log
-    likelihood at ``theta*`` does not depend on ``alpha``, so it is not needed). MacKay (1992)
-    alternates this step with refitting ``theta*`` under the new prior; post hoc, ``theta*`` stays.
-
-    In ``u = log alpha`` the objective ``-(1/2) sum_i log(1 + N lambda_i e^-u) - e^u |theta*|^2 / 2``
-    (plus constants) is concave, so a bounded scalar search finds its one maximum. At it MacKay's
-    fixed point holds: ``alpha |theta*|^2 = gamma = sum_i N lambda_i / (N lambda_i + alpha)``, the
-    effective number of parameters. Returns ``alpha``; a maximum at a bound raises (widen ``bounds``).
-    """
-    from scipy.optimize import minimize_scalar
-
-    low, high = bounds
-    if not 0 < low < high < math.inf:
-        raise ValueError(f"bounds must satisfy 0 < low < high < inf, got {bounds}")
-    eigenvalues = posterior.ggn_eigenvalues()
-    sq_norm = float(posterior.mean.double().square().sum())
-    if sq_norm == 0:
-        raise ValueError("theta* is zero: the marginal likelihood grows without bound in alpha")
-
-    def negative(u: float) -> float:
-        alpha = math.exp(u)
-        return 0.5 * float(torch.log1p(eigenvalues / alpha).sum()) + alpha * sq_norm / 2
-
-    res = minimize_scalar(negative, bounds=(math.log(low), math.log(high)), method="bounded",
-                          options={"xatol": 1e-10})
-    u = float(res.x)
-    if min(u - math.log(low), math.log(high) - u) < 1e-4:
-        raise ValueError(f"the marginal likelihood is largest at the bound alpha = {math.exp(u):.3g} of {bounds}; "
-                         "widen the bounds")
-    return math.exp(u)
-
-
 def linearised_logits(
     model: nn.Module | ChainModel,
     theta_map: torch.Tensor,
@@ -372,7 +363,7 @@ def linearised_logits(
     Args:
         model: the network (or a chain model).
         theta_map: ``(d,)`` the point of linearisation.
-        samples: ``(S, d)`` parameter samples (for example :meth:`LaplacePosterior.sample`).
+        samples: ``(S, d)`` parameter samples (for example the draws of :func:`fit_laplace`).
         x: ``(n, *input_shape)`` inputs.
         batch_size: inputs per Jacobian pass (memory ``batch_size * m * d``).
 

@@ -314,7 +314,7 @@ def _reference(cfg: dict[str, Any], data, alpha: float, base: int) -> dict[str, 
         max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
         x_eval=torch.linspace(-4, 4, 17)[:, None])
     t0 = time.perf_counter()
-    laplace = fit_laplace(net, Gaussian(cfg["noise"]), theta_map, x, prior_precision=alpha, structure="dense")
+    laplace = fit_laplace(net, Gaussian(cfg["noise"]), theta_map, x, y, prior_precision=alpha, structure="dense")
     laplace_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
     return {"net": net, "fit": fit, "theta_map": theta_map, "nuts_draws": nuts_draws, "nuts": nuts_diag,
             "laplace_draws": laplace_draws, "timings": {"MAP": map_time, "NUTS": nuts_diag["wall_time_s"],

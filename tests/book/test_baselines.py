@@ -1,8 +1,12 @@
 """The Laplace approximation against models where it is known exactly, and its linearised predictive.
 
+``diag``, ``kfac`` and ``dense`` are laplace-torch's (:class:`smp_book.baselines.TorchLaplace`); what is
+tested here is that the book uses it rightly (the likelihood, the Bernoulli network as two classes, the
+prior, the draws from our generator) and that the book's own ``block`` agrees with it.
+
 * Bayesian linear regression (Gaussian likelihood, prior ``N(0, I / alpha)``): the posterior is exactly
-  ``N(m, (Z^T Z / sigma^2 + alpha I)^-1)``, so the Laplace precision must equal that matrix and the
-  draws must have its moments (z-scores against Monte Carlo standard errors).
+  ``N(m, (Z^T Z / sigma^2 + alpha I)^-1)``, so the precision must equal that matrix, the draws must have
+  its moments (z-scores against Monte Carlo standard errors) and the evidence must be the exact one.
 * Logistic regression: the GGN is the Hessian of the negative log likelihood, so the precision must
   equal the Hessian of the negative log posterior (autograd).
 * MC dropout through a linear read-out of a dropped-out layer: the mean and variance of the logits
@@ -19,7 +23,17 @@ from torch import nn
 
 from smp_book import baselines
 from smp_core import as_chain_model, get_likelihood, predict, toy_mlp
-from smp_core.fisher import kronecker_fisher, structure_for
+from smp_core.fisher import structure_for
+
+
+def _precision(fit) -> torch.Tensor:
+    """The ``(d, d)`` posterior precision of a fit, formed: laplace-torch's for ``diag``, ``kfac`` and
+    ``dense``, the book's for ``block``."""
+    if isinstance(fit, baselines.BlockLaplace):
+        return fit.precision
+    fit._set_prior()
+    p = fit.la.posterior_precision
+    return {"diag": torch.diag, "kfac": lambda m: m.to_matrix(), "dense": lambda m: m}[fit.structure](p)
 
 
 def _design(n=200, p=3, seed=0):
@@ -29,39 +43,48 @@ def _design(n=200, p=3, seed=0):
 
 
 def _linear_posterior(sigma=0.7, alpha=2.0, n=200, p=3, seed=0):
-    """x, the model, the exact posterior mean and covariance of Bayesian linear regression."""
+    """x, y, the model, the exact posterior mean, covariance and precision of Bayesian linear regression."""
     x, z, g = _design(n, p, seed)
     w_true = torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64)
     y = z @ w_true + sigma * torch.randn(n, generator=g, dtype=torch.float64)
     precision = z.T @ z / sigma**2 + alpha * torch.eye(p + 1, dtype=torch.float64)
     cov = torch.linalg.inv(precision)
     mean = cov @ (z.T @ y) / sigma**2
-    return x, nn.Sequential(nn.Linear(p, 1)).double(), mean, cov, precision
+    return x, y, nn.Sequential(nn.Linear(p, 1)).double(), mean, cov, precision
 
 
 def test_linear_gaussian_precision_is_exact_for_every_structure():
     sigma, alpha = 0.7, 2.0
-    x, net, mean, _, precision = _linear_posterior(sigma, alpha)
+    x, y, net, mean, _, precision = _linear_posterior(sigma, alpha)
     lik = get_likelihood("gaussian", sigma=sigma)
-    dense = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="dense")
-    torch.testing.assert_close(dense.precision, precision, rtol=1e-10, atol=1e-10)
-    # one output: KFAC's G (x) A is the layer's Fisher block exactly, and the layer is one block
-    kfac = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="kfac")
-    torch.testing.assert_close(kfac.precision, precision, rtol=1e-10, atol=1e-10)
-    diag = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="diag")
-    torch.testing.assert_close(diag.precision, precision.diagonal(), rtol=1e-10, atol=1e-10)
-    block = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="block")
+    fits = {s: baselines.fit_laplace(net, lik, mean, x, y, prior_precision=alpha, structure=s)
+            for s in baselines.LAPLACE_STRUCTURES}
+    torch.testing.assert_close(_precision(fits["dense"]), precision, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(_precision(fits["diag"]), torch.diag(precision.diagonal()), rtol=1e-10, atol=1e-10)
     expected = precision.clone()
-    expected[:3, 3] = expected[3, :3] = 0  # weight and bias are separate blocks
-    torch.testing.assert_close(block.precision, expected, rtol=1e-10, atol=1e-10)
-    assert (dense.n_data, dense.prior_precision, dense.structure) == (200, alpha, "dense")
+    expected[:3, 3] = expected[3, :3] = 0  # weight and bias are separate blocks ...
+    torch.testing.assert_close(_precision(fits["block"]), expected, rtol=1e-10, atol=1e-10)
+    # ... and laplace-torch's KFAC keeps them apart too; with one output it is exact within each
+    torch.testing.assert_close(_precision(fits["kfac"]), expected, rtol=1e-10, atol=1e-10)
+    assert all(f.prior_precision == alpha and f.structure == s for s, f in fits.items())
+
+
+def test_block_is_the_blocks_of_laplace_torchs_full():
+    """Where the two overlap: the book's ``block`` precision (one block per parameter tensor) is the
+    block diagonal of laplace-torch's ``full`` one, for a categorical MLP and a CNN at a random point."""
+    for fit_of in (_mlp_fit, _cnn_fit):
+        block, full = fit_of("block"), _precision(fit_of("dense"))
+        mask = torch.zeros_like(full, dtype=torch.bool)
+        for b in block.shape.blocks:
+            mask[b, b] = True
+        torch.testing.assert_close(block.precision, torch.where(mask, full, 0), rtol=1e-10, atol=1e-10)
 
 
 def test_draws_have_the_exact_posterior_moments():
     """z-scores of the sample mean and covariance against the exact posterior, with a check that the
     same statistics reject a wrong covariance (the precision itself)."""
-    x, net, mean, cov, precision = _linear_posterior()
-    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, prior_precision=2.0)
+    x, y, net, mean, cov, precision = _linear_posterior()
+    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, y, prior_precision=2.0)
     n = 40_000
     draws = lp.sample(n, torch.Generator().manual_seed(1)).double()
     centred = draws - mean
@@ -75,12 +98,11 @@ def test_draws_have_the_exact_posterior_moments():
 
     assert cov_z(cov).abs().max() < 4.5  # 10 distinct entries
     assert cov_z(torch.linalg.inv(precision) * 1.1).abs().max() > 10  # a 10 % wrong covariance is caught
-    torch.testing.assert_close(lp.covariance(), cov, rtol=1e-9, atol=1e-12)
 
 
 def test_diag_draws_have_the_diagonal_variances():
-    x, net, mean, _, precision = _linear_posterior()
-    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, prior_precision=2.0,
+    x, y, net, mean, _, precision = _linear_posterior()
+    lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, y, prior_precision=2.0,
                                structure="diag")
     n = 40_000
     draws = lp.sample(n, torch.Generator().manual_seed(2)).double()
@@ -93,6 +115,8 @@ def test_diag_draws_have_the_diagonal_variances():
 
 
 def test_ggn_is_the_hessian_for_logistic_regression():
+    """The Bernoulli network goes to laplace-torch as two classes with logits (0, g): the same model, so
+    its full GGN must be the Hessian of the Bernoulli negative log likelihood."""
     x, z, g = _design(300, 2, seed=3)
     y = (torch.rand(300, generator=g, dtype=torch.float64) < torch.sigmoid(z @ torch.tensor(
         [1.5, -1.0, 0.2], dtype=torch.float64))).double()
@@ -105,37 +129,28 @@ def test_ggn_is_the_hessian_for_logistic_regression():
 
     hessian = torch.autograd.functional.hessian(neg_log_posterior, theta)
     net = nn.Sequential(nn.Linear(2, 1)).double()
-    lp = baselines.fit_laplace(net, "bernoulli", theta, x, prior_precision=alpha)
-    torch.testing.assert_close(lp.precision, hessian, rtol=1e-9, atol=1e-9)
+    lp = baselines.fit_laplace(net, "bernoulli", theta, x, y, prior_precision=alpha)
+    torch.testing.assert_close(_precision(lp), hessian, rtol=1e-9, atol=1e-9)
+    # the log likelihood laplace-torch's evidence uses is the Bernoulli one
+    assert float(lp.la.log_likelihood) == pytest.approx(-float(neg_log_posterior(theta) - alpha * theta @ theta / 2),
+                                                        rel=1e-10)
 
 
-def test_structures_of_a_network_nest():
-    """For the toy MLP: the diag and block precisions are the diagonal and the blocks of the dense one."""
-    x, _, _ = _design(100, 2, seed=4)
-    net = toy_mlp()
-    theta = 0.7 * torch.randn(20, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    fits = {s: baselines.fit_laplace(net, "bernoulli", theta, x, prior_precision=1.0, structure=s)
-            for s in baselines.LAPLACE_STRUCTURES}
-    dense = fits["dense"].precision
-    torch.testing.assert_close(fits["diag"].precision, dense.diagonal(), rtol=1e-10, atol=1e-12)
-    mask = torch.zeros(20, 20, dtype=torch.bool)
-    for block in structure_for(as_chain_model(net), "block").blocks:
-        mask[block, block] = True
-    torch.testing.assert_close(fits["block"].precision, torch.where(mask, dense, 0), rtol=1e-10, atol=1e-12)
-    # kfac: N times the Kronecker-factored Fisher of every layer, plus the prior's precision exactly once
-    model = as_chain_model(net)
-    shape = structure_for(model, "kfac")
-    stat = kronecker_fisher(model, get_likelihood("bernoulli"), theta[None], x, structure=shape)
-    expected = 100 * shape.to_dense(stat)[0] + torch.eye(20, dtype=torch.float64)
-    torch.testing.assert_close(fits["kfac"].precision, expected, rtol=1e-12, atol=1e-12)
-
-
-def test_same_generator_same_draws():
-    x, net, mean, _, _ = _linear_posterior()
-    lp = baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, prior_precision=1.0)
-    a = lp.sample(5, torch.Generator().manual_seed(9))
-    b = lp.sample(5, torch.Generator().manual_seed(9))
-    assert torch.equal(a, b) and a.dtype == mean.dtype
+def test_same_generator_same_draws_as_laplace_torch():
+    """The draws are laplace-torch's (``la.sample`` with the same generator, on the CPU), reproducible,
+    in the mean's dtype, and do not change the network the user passed."""
+    x, y, net, mean, _, _ = _linear_posterior()
+    before = [p.detach().clone() for p in net.parameters()]
+    for structure in ("diag", "kfac", "dense"):
+        lp = baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, y, prior_precision=1.0,
+                                   structure=structure)
+        a = lp.sample(5, torch.Generator().manual_seed(9))
+        torch.testing.assert_close(a, lp.sample(5, torch.Generator().manual_seed(9)), rtol=0, atol=0)
+        torch.testing.assert_close(a, lp.la.sample(5, generator=torch.Generator().manual_seed(9)), rtol=1e-12,
+                                   atol=1e-12)
+        assert a.dtype == mean.dtype
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), before, strict=True))
+    assert torch.get_default_dtype() == torch.float32  # the fit's float64 default is undone
 
 
 def test_linearised_logits():
@@ -160,58 +175,68 @@ def test_linearised_logits():
     torch.testing.assert_close(lin, predict(as_chain_model(lin_net), samples, x), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("structure", ["diag", "kfac", "dense"])
+def test_linearised_logits_have_laplace_torchs_glm_predictive(structure):
+    """The linearised logits at draws ``theta_MAP + Sigma^{1/2} e_j`` (the columns of a square root of the
+    covariance) have, exactly, laplace-torch's GLM predictive mean and covariance ``J Sigma J^T`` at
+    every input: the book's GLM rows are laplace-torch's ``pred_type="glm"``."""
+    fit = _mlp_fit(structure)
+    x = torch.randn(6, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    f_mu, f_var = fit.la._glm_predictive_distribution(x)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    root = torch.linalg.cholesky(torch.linalg.inv(_precision(fit)))  # Sigma = root root^T
+    lin = baselines.linearised_logits(net, fit.mean, fit.mean + root.T, x)  # (d, n, m): one row per column
+    centred = lin - baselines.linearised_logits(net, fit.mean, fit.mean[None], x)
+    torch.testing.assert_close(lin.mean(0) - centred.mean(0), f_mu, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(torch.einsum("snc,snk->nck", centred, centred), f_var, rtol=1e-7, atol=1e-9)
+
+
 @pytest.mark.parametrize("prior", [0, -1.0, float("nan"), float("inf"), "1"])
 def test_bad_prior_precision(prior):
-    x, net, mean, _, _ = _linear_posterior()
+    x, y, net, mean, _, _ = _linear_posterior()
     with pytest.raises(ValueError, match="prior_precision"):
-        baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, prior_precision=prior)
+        baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, y, prior_precision=prior)
 
 
 def test_bad_inputs_name_the_problem(monkeypatch):
-    x, net, mean, _, _ = _linear_posterior()
+    x, y, net, mean, _, _ = _linear_posterior()
     lik = get_likelihood("gaussian")
     with pytest.raises(ValueError, match="unknown Laplace structure"):
-        baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="full")
+        baselines.fit_laplace(net, lik, mean, x, y, prior_precision=1.0, structure="full")
     with pytest.raises(ValueError, match=r"theta_map must have shape \(4,\)"):
-        baselines.fit_laplace(net, lik, mean[:3], x, prior_precision=1.0)
+        baselines.fit_laplace(net, lik, mean[:3], x, y, prior_precision=1.0)
     with pytest.raises(ValueError, match="theta_map contains NaN"):
-        baselines.fit_laplace(net, lik, mean * float("nan"), x, prior_precision=1.0)
-    for structure in ("dense", "diag"):  # the diagonal's layer-by-layer path too
+        baselines.fit_laplace(net, lik, mean * float("nan"), x, y, prior_precision=1.0)
+    with pytest.raises(ValueError, match="x has 200 rows but y has 3"):
+        baselines.fit_laplace(net, lik, mean, x, y[:3], prior_precision=1.0)
+    with pytest.raises(ValueError, match="batch_size"):
+        baselines.fit_laplace(net, lik, mean, x, y, prior_precision=1.0, batch_size=0)
+    for structure in ("dense", "block"):
         with pytest.raises(ValueError, match="NaN or infinite"):
-            baselines.fit_laplace(net, lik, mean, x * float("nan"), prior_precision=1.0, structure=structure)
+            baselines.fit_laplace(net, lik, mean, x * float("nan"), y, prior_precision=1.0, structure=structure)
         with pytest.raises(ValueError, match="at least one training input"):
-            baselines.fit_laplace(net, lik, mean, x[:0], prior_precision=1.0, structure=structure)
+            baselines.fit_laplace(net, lik, mean, x[:0], y[:0], prior_precision=1.0, structure=structure)
     monkeypatch.setattr(baselines, "MAX_DENSE_DIM", 2)  # the weight block has 3 rows
     for structure in ("block", "dense"):
         with pytest.raises(ValueError, match="use structure='diag' or 'kfac'"):
-            baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure=structure)
-    assert baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="diag").precision.shape == (4,)
-    kfac = baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0, structure="kfac")
-    assert kfac.sample(3).shape == (3, 4)  # never forms the matrix ...
-    with pytest.raises(ValueError, match="not formed"):
-        kfac.covariance()  # ... which is refused when asked for
+            baselines.fit_laplace(net, lik, mean, x, y, prior_precision=1.0, structure=structure)
+    kfac = baselines.fit_laplace(net, lik, mean, x, y, prior_precision=1.0, structure="kfac")
+    assert kfac.sample(3).shape == (3, 4)  # never forms the matrix
     monkeypatch.setattr(baselines, "MAX_DENSE_DIM", 10_000)
-    shape = structure_for(as_chain_model(net), "dense")
-    lp = baselines.LaplacePosterior(mean, shape, (-torch.eye(4, dtype=torch.float64)[None],), 1.0, 200)
+    shape = structure_for(as_chain_model(net), "block")
+    lp = baselines.BlockLaplace(mean, shape, (-torch.eye(3, dtype=torch.float64)[None], -torch.ones(1, 1, 1).double()),
+                                1.0, 200)
     with pytest.raises(ValueError, match="not positive definite"):
         lp.sample(3)
-    with pytest.raises(ValueError, match="negative eigenvalue"):
-        lp.log_det_precision()
-    with pytest.raises(ValueError, match="n_samples"):
-        lp.sample(0)
+    for fit in (lp, kfac):
+        with pytest.raises(ValueError, match="n_samples"):
+            fit.sample(0)
+        with pytest.raises(ValueError, match="prior_precision"):
+            fit.with_prior_precision(0.0)
     with pytest.raises(ValueError, match=r"samples must have shape \(S, 4\)"):
         baselines.linearised_logits(net, mean, mean, x)
     with pytest.raises(ValueError, match="batch_size"):
         baselines.linearised_logits(net, mean, mean[None], x, batch_size=0)
-    fit = baselines.fit_laplace(net, lik, mean, x, prior_precision=1.0)
-    with pytest.raises(ValueError, match="prior_precision"):
-        fit.with_prior_precision(0.0)
-    with pytest.raises(ValueError, match="log_likelihood must be finite"):
-        fit.log_marginal_likelihood(float("nan"))
-    with pytest.raises(ValueError, match="bounds"):
-        baselines.optimise_prior_precision(fit, bounds=(1.0, 0.5))
-    with pytest.raises(ValueError, match="widen the bounds"):
-        baselines.optimise_prior_precision(fit, bounds=(1e-6, 1e-3))
     with pytest.raises(ValueError, match=r"x has 200 rows but y has 3"):
         baselines.log_likelihood(net, lik, mean, x, torch.zeros(3, dtype=torch.float64))
 
@@ -220,44 +245,45 @@ def _mlp_fit(structure, n=150, classes=3, seed=10):
     """A Laplace fit of a small two-layer categorical MLP at a random point (any point has a GGN)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (n,), generator=g)
     net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, classes)).double()
     theta = 0.8 * torch.randn(as_chain_model(net).layout.dim, generator=g, dtype=torch.float64)
-    return baselines.fit_laplace(net, "categorical", theta, x, prior_precision=0.5, structure=structure)
+    return baselines.fit_laplace(net, "categorical", theta, x, y, prior_precision=0.5, structure=structure)
 
 
-@pytest.mark.parametrize("structure", baselines.LAPLACE_STRUCTURES)
-def test_spectrum_and_log_det_match_the_dense_precision(structure):
-    """The eigenvalues and log-determinant from the structure (the Kronecker factors' eigenvalues for
-    kfac) against those of the d x d precision formed independently by ``Structure.to_dense``."""
+@pytest.mark.parametrize("structure", ["diag", "kfac", "dense"])
+def test_spectrum_matches_the_formed_precision(structure):
+    """The GGN's eigenvalues from laplace-torch's structure (the products of the Kronecker factors'
+    eigenvalues for kron) plus alpha against those of the d x d precision laplace-torch forms, and
+    another prior precision shares the curvature."""
     fit = _mlp_fit(structure)
-    precision = fit.precision if structure != "diag" else torch.diag(fit.precision)
-    expected = torch.linalg.eigvalsh(precision)
+    expected = torch.linalg.eigvalsh(_precision(fit))
     got = torch.sort(fit.ggn_eigenvalues() + fit.prior_precision).values
-    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
-    assert fit.log_det_precision() == pytest.approx(float(torch.linalg.slogdet(precision)[1]), rel=1e-12)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-6)
     other = fit.with_prior_precision(3.0)
-    assert other.prior_precision == 3.0 and fit.prior_precision == 0.5
-    shift = 2.5 * (torch.eye(fit.dim, dtype=torch.float64) if structure != "diag" else 1)
-    torch.testing.assert_close(other.precision, fit.precision + shift, rtol=1e-12, atol=1e-12)
+    assert other.prior_precision == 3.0 and fit.prior_precision == 0.5 and other.la is fit.la
+    shift = 2.5 * torch.eye(expected.shape[0], dtype=torch.float64)
+    torch.testing.assert_close(_precision(other), _precision(fit) + shift, rtol=1e-12, atol=1e-12)
 
 
 def _cnn_fit(structure, n=80, seed=12):
     """A Laplace fit of a small categorical CNN (a convolution, then a linear layer) at a random point."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 1, 5, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(n, 25, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n,), generator=g)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 3 * 3, 3)).double()
     theta = 0.8 * torch.randn(as_chain_model(net, (1, 5, 5)).layout.dim, generator=g, dtype=torch.float64)
-    return baselines.fit_laplace(net, "categorical", theta, x, prior_precision=0.5, structure=structure,
+    return baselines.fit_laplace(net, "categorical", theta, x, y, prior_precision=0.5, structure=structure,
                                  input_shape=(1, 5, 5))
 
 
 @pytest.mark.parametrize("fit_of, structure", [(_mlp_fit, "kfac"), (_cnn_fit, "kfac"), (_cnn_fit, "block")])
 def test_structured_draws_have_the_covariance_of_the_formed_precision(fit_of, structure):
-    """Draws through the factors' eigenvectors (kfac) or per-block Cholesky factors (block) against the
+    """Draws through each block's symmetric root (kfac) or per-block Cholesky factors (block) against the
     inverse of the precision formed entry by entry: z-scores of every covariance entry (40,000 draws),
     with a check that a 10 % wrong covariance is caught."""
     fit = fit_of(structure)
-    cov = fit.covariance()  # Cholesky inverse of the formed precision (N (G (x) A) + alpha I for kfac)
+    cov = torch.linalg.inv(_precision(fit))
     n = 40_000
     centred = fit.sample(n, torch.Generator().manual_seed(11)) - fit.mean
     z_mean = centred.mean(0) / (cov.diagonal() / n).sqrt()
@@ -274,29 +300,26 @@ def test_structured_draws_have_the_covariance_of_the_formed_precision(fit_of, st
 
 def test_kfac_draws_do_not_depend_on_the_eigenvectors_signs(monkeypatch):
     """Eigensolvers (the CPU's, CUDA's) may return an eigenvector or its negative: the kfac draws, through
-    the symmetric root of the precision, must be the same either way (the draws through the eigenbasis
-    itself were not, and differed between the CPU and a GPU)."""
-    fit = _mlp_fit("kfac")
-    expected = fit.sample(9, torch.Generator().manual_seed(5))
+    the symmetric root of each block, must be the same either way."""
+    expected = _mlp_fit("kfac").sample(9, torch.Generator().manual_seed(5))
     eigh = torch.linalg.eigh
 
-    def flipped(matrix):
-        values, vectors = eigh(matrix)
+    def flipped(matrix, *args, **kwargs):
+        values, vectors = eigh(matrix, *args, **kwargs)
         signs = torch.where(torch.arange(vectors.shape[-1]) % 2 == 0, -1.0, 1.0).to(vectors)
         return values, vectors * signs
 
     monkeypatch.setattr(torch.linalg, "eigh", flipped)
-    again = baselines.LaplacePosterior(fit.mean, fit.shape, fit.ggn, fit.prior_precision, fit.n_data)
-    torch.testing.assert_close(again.sample(9, torch.Generator().manual_seed(5)), expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(_mlp_fit("kfac").sample(9, torch.Generator().manual_seed(5)), expected,
+                               rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("structure", baselines.LAPLACE_STRUCTURES)
-def test_draws_on_cuda_equal_those_on_the_cpu(structure):
+def test_block_draws_on_cuda_equal_those_on_the_cpu():
     """The same seed gives the same draws on either device (z is drawn on the CPU)."""
-    fit = _mlp_fit(structure)
-    cuda = baselines.LaplacePosterior(fit.mean.cuda(), fit.shape, tuple(t.cuda() for t in fit.ggn),
-                                      fit.prior_precision, fit.n_data)
+    fit = _mlp_fit("block")
+    cuda = baselines.BlockLaplace(fit.mean.cuda(), fit.shape, tuple(t.cuda() for t in fit.ggn),
+                                  fit.prior_precision, fit.n_data)
     a = fit.sample(7, torch.Generator().manual_seed(3))
     b = cuda.sample(7, torch.Generator().manual_seed(3))
     assert b.device.type == "cuda"
@@ -312,51 +335,42 @@ def test_log_likelihood_gradient():
     net = nn.Sequential(nn.Linear(2, 1)).double()
     got = baselines.log_likelihood_gradient(net, "bernoulli", theta, x, y, batch_size=50)
     torch.testing.assert_close(got, z.T @ (y - torch.sigmoid(z @ theta)), rtol=1e-12, atol=1e-12)
-    x, net, mean, _, _ = _linear_posterior(sigma=0.7, alpha=2.0)
-    _, z, g = _design(200, 3, seed=0)
-    y = z @ torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64) + 0.7 * torch.randn(200, generator=g,
-                                                                                         dtype=torch.float64)
+    x, y, net, mean, _, _ = _linear_posterior(sigma=0.7, alpha=2.0)
     grad = baselines.log_likelihood_gradient(net, get_likelihood("gaussian", sigma=0.7), mean, x, y[:, None])
     torch.testing.assert_close(grad, 2.0 * mean, rtol=1e-9, atol=1e-9)
 
 
 def test_marginal_likelihood_is_exact_for_bayesian_linear_regression():
     """For a linear-Gaussian model at its exact MAP the Laplace evidence is the exact evidence
-    ``log N(y | 0, sigma^2 I + Z Z^T / alpha)``, for dense and (one output) kfac."""
+    ``log N(y | 0, sigma^2 I + Z Z^T / alpha)``: laplace-torch's, given our likelihood's sigma."""
     sigma, alpha = 0.7, 2.0
-    x, z, g = _design(200, 3, seed=0)
-    w_true = torch.tensor([1.0, -2.0, 0.5, 0.3], dtype=torch.float64)
-    y = z @ w_true + sigma * torch.randn(200, generator=g, dtype=torch.float64)
-    precision = z.T @ z / sigma**2 + alpha * torch.eye(4, dtype=torch.float64)
-    mean = torch.linalg.solve(precision, z.T @ y) / sigma**2
-    net = nn.Sequential(nn.Linear(3, 1)).double()
+    x, y, net, mean, _, _ = _linear_posterior(sigma, alpha)
+    _, z, _ = _design(200, 3, seed=0)
     lik = get_likelihood("gaussian", sigma=sigma)
     covariance = sigma**2 * torch.eye(200, dtype=torch.float64) + z @ z.T / alpha
     exact = float(torch.distributions.MultivariateNormal(torch.zeros(200, dtype=torch.float64), covariance).log_prob(y))
-    log_lik = baselines.log_likelihood(net, lik, mean, x, y[:, None])
-    hand = float(torch.distributions.Normal(z @ mean, sigma).log_prob(y).sum())
-    assert log_lik == pytest.approx(hand, rel=1e-12)
-    for structure in ("dense", "kfac"):
-        fit = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure=structure)
-        assert fit.log_marginal_likelihood(log_lik) == pytest.approx(exact, rel=1e-10)
+    assert baselines.log_likelihood(net, lik, mean, x, y[:, None]) == pytest.approx(
+        float(torch.distributions.Normal(z @ mean, sigma).log_prob(y).sum()), rel=1e-12)
+    fit = baselines.fit_laplace(net, lik, mean, x, y, prior_precision=alpha, structure="dense")
+    assert fit.log_marginal_likelihood() == pytest.approx(exact, rel=1e-9)
     # the diagonal drops the correlations: its evidence is another number
-    diag = baselines.fit_laplace(net, lik, mean, x, prior_precision=alpha, structure="diag")
-    assert abs(diag.log_marginal_likelihood(log_lik) - exact) > 1e-3
+    diag = baselines.fit_laplace(net, lik, mean, x, y, prior_precision=alpha, structure="diag")
+    assert abs(diag.log_marginal_likelihood() - exact) > 1e-3
 
 
-@pytest.mark.parametrize("structure", ["diag", "kfac"])
-def test_optimised_prior_precision_is_mackays_fixed_point(structure):
-    """At the maximum of the evidence in alpha (theta* fixed): alpha |theta*|^2 = gamma, the effective
-    number of parameters sum_i N lambda_i / (N lambda_i + alpha), and the evidence is below it on either side."""
+@pytest.mark.parametrize("structure", ["diag", "kfac", "dense"])
+def test_optimised_prior_precision_is_near_mackays_fixed_point(structure):
+    """laplace-torch's optimiser (100 Adam steps on log alpha, its defaults) ends near the maximum of the
+    evidence in alpha (theta* fixed), where alpha |theta*|^2 = gamma, the effective number of parameters
+    sum_i lambda_i / (lambda_i + alpha): measured within 0.4 % on this network; the bar is 2 %."""
     fit = _mlp_fit(structure)
-    log_lik = -100.0
-    alpha = baselines.optimise_prior_precision(fit)
-    eig = fit.ggn_eigenvalues()
+    best = fit.optimise_prior_precision()
+    eig, alpha = best.ggn_eigenvalues(), best.prior_precision
     gamma = float((eig / (eig + alpha)).sum())
-    assert alpha * float(fit.mean.square().sum()) == pytest.approx(gamma, rel=1e-6)
-    best = fit.with_prior_precision(alpha).log_marginal_likelihood(log_lik)
-    for factor in (0.9, 1.1):
-        assert fit.with_prior_precision(alpha * factor).log_marginal_likelihood(log_lik) < best
+    assert gamma / (alpha * float(fit.mean.square().sum())) == pytest.approx(1.0, abs=0.02)
+    assert fit.prior_precision == 0.5  # the fit it started from keeps its prior
+    for factor in (0.5, 2.0):
+        assert best.with_prior_precision(alpha * factor).log_marginal_likelihood() < best.log_marginal_likelihood()
 
 
 def _dropout_net(p=0.3, seed=0):

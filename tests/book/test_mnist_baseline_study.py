@@ -174,8 +174,9 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     np.testing.assert_allclose(tables["three"].sum(axis=1), 1, rtol=1e-6)
     lap = tables["laplace"]
     assert lap.loc[("diag", "wd"), "prior_precision"] == mbs.weight_decay_prior(cfg) == 60 * cfg["map_weight_decay"]
-    for structure in ("diag", "kfac"):  # the evidence's alpha has the larger log evidence
+    for structure in ("diag", "kfac"):  # the evidence's alpha has the larger log evidence, near MacKay's fixed point
         assert lap.loc[(structure, "evidence"), "log_evidence"] >= lap.loc[(structure, "wd"), "log_evidence"]
+        assert lap.loc[(structure, "evidence"), "mackay_ratio"] == pytest.approx(1.0, abs=0.05)
     assert all(study["evals"][n]["n_samples"] == cfg["n_chains"] for n in mbs.method_names(cfg) if n.startswith("Lap"))
     assert study["evals"]["Ensemble (2)"]["n_samples"] == 2
     assert not math.isnan(tables["scores"].loc["Laplace-kfac (wd)", "logits_variance"])
