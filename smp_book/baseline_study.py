@@ -7,7 +7,8 @@ methods used in practice. On the toy example NUTS gives the local Bayesian poste
 * ``MAP``: the maximum of the same posterior, found by L-BFGS from NUTS-mean (NUTS's basin);
 * ``Laplace-<structure>``: ``N(MAP, (N GGN + I)^-1)`` with the prior's precision 1 and the GGN restricted
   to ``diag``, ``block``, ``kfac`` or ``dense`` (the SMP preconditioner structures; laplace-torch's
-  ``diag``, ``kron`` and ``full``, the book's own ``block``: :func:`smp_book.baselines.fit_laplace`),
+  ``diag``, ``kron`` and ``full``, the book's own ``block``: :func:`smp_book.baselines.fit_laplace`;
+  laplace-torch's ``kron`` keeps each layer's bias in a block of its own, SMP's ``kfac`` does not),
   predicting with the network linearised at the MAP (:func:`smp_book.baselines.linearised_logits`);
   ``Laplace-dense-nn`` predicts with the network itself at the same draws;
 * ``Ensemble``: MAPs of the same posterior from random starts (a deep ensemble with the prior as weight

@@ -10,9 +10,10 @@ categorical or Gaussian likelihood, in the structures of the SMP preconditioners
   Gaussian prior ``N(0, alpha^-1 I)`` the MAP was fitted under (MacKay 1992; Ritter, Botev and Barber
   2018 for KFAC; Daxberger et al. 2021). ``diag``, ``kfac`` and ``dense`` are laplace-torch's
   (``Laplace(model, likelihood, subset_of_weights="all", hessian_structure=...)``, as its users run it,
-  with its evidence and its prior-precision optimisation, :class:`TorchLaplace`); ``block`` (one dense
-  block per parameter tensor, an SMP preconditioner structure that laplace-torch lacks) is this module's
-  own (:class:`BlockLaplace`), tested equal to the blocks of laplace-torch's ``full``.
+  with its evidence and its prior-precision optimisation, :class:`TorchLaplace`); its ``kron`` keeps a
+  layer's bias in a block of its own (SMP's ``kfac`` folds it into the layer's ``G (x) A``). ``block``
+  (one dense block per parameter tensor, an SMP preconditioner structure that laplace-torch lacks) is
+  this module's own (:class:`BlockLaplace`), tested equal to the blocks of laplace-torch's ``full``.
 * :func:`linearised_logits`: the "GLM" predictive of Immer, Korzepa and Bauer (2021): a sample's
   logits are ``g(x, theta_MAP) + J(x) (theta - theta_MAP)``, the network linearised at the MAP, the
   model whose exact Laplace approximation is the dense GGN one (the other structures approximate
@@ -84,7 +85,11 @@ class TorchLaplace:
         return replace(self, prior_precision=float(prior_precision))
 
     def _set_prior(self) -> None:
-        self.la.prior_precision = self.prior_precision
+        """Put this object's prior into the shared ``la`` (only when it differs: setting it drops the
+        factorisation ``la`` keeps for the draws)."""
+        current = self.la.prior_precision.reshape(-1)
+        if current.numel() != 1 or float(current[0]) != self.prior_precision:
+            self.la.prior_precision = self.prior_precision
 
     def sample(self, n_samples: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """``(n_samples, d)`` draws from ``N(theta_MAP, P^-1)``, ``P`` laplace-torch's posterior precision:
@@ -112,11 +117,12 @@ class TorchLaplace:
 
     def ggn_eigenvalues(self) -> torch.Tensor:
         """The eigenvalues of the GGN summed over the training set, in laplace-torch's structure (float64):
-        the diagonal for ``diag``, the products of the Kronecker factors' eigenvalues for ``kron``, those
-        of the matrix for ``full``. ``P``'s are these plus ``alpha``."""
-        h = self.la.H
+        the diagonal for ``diag``, the products of the Kronecker factors' eigenvalues for ``kron`` (a
+        bias's block has one factor), those of the matrix for ``full``; times laplace-torch's factor
+        ``1 / sigma^2`` of a Gaussian likelihood. ``P``'s are these plus ``alpha``."""
+        h, factor = self.la.H, float(self.la._H_factor)
         if self.structure == "diag":
-            return h.detach().double()
+            return factor * h.detach().double()
         if self.structure == "kfac":
             parts = []
             for values in h.eigenvalues:
@@ -124,8 +130,8 @@ class TorchLaplace:
                 for more in values[1:]:
                     block = (block[:, None] * more.double()[None, :]).reshape(-1)
                 parts.append(block)
-            return torch.cat(parts).clamp_min(0)
-        return torch.linalg.eigvalsh(h.detach().double()).clamp_min(0)
+            return factor * torch.cat(parts).clamp_min(0)
+        return factor * torch.linalg.eigvalsh(h.detach().double()).clamp_min(0)
 
     def optimise_prior_precision(self, **options) -> TorchLaplace:
         """The prior precision that maximises the evidence, found as laplace-torch's users find it:
@@ -300,12 +306,20 @@ def _laplace_torch(model, lik, theta_map, x, y, structure, prior_precision, inpu
         raise ValueError(f"no laplace-torch likelihood for {lik.name!r}")
     la = Laplace(net, kind, subset_of_weights="all", hessian_structure=LAPLACE_TORCH[structure],
                  prior_precision=prior_precision, **options)
-    default = torch.get_default_dtype()
-    try:  # laplace-torch forms the full GGN as linop @ eye(d) in the default dtype: keep the network's
-        torch.set_default_dtype(la._dtype)  # float64 throughout (in float32 it is off by ~4e-8 relative)
+    dtype, device = torch.get_default_dtype(), torch.get_default_device()
+    try:  # laplace-torch forms the full GGN as linop @ eye(d) with the default dtype and device: the
+        torch.set_default_dtype(la._dtype)  # network's, so that a float64 GGN is float64 throughout (in
+        torch.set_default_device(la._device)  # float32 it is off by ~4e-8 relative) and a GPU's stays there
         la.fit(DataLoader(TensorDataset(x, y), batch_size=batch_size))
+    except SystemExit as exc:  # laplace-torch calls exit() when it cannot eigendecompose a Kronecker factor
+        raise ValueError("the GGN at theta_map is not finite (laplace-torch could not eigendecompose its "
+                         "Kronecker factors; does the network overflow at theta_map?)") from exc
     finally:
-        torch.set_default_dtype(default)
+        torch.set_default_dtype(dtype)
+        torch.set_default_device(device)
+    curvature = la.H_facs.kfacs if structure == "kfac" else [[la.H]]
+    if not all(bool(torch.isfinite(t).all()) for factors in curvature for t in factors):
+        raise ValueError("the GGN at theta_map is not finite (does the network overflow at theta_map?)")
     return TorchLaplace(la, structure, prior_precision)
 
 

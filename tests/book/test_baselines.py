@@ -266,6 +266,45 @@ def test_spectrum_matches_the_formed_precision(structure):
     torch.testing.assert_close(_precision(other), _precision(fit) + shift, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("structure", ["diag", "kfac", "dense"])
+def test_spectrum_of_a_gaussian_likelihood_counts_its_sigma(structure):
+    """laplace-torch keeps J^T J and multiplies by 1 / sigma^2 only in the precision: the eigenvalues
+    must carry it (sigma = 0.7 here)."""
+    x, y, net, mean, _, _ = _linear_posterior(sigma=0.7)
+    fit = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=0.7), mean, x, y, prior_precision=2.0,
+                                structure=structure)
+    expected = torch.linalg.eigvalsh(_precision(fit))
+    torch.testing.assert_close(torch.sort(fit.ggn_eigenvalues() + 2.0).values, expected, rtol=1e-9, atol=1e-9)
+
+
+def test_a_non_finite_ggn_is_refused():
+    """A network that overflows at theta_map has no GGN there: said, not turned into the prior."""
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3))
+    x = torch.randn(20, 2, generator=torch.Generator().manual_seed(0))
+    theta = torch.full((as_chain_model(net).layout.dim,), 3e38)
+    for structure in ("diag", "kfac", "dense"):
+        with pytest.raises(ValueError, match="GGN at theta_map is not finite"):
+            baselines.fit_laplace(net, "categorical", theta, x, torch.zeros(20, dtype=torch.long), prior_precision=1.0,
+                                  structure=structure)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("structure", ["diag", "kfac", "dense"])
+def test_laplace_torch_draws_on_cuda_equal_those_on_the_cpu(structure):
+    """z is drawn on the CPU: the same seed gives the same draws from a fit on a GPU (up to the GGN's
+    rounding there)."""
+    fit = _mlp_fit(structure)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(150, 2, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (150,), generator=g)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 3)).double().cuda()
+    cuda = baselines.fit_laplace(net, "categorical", fit.mean.cuda(), x.cuda(), y.cuda(), prior_precision=0.5,
+                                 structure=structure)
+    b = cuda.sample(7, torch.Generator().manual_seed(3))
+    assert b.device.type == "cuda"
+    torch.testing.assert_close(b.cpu(), fit.sample(7, torch.Generator().manual_seed(3)), rtol=1e-7, atol=1e-9)
+
+
 def _cnn_fit(structure, n=80, seed=12):
     """A Laplace fit of a small categorical CNN (a convolution, then a linear layer) at a random point."""
     g = torch.Generator().manual_seed(seed)
@@ -368,7 +407,11 @@ def test_optimised_prior_precision_is_near_mackays_fixed_point(structure):
     eig, alpha = best.ggn_eigenvalues(), best.prior_precision
     gamma = float((eig / (eig + alpha)).sum())
     assert gamma / (alpha * float(fit.mean.square().sum())) == pytest.approx(1.0, abs=0.02)
-    assert fit.prior_precision == 0.5  # the fit it started from keeps its prior
+    # the fit it started from keeps its prior's evidence and draws, though the two share laplace-torch's object
+    again = _mlp_fit(structure)
+    assert fit.log_marginal_likelihood() == again.log_marginal_likelihood()
+    torch.testing.assert_close(fit.sample(3, torch.Generator().manual_seed(1)),
+                               again.sample(3, torch.Generator().manual_seed(1)), rtol=0, atol=0)
     for factor in (0.5, 2.0):
         assert best.with_prior_precision(alpha * factor).log_marginal_likelihood() < best.log_marginal_likelihood()
 
