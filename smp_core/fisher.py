@@ -436,7 +436,7 @@ def diagonal_fisher_by_layers(
     """``diag((1/n) sum_i sum_c v_ic v_ic^T)`` for every row of ``theta``: the empirical Fisher
     (``v_i = s_i = grad log f_theta(y_i | x_i)``, needs ``y``) or the model-expected one (``kind="model"``,
     ``v_ic = J_i^T L_i[:, c]``, one backward pass per column ``c`` of the output Fisher's factor; the
-    diagonal of the GGN of :func:`smp_book.baselines.fit_laplace`).
+    diagonal of the generalised Gauss-Newton matrix).
 
     Exact, for networks whose parameters all belong to ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``)
     layers that each run once per input (the eq. of Section 3.3.3). Per chain and per batch of
