@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 import shutil
@@ -201,28 +202,82 @@ class Context:
         return res
 
 
+# Where the load seen by each study's computations is kept across sessions (:class:`_LoadMonitor`).
+LOADS = Path(".cache") / "loads"
+
+
 class _LoadMonitor:
-    """The highest one-minute load average seen while a study computes (sampled every 20 s), so that
-    a timing taken while other work ran is marked as such."""
+    """The highest one-minute load average above the torch threads seen while a study computes
+    (sampled every 20 s), so that a timing taken while other work ran is marked as such.
+
+    With ``record`` (a JSON file), the highest such excess of every session that computed the same
+    study at the same scale with the same code is kept there, from the moment it passes ``BUSY``: a long
+    run resumed from its checkpoints in a later session sums the seconds of all of them (up to each
+    one's last checkpoint), so its timings are marked when any of those sessions shared the machine, even
+    one that was killed. Conservative by design: the record outlives a change of settings and a cleared
+    cache. Its limit: runs cached under ``.cache/`` and shared with another study (the MNIST chapter's
+    with the MAP-seeds chapter's, say) carry only the record of the studies that computed them. The
+    record never stops a study: one that cannot be read or written is ignored."""
+
+    BUSY = 0.75  # load above the threads that marks a timing
+
+    def __init__(self, threads: int, record: Path | None = None):
+        self.threads, self.record = threads, record
+        self.excess, self.busy_threads = self._recorded()
+
+    def _recorded(self) -> tuple[float, int]:
+        try:
+            stored = json.loads(self.record.read_text()) if self.record else {}
+            excess, threads = float(stored["excess"]), int(stored["threads"])
+            return (excess, threads) if math.isfinite(excess) else (-math.inf, self.threads)
+        except (OSError, ValueError, KeyError, TypeError):
+            return -math.inf, self.threads
+
+    def _see(self, load: float) -> None:
+        with self._lock:
+            if load - self.threads > self.excess:
+                self.excess, self.busy_threads = load - self.threads, self.threads
+            if self.record is None or self.excess <= self.BUSY:
+                return
+            try:  # the highest of this session and any other's since, written whole
+                excess, threads = self._recorded()
+                if excess > self.excess:
+                    self.excess, self.busy_threads = excess, threads
+                elif excess < self.excess:
+                    self.record.parent.mkdir(parents=True, exist_ok=True)
+                    part = self.record.with_name(f"{self.record.name}.{os.getpid()}")
+                    part.write_text(json.dumps({"excess": self.excess, "threads": self.busy_threads}))
+                    os.replace(part, self.record)
+            except OSError:
+                pass
+
+    @property
+    def note(self) -> str | None:
+        """The manifest's timing note, or ``None`` when no session that computed the study was busy."""
+        if self.excess <= self.BUSY:
+            return None
+        return (f"other work ran: load average up to {self.excess:.1f} above the {self.busy_threads} thread(s) "
+                "in a session that computed it; its timings are not for comparisons")
 
     def __enter__(self):
-        import os
         import threading
 
-        self.peak = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-        self._stop = threading.Event()
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = None
+        if hasattr(os, "getloadavg"):
+            self._see(os.getloadavg()[0])
 
-        def watch():
-            while not self._stop.wait(20):
-                self.peak = max(self.peak, os.getloadavg()[0])
+            def watch():
+                while not self._stop.wait(20):
+                    self._see(os.getloadavg()[0])
 
-        self._thread = threading.Thread(target=watch, daemon=True) if hasattr(os, "getloadavg") else None
-        if self._thread:
+            self._thread = threading.Thread(target=watch, daemon=True)
             self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
+        self._see(-math.inf)  # takes up what another process recorded meanwhile
         return False
 
 
@@ -270,14 +325,14 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
     scratch.mkdir(parents=True)
     ctx = Context(study, scale, config, scratch, root, use_cache=use_cache, progress=progress)
     module = importlib.import_module(STUDIES[study])
+    threads = environment()["torch_threads"]
+    record = Path(LOADS) / f"{scale}-{study}-{code_hash(STUDIES[study])}.json" if use_cache else None
     started = time.perf_counter()
-    with _LoadMonitor() as load:
+    with _LoadMonitor(threads, record) as load:
         module.compute(ctx)
     wall = time.perf_counter() - started
-    threads = environment()["torch_threads"]
-    if load.peak > threads + 0.75:
-        ctx.manifest.setdefault("timing_note", f"other work ran: load average up to {load.peak:.1f} "
-                                               f"on {threads} thread(s); not for comparisons")
+    if load.note:
+        ctx.manifest.setdefault("timing_note", load.note)
     (scratch / "values.json").write_text(json.dumps(_canonical(ctx.values), indent=2))
     extra = _canonical(ctx.manifest)
     write_manifest(scratch, _canonical(config), extra.pop("seeds", {}), wall, format=FORMAT, study=study,

@@ -46,13 +46,14 @@ def _fake_study(name, shift=0.0, fail=False, verdict="holds"):
 
 
 @pytest.fixture
-def fake(monkeypatch):
+def fake(monkeypatch, tmp_path):
     def install(**kw):
         monkeypatch.setitem(sys.modules, "fake_study", _fake_study("fake_study", **kw))
     install()
     monkeypatch.setattr(chapters, "STUDIES", {"fake": "fake_study"})
     monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
     monkeypatch.setattr(chapters, "code_hash", lambda module: "c0de")
+    monkeypatch.setattr(chapters, "LOADS", tmp_path / "loads")
     CALLS.clear()
     return install
 
@@ -271,3 +272,42 @@ def test_another_scales_results_are_read_when_there_and_their_arrival_makes_a_re
     monkeypatch.setenv(chapters.READ_ONLY, "1")
     with pytest.raises(RuntimeError, match="the ../paper/fake results it read have been recomputed since"):
         chapters.results("reader", "ci", root=tmp_path)
+
+
+def test_timings_are_marked_when_any_session_that_computed_them_shared_the_machine(fake, tmp_path, monkeypatch):
+    """A run resumed from checkpoints sums the seconds of every session: one with a high load, even one
+    killed before it finished, marks the timings of the session that completes the study alone."""
+    threads = chapters.environment()["torch_threads"]
+    loads = iter([threads + 3.0] + [0.0] * 1000)
+    monkeypatch.setattr(chapters.os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    fake(fail=True)
+    with pytest.raises(RuntimeError, match="interrupted"):  # a busy session, killed
+        chapters.results("fake", "ci", root=tmp_path / "busy")
+    fake()  # the session that completes it sees an idle machine
+    res = chapters.results("fake", "ci", root=tmp_path / "busy")
+    assert f"other work ran: load average up to 3.0 above the {threads} thread(s)" in res.manifest["timing_note"]
+    monkeypatch.setattr(chapters, "LOADS", tmp_path / "other-loads")  # no busy session recorded
+    assert "timing_note" not in chapters.results("fake", "ci", root=tmp_path / "idle").manifest
+
+
+def test_the_load_record_keeps_the_highest_and_never_stops_a_study(tmp_path, monkeypatch):
+    monkeypatch.setattr(chapters.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # the loads come from _see
+    record = tmp_path / "loads" / "x.json"
+    with chapters._LoadMonitor(2, record) as first:
+        first._see(2.5)  # not busy: nothing recorded
+        assert not record.exists() and first.note is None
+        first._see(5.0)  # a rise after the start is saved
+    assert json.loads(record.read_text()) == {"excess": 3.0, "threads": 2}
+    with chapters._LoadMonitor(4, record) as later:  # a lower session keeps the higher record and its threads
+        later._see(5.0)
+    assert json.loads(record.read_text()) == {"excess": 3.0, "threads": 2}
+    assert "up to 3.0 above the 2 thread(s)" in later.note
+    for broken in ("{", '{"excess": NaN, "threads": 2}', '{"excess": "high"}'):  # unreadable: ignored
+        record.write_text(broken)
+        with chapters._LoadMonitor(2, record) as monitor:
+            pass
+        assert monitor.note is None
+    (tmp_path / "file").write_text("")
+    with chapters._LoadMonitor(2, tmp_path / "file" / "x.json") as monitor:  # unwritable: still watched
+        monitor._see(9.0)
+    assert "up to 7.0" in monitor.note
