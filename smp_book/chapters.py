@@ -326,7 +326,7 @@ def compute(study: str, scale: str, root: str | Path = "results", use_cache: boo
     ctx = Context(study, scale, config, scratch, root, use_cache=use_cache, progress=progress)
     module = importlib.import_module(STUDIES[study])
     threads = environment()["torch_threads"]
-    record = Path(LOADS) / f"{scale}-{study}-{code_hash(STUDIES[study])}.json" if use_cache else None
+    record = LOADS / f"{scale}-{study}-{code_hash(STUDIES[study])}.json" if use_cache else None
     started = time.perf_counter()
     with _LoadMonitor(threads, record) as load:
         module.compute(ctx)
