@@ -418,6 +418,50 @@ def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.
     return pd.DataFrame(cols, index=rows)
 
 
+def paper_scale_choices(run: Results) -> str:
+    """The two settings of ours in an MNIST run at the paper scale (``run``: its :class:`Results`), in
+    words from its manifest and values: which MAP starts the chains (the rule, the candidates' validation
+    losses and the one chosen) and how many validation images the periodic Fisher uses (the paper: all)."""
+    config, values = run.config, run.values
+    n_val, n_fisher = config["n_val"], config.get("n_fisher_periodic") or config["n_val"]
+    seeds = config.get("select_map_from_seeds")
+    if seeds and run.has("map_candidates"):
+        candidates = run.table("map_candidates")
+        losses = ", ".join(f"{int(s)}: {v:.4f}" for s, v in zip(candidates["seed"], candidates["val_loss"],
+                                                                    strict=True))
+        start = (f"The chains start from the MAP of seed {values['map_seed']}, the lowest validation loss after "
+                 f"the last epoch among the seeds {', '.join(map(str, seeds))} ({losses}), a rule fixed before "
+                 "any SMP run (the paper names no seed).")
+    else:
+        start = f"The chains start from the MAP of seed {values['map_seed']} (the paper names no seed)."
+    fisher = ("The periodic Fisher is recomputed on all "
+              f"{n_val:,} validation images, as in the paper." if n_fisher >= n_val else
+              f"The periodic Fisher is recomputed on the first {n_fisher:,} of the {n_val:,} validation images "
+              "(the paper: all of them).")
+    return f"{start} {fisher}"
+
+
+def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | None = None) -> pd.DataFrame:
+    """The tail chapter's table ``beside`` (rows ``(method, sampler)``; columns NLL, ECE, MI, logit
+    variance, accuracy) with one more row per method: the recursion itself at the paper scale (``run``,
+    the MNIST chapter's results there, first replicate's means), labelled with its ``K`` and, when it
+    started from another MAP than the tail's (``map_seed``), with its MAP's seed."""
+    columns = {"NLL": ("scores_mean", "nll"), "ECE": ("scores_mean", "ece"), "MI": ("scores_mean", "mutual_info"),
+               "logit variance": ("variances_mean", "logits_variance"), "accuracy": ("scores_mean", "accuracy")}
+    tables = {name: run.table(name) for name in {t for t, _ in columns.values()}}
+    other_map = map_seed is not None and run.values.get("map_seed") != map_seed
+    label = (f"recursion at the paper scale (K = {run.config['n_steps']:,}"
+             + (f", MAP of seed {run.values.get('map_seed')})" if other_map else ")"))
+    rows = []
+    for method in beside.index.get_level_values("method").unique():
+        rows.append(beside.loc[[method]])
+        if method in tables["scores_mean"].index:
+            cells = {c: tables[t].loc[method, col] for c, (t, col) in columns.items() if c in beside.columns}
+            rows.append(pd.DataFrame([cells], index=pd.MultiIndex.from_tuples([(method, label)],
+                                                                               names=beside.index.names)))
+    return pd.concat(rows)
+
+
 def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
     """``df`` for display: floats rounded to ``digits`` decimals (``significant=True``: to ``digits``
     significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)

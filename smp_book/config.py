@@ -103,7 +103,7 @@ def _growth(scale: str, **changes: Any) -> dict[str, Any]:
 
 
 MNIST_GROWTH: dict[str, dict[str, Any]] = {
-    "paper": _growth("paper", growth_steps=_GROWTH_GRID),  # the paper's S and K: meant for a GPU
+    "paper": _growth("paper", growth_steps=_GROWTH_GRID),  # the paper's S and K: hours, best on a GPU
     # laptop: 10 chains (jackknife errors over them) to K = 10^5, about 13 minutes on 2 cores; the
     # periodic Fisher's recomputation (every T = 500 steps, 500 images) is most of that time.
     "laptop": _growth("laptop", n_chains=10, growth_steps=_GROWTH_GRID[:5]),

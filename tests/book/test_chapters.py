@@ -200,6 +200,50 @@ def test_beside_scales_puts_the_paper_then_each_scale_per_column():
         chapters.beside_scales(paper, {})
 
 
+
+def test_paper_scale_choices_name_the_map_rule_and_the_fisher_subset(tmp_path):
+    def run(config, values, candidates=None):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        tables = {}
+        if candidates is not None:
+            candidates.to_csv(folder / "map_candidates.csv", index=False)
+            tables["map_candidates"] = {"index": 0, "header": 1}
+        (folder / "manifest.json").write_text(json.dumps({"config": config, "tables": tables}))
+        (folder / "values.json").write_text(json.dumps(values))
+        return chapters.Results(folder)
+
+    chosen = run({"n_val": 6000, "n_fisher_periodic": 1000, "select_map_from_seeds": [7, 107]}, {"map_seed": 107},
+                 pd.DataFrame({"seed": [7, 107], "val_loss": [0.05, 0.04]}))
+    text = chapters.paper_scale_choices(chosen)
+    assert "seed 107" in text and "7: 0.0500, 107: 0.0400" in text
+    assert "first 1,000 of the 6,000 validation images" in text
+    plain = chapters.paper_scale_choices(run({"n_val": 6000, "n_fisher_periodic": None}, {"map_seed": 7}))
+    assert "seed 7" in plain and "all 6,000 validation images, as in the paper" in plain
+
+
+def test_the_tail_table_gets_the_paper_scale_recursion_under_each_method(tmp_path):
+    methods = pd.Index(["MAP", "SMP-none"], name="method")
+    scores = pd.DataFrame({"nll": [0.03, 0.04], "ece": [0.01, 0.02], "mutual_info": [0.0, 0.5],
+                           "accuracy": [0.99, 0.98]}, index=methods)
+    variances = pd.DataFrame({"params_variance": [np.nan, 1e-4], "logits_variance": [np.nan, 7.0]}, index=methods)
+    scores.to_csv(tmp_path / "scores_mean.csv")
+    variances.to_csv(tmp_path / "variances_mean.csv")
+    layout = {"index": 1, "header": 1}
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"n_steps": 1_000_000},
+                                                        "tables": {"scores_mean": layout, "variances_mean": layout}}))
+    (tmp_path / "values.json").write_text(json.dumps({"map_seed": 2426}))
+    run = chapters.Results(tmp_path)
+    beside = pd.DataFrame({"MI": [0.2, 0.1, 0.3], "logit variance": [1.0, 0.5, 2.0]},
+                          index=pd.MultiIndex.from_tuples([("SMP-none", "paper"), ("SMP-none", "recursion"),
+                                                           ("SMP-none", "tail")], names=["method", "sampler"]))
+    table = chapters.with_paper_scale_rows(beside, run, map_seed=2026)
+    label = "recursion at the paper scale (K = 1,000,000, MAP of seed 2426)"
+    assert list(table.index) == [*beside.index, ("SMP-none", label)]
+    assert table.loc[("SMP-none", label), "MI"] == 0.5 and table.loc[("SMP-none", label), "logit variance"] == 7.0
+    same = chapters.with_paper_scale_rows(beside, run, map_seed=2426)  # the same MAP: no seed in the label
+    assert same.index[-1] == ("SMP-none", "recursion at the paper scale (K = 1,000,000)")
+
 def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
     from smp_book.chapters import benchmark_table
 
