@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from .mnist_claims import all_claims
 from .paper import paper_table
 
 SOURCES = ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_baselines", "mnist_seeds",
@@ -73,14 +74,15 @@ def claims(ctx, toy, mnist, mnist_here=None) -> pd.DataFrame:
     paper scale's results where they exist); ``mnist_here``, when given, is this scale's MNIST chapter, whose
     verdict each MNIST row's evidence adds."""
     toy_claims = toy.table("claims").assign(section="3.2 toy", chapter="toy", scale=toy.manifest.get("scale"))
-    mnist_claims = mnist.table("claims").assign(section="3.3 MNIST", chapter="mnist", scale=mnist.manifest.get("scale"))
+    mnist_claims = all_claims(mnist).assign(section="3.3 MNIST", chapter="mnist",
+                                                      scale=mnist.manifest.get("scale"))
     combined = _periodic_least(ctx, mnist_claims)
     periodic = mnist_claims["claim"].str.startswith(PERIODIC_CLAIM)
     for key, value in combined.items():
         mnist_claims.loc[periodic, key] = value
     mnist_claims.loc[periodic, "chapter"] = "mnist, mnist_seeds, mnist_growth"
     if mnist_here is not None:
-        here = mnist_here.table("claims").set_index("claim")["verdict"]
+        here = all_claims(mnist_here).set_index("claim")["verdict"]
         mnist_claims["evidence"] = [
             f"{e}; at the {mnist_here.manifest.get('scale')} scale: {here.get(c, 'not judged')}"
             for c, e in zip(mnist_claims["claim"], mnist_claims["evidence"], strict=True)]

@@ -78,15 +78,32 @@ def test_the_mnist_claims_come_from_the_paper_scale_when_it_is_there():
                                             "evidence": ["e"]}), "scores_mean": scores},
                    "laptop", values={"r_ratio": 0.09}, config={"n_steps": 5000})
 
-    def mnist(scale, verdict):
+    def mnist(scale, verdict, scores=None):
+        from smp_book.paper import paper_table
+
+        p3 = {"MAP": 0.9, "SMP-none": 0.9, "SMP-fixed-diag": 0.2, "SMP-ema-diag": 0.4, "SMP-periodic-diag": 0.6}
+        ambiguous = pd.DataFrame({m: [(1 - p) / 9] * 3 + [p] + [(1 - p) / 9] * 6 for m, p in p3.items()},
+                                 index=[str(c) for c in range(10)]).T  # as the paper describes its 3
         table = _claims(verdict).assign(criterion="c")
-        return _Results({"claims": table}, scale, values={"fisher_zero_fraction": 0.6})
+        return _Results({"claims": table, "scores_mean": paper_table("ex2_scores") if scores is None else scores,
+                         "variances_mean": paper_table("ex2_variances"), "ambiguous_three": ambiguous,
+                         "elapsed_mean": paper_table("ex2_elapsed")}, scale, values={"fisher_zero_fraction": 0.6})
 
     judged = claims(_Nothing(), toy, mnist("paper", "does not hold"), mnist("laptop", "holds"))
     row = judged[judged["claim"].str.startswith("Periodic")].iloc[0]
     assert row["verdict"] == "does not hold" and row["scale"] == "paper"
     assert row["evidence"].endswith("at the laptop scale: holds")
     assert set(judged.loc[judged["section"] == "3.2 toy", "scale"]) == {"laptop"}
+    # the further claims of Section 3.3, judged from the same tables, with this scale's verdict beside
+    paper_scale_scores = mnist("paper", "holds").table("scores_mean")
+    reordered = paper_scale_scores.copy()
+    reordered.loc["SMP-ema-diag", "mutual_info"] = 5.0  # EMA disperses most at this scale
+    judged = claims(_Nothing(), toy, mnist("paper", "holds", paper_scale_scores.copy()),
+                    mnist("laptop", "holds", reordered))
+    row = judged[judged["claim"].str.startswith("Dispersion is largest")].iloc[0]
+    assert row["verdict"] == "holds" and row["scale"] == "paper" and row["chapter"] == "mnist"
+    assert row["evidence"].endswith("at the laptop scale: partly")
+    assert judged["claim"].str.startswith("Calibration").sum() == 1
     alone = claims(_Nothing(), toy, mnist("laptop", "holds"))  # no paper-scale results: this scale's
     row = alone[alone["claim"].str.startswith("Periodic")].iloc[0]
     assert row["scale"] == "laptop" and "at the laptop scale" not in row["evidence"]

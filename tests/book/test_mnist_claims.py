@@ -1,0 +1,109 @@
+"""The further claims of Section 3.3, judged from result tables: the paper's own tables satisfy them,
+and each verdict turns when the number it rests on does."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from smp_book import mnist_claims as mc
+from smp_book.chapters import Results
+from smp_book.paper import paper_table
+
+METHODS = ["MAP", "SMP-none", "SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag"]
+
+
+def _ambiguous(p3: dict[str, float]) -> pd.DataFrame:
+    """Mean class probabilities for a 3: ``p3[m]`` on class 3 and the rest spread evenly over the others."""
+    rows = {m: [(1 - p) / 9] * 3 + [p] + [(1 - p) / 9] * 6 for m, p in p3.items()}
+    return pd.DataFrame(rows, index=[str(c) for c in range(10)]).T
+
+
+AS_PAPER = _ambiguous({"MAP": 0.9, "SMP-none": 0.9, "SMP-fixed-diag": 0.2, "SMP-ema-diag": 0.4,
+                       "SMP-periodic-diag": 0.6})
+
+
+def _judged(scores=None, variances=None, ambiguous=AS_PAPER, elapsed=None, note=None) -> pd.Series:
+    table = mc.further_claims(paper_table("ex2_scores") if scores is None else scores,
+                              paper_table("ex2_variances") if variances is None else variances,
+                              ambiguous, paper_table("ex2_elapsed") if elapsed is None else elapsed, note)
+    keys = {"Dispersion": "Dispersion", "predict worse": "Scores", "Calibration": "Calibration",
+            "Ambiguous": "Ambiguous", "take longer": "Timing"}
+    names = [next(k for w, k in keys.items() if w in claim) for claim in table["claim"]]
+    return pd.Series(table["verdict"].to_numpy(), index=names)
+
+
+def test_the_papers_own_tables_satisfy_the_papers_claims():
+    table = mc.further_claims(paper_table("ex2_scores"), paper_table("ex2_variances"), AS_PAPER,
+                              paper_table("ex2_elapsed"))
+    assert list(table.columns) == ["claim", "criterion", "verdict", "evidence"]
+    assert (table["verdict"] == "holds").all(), table
+
+
+def test_each_verdict_turns_with_its_numbers():
+    scores, variances = paper_table("ex2_scores").copy(), paper_table("ex2_variances").copy()
+    swapped = scores.copy()
+    swapped.loc["SMP-ema-diag", "mutual_info"] = 2.0  # EMA above fixed in MI, not in logit variance
+    assert _judged(scores=swapped)["Dispersion"] == "partly"
+    both = variances.copy()
+    both.loc["SMP-ema-diag", "logits_variance"] = 200.0
+    assert _judged(scores=swapped, variances=both)["Dispersion"] == "does not hold"
+
+    better = scores.copy()
+    better.loc["SMP-periodic-diag", "accuracy"] = 0.99  # periodic more accurate than MAP
+    assert _judged(scores=better)["Scores"] == "partly"
+
+    over = scores.copy()
+    over.loc["SMP-fixed-diag", "ece"] = 0.02  # 1 - accuracy is 0.0163: could all be over-confidence
+    assert mc.underconfidence_bound(0.9837, 0.02) == pytest.approx(0.0037)
+    assert _judged(scores=over)["Calibration"] == "partly"
+
+    flat = _ambiguous({"MAP": 0.9, "SMP-none": 0.9, "SMP-fixed-diag": 0.6, "SMP-ema-diag": 0.4,
+                       "SMP-periodic-diag": 0.2})  # the diagonal order reversed
+    assert _judged(ambiguous=flat)["Ambiguous"] == "partly"
+    moved = _ambiguous({"MAP": 0.9, "SMP-none": 0.5, "SMP-fixed-diag": 0.6, "SMP-ema-diag": 0.4,
+                        "SMP-periodic-diag": 0.2})
+    assert _judged(ambiguous=moved)["Ambiguous"] == "does not hold"
+
+    fast = paper_table("ex2_elapsed").copy()
+    fast.loc["SMP-fixed-diag", "seconds"] = 1000.0
+    judged = mc.further_claims(scores, variances, AS_PAPER, fast, "other work ran")
+    row = judged[judged["claim"].str.contains("longer")].iloc[0]
+    assert row["verdict"] == "partly" and "timing note: other work ran" in row["evidence"]
+
+
+def test_entropy_of_a_uniform_and_of_a_point():
+    assert mc.entropy(pd.Series([0.1] * 10)) == pytest.approx(np.log(10))
+    assert mc.entropy(pd.Series([1.0] + [0.0] * 9)) == 0.0
+
+
+def test_missing_rows_are_named():
+    with pytest.raises(ValueError, match="SMP-ema-diag"):
+        mc.further_claims(paper_table("ex2_scores").drop("SMP-ema-diag"), paper_table("ex2_variances"), AS_PAPER,
+                          paper_table("ex2_elapsed"))
+
+
+def test_from_results_reads_the_chapters_tables(tmp_path):
+    layout = {"index": 1, "header": 1}
+    tables = {"scores_mean": paper_table("ex2_scores"), "variances_mean": paper_table("ex2_variances"),
+              "ambiguous_three": AS_PAPER, "elapsed_mean": paper_table("ex2_elapsed")}
+    for name, df in tables.items():
+        df.to_csv(tmp_path / f"{name}.csv")
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {}, "tables": dict.fromkeys(tables, layout),
+                                                        "timing_note": "busy"}))
+    judged = mc.from_results(Results(tmp_path))
+    assert (judged["verdict"] == "holds").all() and judged["evidence"].iloc[-1].endswith("(timing note: busy)")
+
+
+def test_the_mnist_runs_cache_keys_do_not_depend_on_this_module():
+    from smp_book import results
+
+    todo, seen = [results._BOOK / "mnist_study.py"], set()
+    while todo:
+        path = todo.pop()
+        if path not in seen:
+            seen.add(path)
+            if path.suffix == ".py":
+                todo += sorted(results._imports(path)[0] - seen)
+    assert results._BOOK / "mnist_claims.py" not in seen and len(seen) > 3
