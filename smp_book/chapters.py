@@ -444,10 +444,10 @@ def paper_scale_choices(run: Results) -> str:
 def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | None = None) -> pd.DataFrame:
     """The tail chapter's table ``beside`` (rows ``(method, sampler)``; columns NLL, ECE, MI, logit
     variance, accuracy) with one more row per method: the recursion itself at the paper scale (``run``,
-    the MNIST chapter's results there, first replicate's means), labelled with its ``K`` and, when it
-    started from another MAP than the tail's (``map_seed``), with its MAP's seed."""
-    columns = {"NLL": ("scores_mean", "nll"), "ECE": ("scores_mean", "ece"), "MI": ("scores_mean", "mutual_info"),
-               "logit variance": ("variances_mean", "logits_variance"), "accuracy": ("scores_mean", "accuracy")}
+    the MNIST chapter's results there: its first replicate, as the tail's runs are), labelled with its
+    ``K`` and, when it started from another MAP than the tail's (``map_seed``), with its MAP's seed."""
+    columns = {"NLL": ("scores", "nll"), "ECE": ("scores", "ece"), "MI": ("scores", "mutual_info"),
+               "logit variance": ("variances", "logits_variance"), "accuracy": ("scores", "accuracy")}
     tables = {name: run.table(name) for name in {t for t, _ in columns.values()}}
     other_map = map_seed is not None and run.values.get("map_seed") != map_seed
     label = (f"recursion at the paper scale (K = {run.config['n_steps']:,}"
@@ -455,7 +455,7 @@ def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | No
     rows = []
     for method in beside.index.get_level_values("method").unique():
         rows.append(beside.loc[[method]])
-        if method in tables["scores_mean"].index:
+        if method in tables["scores"].index:
             cells = {c: tables[t].loc[method, col] for c, (t, col) in columns.items() if c in beside.columns}
             rows.append(pd.DataFrame([cells], index=pd.MultiIndex.from_tuples([(method, label)],
                                                                                names=beside.index.names)))

@@ -21,8 +21,10 @@ def _verdict(flags: list[bool]) -> str:
 
 
 def entropy(probs: pd.Series) -> float:
-    """The entropy (nats) of one predictive distribution over the classes."""
+    """The entropy (nats) of one predictive distribution over the classes (NaN if a probability is)."""
     p = probs.to_numpy(dtype=np.float64)
+    if not np.isfinite(p).all():
+        return float("nan")
     p = p[p > 0]
     return float(-(p * np.log(p)).sum())
 
@@ -37,35 +39,45 @@ def underconfidence_bound(accuracy: float, ece: float) -> float:
 
 
 def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.DataFrame,
-                   elapsed: pd.DataFrame, timing_note: str | None = None) -> pd.DataFrame:
+                   elapsed: pd.DataFrame, timing_note: str | None = None, n_test: int | None = None) -> pd.DataFrame:
     """One row per claim (``claim``, ``criterion``, ``verdict``, ``evidence``), as in
     :func:`smp_book.mnist_study.claims`. ``scores``, ``variances`` and ``elapsed`` are the chapter's
     ``*_mean`` tables (rows ``MAP``, ``SMP-none`` and the diagonal variants); ``ambiguous`` its
     ``ambiguous_three`` table (mean class probabilities per method for the ambiguous 3, columns
     ``"0"`` to ``"9"``); ``timing_note``, when the results carry one, is added to the timing claim's
-    evidence (other work shared the machine while some of those seconds were measured)."""
+    evidence (other work shared the machine while some of those seconds were measured). ``n_test``, the
+    number of test images, sets the margin by which an accuracy counts as lower: one binomial standard
+    error of MAP's (none without it). A claim whose numbers are not all finite is "not checked"."""
     missing = [m for m in ("MAP", "SMP-none", *DIAGONAL) if m not in scores.index or m not in variances.index]
     if missing:
         raise ValueError(f"scores and variances need the rows {missing}")
     s, v, rows = scores, variances, []
 
-    def add(claim, criterion, verdict, evidence):
-        rows.append({"claim": claim, "criterion": criterion, "verdict": verdict, "evidence": evidence})
+    def add(claim, criterion, numbers, judge, evidence):
+        finite = all(np.isfinite(np.asarray(x, dtype=np.float64)).all() for x in numbers)
+        rows.append({"claim": claim, "criterion": criterion,
+                     "verdict": _verdict(judge()) if finite else "not checked (a number is missing)",
+                     "evidence": evidence})
 
     mi, logit = s["mutual_info"], v["logits_variance"]
-    ordered = [mi[FIXED] > mi[EMA] > mi[PERIODIC], logit[FIXED] > logit[EMA] > logit[PERIODIC]]
     add("Dispersion is largest for fixed, then EMA, then periodic (MI, logit variance)",
         "MI and logit variance both in that order (partly: one of them)",
-        _verdict(ordered),
+        [mi[list(DIAGONAL)], logit[list(DIAGONAL)]],
+        lambda: [mi[FIXED] > mi[EMA] > mi[PERIODIC], logit[FIXED] > logit[EMA] > logit[PERIODIC]],
         "; ".join(f"{m}: MI {mi[m]:.4g}, logit variance {logit[m]:.4g}" for m in DIAGONAL))
 
-    worse = {}
-    for m in DIAGONAL:
-        worse[m] = all(s.loc[m, "accuracy"] < s.loc[ref, "accuracy"] and
-                       all(s.loc[m, c] > s.loc[ref, c] for c in ("brier", "nll", "ece")) for ref in ("MAP", "SMP-none"))
+    map_accuracy = s.loc["MAP", "accuracy"]
+    margin = float(np.sqrt(map_accuracy * (1 - map_accuracy) / n_test)) if n_test else 0.0
+    metrics = ["accuracy", "brier", "nll", "ece"]
+
+    def worse(m):
+        return all(s.loc[m, "accuracy"] < s.loc[ref, "accuracy"] - margin
+                   and all(s.loc[m, c] > s.loc[ref, c] for c in metrics[1:]) for ref in ("MAP", "SMP-none"))
+
     add("The diagonal variants predict worse than MAP and SMP-none (accuracy, Brier, NLL, ECE)",
-        "for each diagonal variant all four worse than both MAP's and SMP-none's (partly: some variants)",
-        _verdict(list(worse.values())),
+        "for each diagonal variant all four worse than both MAP's and SMP-none's, the accuracy by more than "
+        f"{margin:.4f} (one binomial standard error of MAP's; partly: some variants)",
+        [s.loc[["MAP", "SMP-none", *DIAGONAL], metrics]], lambda: [worse(m) for m in DIAGONAL],
         "; ".join(f"{m}: accuracy {s.loc[m, 'accuracy']:.4f}, Brier {s.loc[m, 'brier']:.4f}, "
                   f"NLL {s.loc[m, 'nll']:.4f}, ECE {s.loc[m, 'ece']:.4f}" for m in DIAGONAL)
         + f" (MAP: {s.loc['MAP', 'accuracy']:.4f}, {s.loc['MAP', 'brier']:.4f}, {s.loc['MAP', 'nll']:.4f}, "
@@ -73,35 +85,35 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
 
     ece = s["ece"]
     under = {m: underconfidence_bound(s.loc[m, "accuracy"], ece[m]) for m in (FIXED, EMA)}
-    calibration = [ece["MAP"] < 0.01 and ece["SMP-none"] < 0.01,
-                   all(ece[m] > 0.05 and under[m] > ece[m] / 2 for m in (FIXED, EMA)),
-                   max(ece["MAP"], ece["SMP-none"]) < ece[PERIODIC] < min(ece[FIXED], ece[EMA])]
     add("Calibration: MAP and SMP-none near the diagonal; fixed and EMA far under-confident; periodic between",
         "ECE < 0.01 for MAP and SMP-none; ECE > 0.05 for fixed and EMA, more than half of it provably "
         "under-confidence (ECE - (1 - accuracy)); periodic's ECE between theirs (partly: some of the three)",
-        _verdict(calibration),
+        [ece, s["accuracy"]],
+        lambda: [ece["MAP"] < 0.01 and ece["SMP-none"] < 0.01,
+                 all(ece[m] > 0.05 and under[m] > ece[m] / 2 for m in (FIXED, EMA)),
+                 max(ece["MAP"], ece["SMP-none"]) < ece[PERIODIC] < min(ece[FIXED], ece[EMA])],
         f"ECE: MAP {ece['MAP']:.4f}, SMP-none {ece['SMP-none']:.4f}, "
         + ", ".join(f"{m} {ece[m]:.4f} (under-confident at least {under[m]:.4f})" for m in (FIXED, EMA))
         + f", {PERIODIC} {ece[PERIODIC]:.4f}")
 
     probs = ambiguous.rename(columns=str)
     classes = [str(c) for c in range(10)]
-    h = {m: entropy(probs.loc[m, classes]) for m in ("MAP", "SMP-none", *DIAGONAL)}
-    sharp = (probs.loc["SMP-none", classes].idxmax() == "3"
-             and abs(probs.loc["SMP-none", "3"] - probs.loc["MAP", "3"]) < 0.05)
-    diffuse = h[FIXED] > h[EMA] > h[PERIODIC] > h["SMP-none"]
-    add("Ambiguous 3: SMP-none sharp on 3 like MAP; fixed most diffuse, then EMA, then periodic",
-        "SMP-none's most probable class is 3, within 0.05 of MAP's probability; entropies of the mean "
+    shown = ("MAP", "SMP-none", *DIAGONAL)
+    h = {m: entropy(probs.loc[m, classes]) for m in shown}
+    add("Ambiguous 3: SMP-none concentrated on 3 like MAP; fixed most diffuse, then EMA, then periodic",
+        "SMP-none gives 3 a probability above 0.5 and within 0.05 of MAP's; entropies of the mean "
         "probabilities fixed > EMA > periodic > SMP-none (partly: one of the two)",
-        _verdict([sharp, diffuse]),
+        [probs.loc[list(shown), classes]],
+        lambda: [probs.loc["SMP-none", "3"] > 0.5 and abs(probs.loc["SMP-none", "3"] - probs.loc["MAP", "3"]) < 0.05,
+                 h[FIXED] > h[EMA] > h[PERIODIC] > h["SMP-none"]],
         f"P(3): MAP {probs.loc['MAP', '3']:.3f}, SMP-none {probs.loc['SMP-none', '3']:.3f}; entropy (nats): "
         + ", ".join(f"{m} {h[m]:.3f}" for m in ("SMP-none", *DIAGONAL)))
 
     sec = elapsed.iloc[:, 0]
-    slower = [sec[m] > sec["SMP-none"] for m in DIAGONAL] + [sec[PERIODIC] == sec[list(DIAGONAL)].max()]
     add("The diagonal variants take longer than SMP-none, periodic (its recomputations) the longest",
         "each diagonal variant's seconds above SMP-none's, and periodic's the largest (partly: some of these)",
-        _verdict(slower),
+        [sec[["SMP-none", *DIAGONAL]]],
+        lambda: [sec[m] > sec["SMP-none"] for m in DIAGONAL] + [sec[PERIODIC] == sec[list(DIAGONAL)].max()],
         "seconds: " + ", ".join(f"{m} {sec[m]:.0f}" for m in ("SMP-none", *DIAGONAL))
         + (f" (timing note: {timing_note})" if timing_note else ""))
     return pd.DataFrame(rows)
@@ -110,7 +122,7 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
 def from_results(res) -> pd.DataFrame:
     """:func:`further_claims` of the MNIST chapter's results ``res`` (:class:`smp_book.chapters.Results`)."""
     return further_claims(res.table("scores_mean"), res.table("variances_mean"), res.table("ambiguous_three"),
-                          res.table("elapsed_mean"), res.manifest.get("timing_note"))
+                          res.table("elapsed_mean"), res.manifest.get("timing_note"), res.config.get("n_test"))
 
 
 def all_claims(res) -> pd.DataFrame:

@@ -227,11 +227,12 @@ def test_the_tail_table_gets_the_paper_scale_recursion_under_each_method(tmp_pat
     scores = pd.DataFrame({"nll": [0.03, 0.04], "ece": [0.01, 0.02], "mutual_info": [0.0, 0.5],
                            "accuracy": [0.99, 0.98]}, index=methods)
     variances = pd.DataFrame({"params_variance": [np.nan, 1e-4], "logits_variance": [np.nan, 7.0]}, index=methods)
-    scores.to_csv(tmp_path / "scores_mean.csv")
-    variances.to_csv(tmp_path / "variances_mean.csv")
+    scores.to_csv(tmp_path / "scores.csv")  # the first replicate's
+    variances.to_csv(tmp_path / "variances.csv")
+    (scores * 0).to_csv(tmp_path / "scores_mean.csv")  # not read: the tails are of the first replicate
     layout = {"index": 1, "header": 1}
-    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"n_steps": 1_000_000},
-                                                        "tables": {"scores_mean": layout, "variances_mean": layout}}))
+    tables = {"scores": layout, "variances": layout, "scores_mean": layout}
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"n_steps": 1_000_000}, "tables": tables}))
     (tmp_path / "values.json").write_text(json.dumps({"map_seed": 2426}))
     run = chapters.Results(tmp_path)
     beside = pd.DataFrame({"MI": [0.2, 0.1, 0.3], "logit variance": [1.0, 0.5, 2.0]},

@@ -58,6 +58,22 @@ def test_each_verdict_turns_with_its_numbers():
     over.loc["SMP-fixed-diag", "ece"] = 0.02  # 1 - accuracy is 0.0163: could all be over-confidence
     assert mc.underconfidence_bound(0.9837, 0.02) == pytest.approx(0.0037)
     assert _judged(scores=over)["Calibration"] == "partly"
+    inaccurate = scores.copy()
+    inaccurate.loc["SMP-fixed-diag", "accuracy"] = 0.3  # its ECE of 0.605 could then be over-confidence
+    assert mc.underconfidence_bound(0.3, 0.605) == 0.0
+    assert _judged(scores=inaccurate)["Calibration"] == "partly"
+    outside = scores.copy()
+    outside.loc["SMP-periodic-diag", "ece"] = 0.8  # periodic no longer between
+    assert _judged(scores=outside)["Calibration"] == "partly"
+
+    # the accuracy must be lower by one binomial standard error of MAP's (0.0011 for 10,000 images)
+    assert (mc.further_claims(scores, variances, AS_PAPER, paper_table("ex2_elapsed"), n_test=10_000)["verdict"]
+            == "holds").all()
+    close = scores.copy()
+    close.loc["SMP-periodic-diag", "accuracy"] = 0.9870
+    assert _judged(scores=close)["Scores"] == "holds"  # no margin without n_test
+    judged = mc.further_claims(close, variances, AS_PAPER, paper_table("ex2_elapsed"), n_test=10_000)
+    assert judged.loc[judged["claim"].str.contains("predict worse"), "verdict"].item() == "partly"
 
     flat = _ambiguous({"MAP": 0.9, "SMP-none": 0.9, "SMP-fixed-diag": 0.6, "SMP-ema-diag": 0.4,
                        "SMP-periodic-diag": 0.2})  # the diagonal order reversed
@@ -65,12 +81,27 @@ def test_each_verdict_turns_with_its_numbers():
     moved = _ambiguous({"MAP": 0.9, "SMP-none": 0.5, "SMP-fixed-diag": 0.6, "SMP-ema-diag": 0.4,
                         "SMP-periodic-diag": 0.2})
     assert _judged(ambiguous=moved)["Ambiguous"] == "does not hold"
+    unsure = _ambiguous({"MAP": 0.48, "SMP-none": 0.45, "SMP-fixed-diag": 0.1, "SMP-ema-diag": 0.2,
+                         "SMP-periodic-diag": 0.3})  # like MAP, but not concentrated on 3
+    assert _judged(ambiguous=unsure)["Ambiguous"] == "partly"
 
     fast = paper_table("ex2_elapsed").copy()
     fast.loc["SMP-fixed-diag", "seconds"] = 1000.0
     judged = mc.further_claims(scores, variances, AS_PAPER, fast, "other work ran")
     row = judged[judged["claim"].str.contains("longer")].iloc[0]
     assert row["verdict"] == "partly" and "timing note: other work ran" in row["evidence"]
+
+
+def test_a_missing_number_leaves_its_claim_not_checked():
+    scores = paper_table("ex2_scores").copy()
+    scores.loc["SMP-ema-diag", "ece"] = np.nan
+    judged = _judged(scores=scores)
+    assert judged["Calibration"].startswith("not checked") and judged["Scores"].startswith("not checked")
+    assert judged["Dispersion"] == "holds"
+    ambiguous = AS_PAPER.copy()
+    ambiguous.loc["SMP-none", "3"] = np.nan
+    assert _judged(ambiguous=ambiguous)["Ambiguous"].startswith("not checked")
+    assert np.isnan(mc.entropy(pd.Series([0.5, np.nan])))
 
 
 def test_entropy_of_a_uniform_and_of_a_point():
