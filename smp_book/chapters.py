@@ -418,6 +418,15 @@ def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.
     return pd.DataFrame(cols, index=rows)
 
 
+def ratio_to_paper(ours: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """Each of our cells over the paper's, on the rows and columns both tables have (``ours``' order):
+    1 is the paper's number. NaN where either is missing or the paper's is 0."""
+    rows = [r for r in ours.index if r in paper.index]
+    columns = [c for c in ours.columns if c in paper.columns]
+    theirs = paper.loc[rows, columns].astype(float)
+    return ours.loc[rows, columns].astype(float) / theirs.where(theirs != 0)
+
+
 def paper_scale_choices(run: Results) -> str:
     """The two settings of ours in an MNIST run at the paper scale (``run``: its :class:`Results`), in
     words from its manifest and values: which MAP starts the chains (the rule, the candidates' validation

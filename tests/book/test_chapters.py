@@ -356,3 +356,13 @@ def test_the_load_record_keeps_the_highest_and_never_stops_a_study(tmp_path, mon
     with chapters._LoadMonitor(2, tmp_path / "file" / "x.json") as monitor:  # unwritable: still watched
         monitor._see(9.0)
     assert "up to 7.0" in monitor.note
+
+
+def test_ratio_to_paper_divides_the_shared_cells_and_leaves_zeros_out():
+    paper = pd.DataFrame({"mi": [0.0, 2.0], "nll": [0.04, 1.0]}, index=["MAP", "SMP-fixed-diag"])
+    ours = pd.DataFrame({"mi": [0.0, 1.0], "nll": [0.05, 0.5], "extra": [1.0, 2.0]},
+                        index=["MAP", "SMP-fixed-diag"])
+    ratio = chapters.ratio_to_paper(ours, paper)
+    assert list(ratio.columns) == ["mi", "nll"]
+    assert ratio.loc["SMP-fixed-diag", "mi"] == 0.5 and ratio.loc["MAP", "nll"] == pytest.approx(1.25)
+    assert np.isnan(ratio.loc["MAP", "mi"])  # the paper's 0
