@@ -152,18 +152,32 @@ def compute(ctx) -> None:
     if tail.has("agreement"):
         agree = tail.table("agreement").astype("Int64")
         ctx.table("toy_tail", agree.astype(object).where(agree.notna(), "none"))
-    mnist_tail = ctx.read("mnist_tail")
-    if mnist_tail.has("ratios") and mnist_tail.has("beside_paper"):
-        ratios = mnist_tail.table("ratios")
-        ratios = ratios.droplevel("tail_from") if "tail_from" in ratios.index.names else ratios
-        beside = mnist_tail.table("beside_paper")["MI"].unstack()
-        ctx.table("mnist_tail", ratios.join(beside))
+    table = tail_table(ctx.read("mnist_tail"), paper)
+    if table is not None:
+        ctx.table("mnist_tail", table)
     if baselines.has("beyond_nuts_noise") and baselines.has("agreement_mean"):
         noise = baselines.table("beyond_nuts_noise")[("mean |p - p_NUTS|", "excess (se)")]
         floor = baselines.table("agreement_mean").loc["NUTS, second chain", "tv_to_nuts"]
         ctx.value("nuts_floor", floor)
         ctx.value("within_nuts_noise", ", ".join(noise[noise < 2].index) or "none")
     regression_tables(ctx, ctx.read("regression"))
+
+
+def tail_table(mnist_tail, paper=None) -> pd.DataFrame | None:
+    """The MNIST tail chapter's check ratios per variant beside its mutual informations (the paper's, the
+    recursion's and the tail's rows), and, where the paper-scale MNIST results ``paper`` are given, the
+    mutual information of the recursion itself run to the paper's K there (its first replicate, as the
+    tails are; the column names its MAP's seed). ``None`` without the tail chapter's tables."""
+    if not (mnist_tail.has("ratios") and mnist_tail.has("beside_paper")):
+        return None
+    ratios = mnist_tail.table("ratios")
+    ratios = ratios.droplevel("tail_from") if "tail_from" in ratios.index.names else ratios
+    table = ratios.join(mnist_tail.table("beside_paper")["MI"].unstack())
+    if paper is not None and paper.has("scores"):
+        label = (f"recursion to {paper.config['n_steps']:,} (paper scale, MAP of seed "
+                 f"{paper.values.get('map_seed', '?')})")
+        table[label] = paper.table("scores")["mutual_info"].reindex(table.index)
+    return table
 
 
 def regression_tables(ctx, regression) -> None:
