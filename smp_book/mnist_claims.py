@@ -128,3 +128,42 @@ def from_results(res) -> pd.DataFrame:
 def all_claims(res) -> pd.DataFrame:
     """The MNIST chapter's own verdicts (its ``claims`` table) followed by :func:`from_results`'s."""
     return pd.concat([res.table("claims"), from_results(res)], ignore_index=True)
+
+
+def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
+    """Per SMP variant, how far the paper-scale mutual information (``run``: the MNIST chapter's results at
+    the paper scale, first replicate) is from the paper's (``paper_scores``, Table ex2_scores), and what
+    the other results say of that gap:
+
+    - ``ratio``: ours over the paper's;
+    - ``largest chain's share``: of our mutual information (near ``1/S``: the bulk of the chains, not
+      one chain's excursion);
+    - where the MAP-seeds chapter's results ``seeds`` are given (five MAPs, a few replicates each, at a
+      smaller ``K``): ``MAP sd``, the standard deviation of the log mutual information between MAPs
+      there, and ``gap in MAP sds``, the log ratio over it (the paper's MAP is another draw of the
+      MAP); ``growth``, our mutual information over the mean of that chapter's runs from the same MAP
+      (by its seed), beside ``linear growth``, what a fixed Fisher and chains that stay where it holds
+      would give, the ratio of the shares ``1 - r_K^2 / r_0^2`` of the limiting variance at the two K
+      (:func:`smp_core.recursion.residual_variance_ratio`).
+    """
+    from smp_core.recursion import residual_variance_ratio
+
+    scores, tails = run.table("scores"), run.table("tails")
+    methods = [m for m in scores.index if m != "MAP" and m in paper_scores.index]
+    ours, theirs = scores.loc[methods, "mutual_info"], paper_scores.loc[methods, "mutual_info"].astype(float)
+    table = pd.DataFrame({"paper": theirs, "paper scale": ours, "ratio": ours / theirs.where(theirs != 0),
+                          "largest chain's share": tails.loc[methods, "mi_largest_chain_share"]})
+    if seeds is not None and seeds.has("map_or_stream") and seeds.has("per_run") and seeds.has("maps"):
+        spread = seeds.table("map_or_stream")["sd_map"]
+        table["MAP sd"] = [spread.get(f"log {m}", np.nan) for m in methods]
+        table["gap in MAP sds"] = np.log(table["ratio"]) / table["MAP sd"]
+        maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
+        same = maps.index[maps["seed"] == run.values.get("map_seed")]
+        if len(same) == 1:
+            runs = per_run.xs(same[0], level="map")
+            table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns else np.nan for m in methods]
+            n, k_here, k_paper = run.config["n_train"], seeds.config["n_steps"], run.config["n_steps"]
+            table["linear growth"] = ((1 - residual_variance_ratio(n, k_paper))
+                                      / (1 - residual_variance_ratio(n, k_here)))
+    table.index.name = "method"
+    return table

@@ -138,3 +138,43 @@ def test_the_mnist_runs_cache_keys_do_not_depend_on_this_module():
             if path.suffix == ".py":
                 todo += sorted(results._imports(path)[0] - seen)
     assert results._BOOK / "mnist_claims.py" not in seen and len(seen) > 3
+
+
+def _results(folder, tables, config, values=None):
+    folder.mkdir()
+    layouts = {}
+    for name, df in tables.items():
+        df.to_csv(folder / f"{name}.csv")
+        layouts[name] = {"index": df.index.nlevels, "header": 1}
+    (folder / "manifest.json").write_text(json.dumps({"config": config, "tables": layouts}))
+    (folder / "values.json").write_text(json.dumps(values or {}))
+    return Results(folder)
+
+
+def test_paper_scale_gaps_against_the_map_spread_and_the_growth_in_k(tmp_path):
+    from smp_core.recursion import residual_variance_ratio
+
+    methods = pd.Index(["MAP", "SMP-none", "SMP-fixed-diag"], name="method")
+    run = _results(tmp_path / "run", {
+        "scores": pd.DataFrame({"mutual_info": [0.0, 0.0004, 0.94]}, index=methods),
+        "tails": pd.DataFrame({"mi_largest_chain_share": [np.nan, 0.05, 0.03]}, index=methods)},
+        {"n_train": 54_000, "n_steps": 1_000_000}, {"map_seed": 2226})
+    paper = pd.DataFrame({"mutual_info": [0.0, 0.0002, 1.88]}, index=["MAP", "SMP-none", "SMP-fixed-diag"])
+    alone = mc.paper_scale_gaps(run, paper)
+    assert list(alone.index) == ["SMP-none", "SMP-fixed-diag"]
+    assert alone.loc["SMP-fixed-diag", "ratio"] == pytest.approx(0.5) and alone.loc["SMP-none", "ratio"] == 2.0
+    assert alone.loc["SMP-fixed-diag", "largest chain's share"] == 0.03 and "MAP sd" not in alone.columns
+
+    per_run = pd.DataFrame({"SMP-fixed-diag": [0.01, 0.03, 0.02, 0.06]},
+                           index=pd.MultiIndex.from_product([[0, 1], [0, 1]], names=["map", "replicate"]))
+    seeds = _results(tmp_path / "seeds", {
+        "map_or_stream": pd.DataFrame({"sd_map": [0.5]}, index=["log SMP-fixed-diag"]),
+        "per_run": per_run, "maps": pd.DataFrame({"seed": [2026, 2226]}, index=pd.Index([0, 1], name="map"))},
+        {"n_steps": 10_000})
+    table = mc.paper_scale_gaps(run, paper, seeds)
+    fixed = table.loc["SMP-fixed-diag"]
+    assert fixed["MAP sd"] == 0.5 and fixed["gap in MAP sds"] == pytest.approx(np.log(0.5) / 0.5)
+    assert fixed["growth"] == pytest.approx(0.94 / 0.04)  # over the runs of MAP 1, seed 2226
+    linear = (1 - residual_variance_ratio(54_000, 1_000_000)) / (1 - residual_variance_ratio(54_000, 10_000))
+    assert fixed["linear growth"] == pytest.approx(linear) and 5 < linear < 7
+    assert np.isnan(table.loc["SMP-none", "growth"]) and np.isnan(table.loc["SMP-none", "MAP sd"])
