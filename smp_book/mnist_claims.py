@@ -139,9 +139,10 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     - ``largest chain's share``: of our mutual information (near ``1/S``: the bulk of the chains, not
       one chain's excursion);
     - where the MAP-seeds chapter's results ``seeds`` are given (five MAPs, a few replicates each, at a
-      smaller ``K``): ``MAP sd``, the standard deviation of the log mutual information between MAPs
-      there, and ``gap in MAP sds``, the log ratio over it (the paper's MAP is another draw of the
-      MAP); ``growth``, our mutual information over the mean of that chapter's runs from the same MAP
+      smaller ``K``): ``MAP sd`` and ``stream sd``, the standard deviations of the log mutual information
+      between MAPs and between the random streams of one MAP there, and ``gap in sds``, the log ratio
+      over the standard deviation of both together (the paper's run is another MAP and another stream);
+      ``growth``, our mutual information over the mean of that chapter's runs from the same MAP
       (by its seed), beside ``linear growth``, what a fixed Fisher and chains that stay where it holds
       would give, the ratio of the shares ``1 - r_K^2 / r_0^2`` of the limiting variance at the two K
       (:func:`smp_core.recursion.residual_variance_ratio`).
@@ -154,9 +155,10 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     table = pd.DataFrame({"paper": theirs, "paper scale": ours, "ratio": ours / theirs.where(theirs != 0),
                           "largest chain's share": tails.loc[methods, "mi_largest_chain_share"]})
     if seeds is not None and seeds.has("map_or_stream") and seeds.has("per_run") and seeds.has("maps"):
-        spread = seeds.table("map_or_stream")["sd_map"]
-        table["MAP sd"] = [spread.get(f"log {m}", np.nan) for m in methods]
-        table["gap in MAP sds"] = np.log(table["ratio"]) / table["MAP sd"]
+        spread = seeds.table("map_or_stream")
+        for column, name in (("MAP sd", "sd_map"), ("stream sd", "sd_stream")):
+            table[column] = [spread[name].get(f"log {m}", np.nan) for m in methods]
+        table["gap in sds"] = np.log(table["ratio"]) / np.hypot(table["MAP sd"], table["stream sd"])
         maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
         same = maps.index[maps["seed"] == run.values.get("map_seed")]
         if len(same) == 1:
@@ -167,3 +169,67 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
                                       / (1 - residual_variance_ratio(n, k_here)))
     table.index.name = "method"
     return table
+
+
+def both_scales(paper_run, here, scale: str) -> pd.DataFrame:
+    """The verdicts of :func:`all_claims` at the paper scale (``paper_run``) beside those of this scale's
+    results ``here``: columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)``."""
+    return all_claims(paper_run)[["claim", "verdict"]].merge(
+        all_claims(here)[["claim", "verdict"]], on="claim", how="left",
+        suffixes=(" (paper scale)", f" ({scale})"))
+
+
+def _times(x: float) -> str:
+    return f"{x:.2g} times" if x < 1 else f"{x:.2f} times" if x < 10 else f"{x:.0f} times"
+
+
+def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, logit_ratio: pd.Series, scale: str,
+                         n_chains: int) -> str:
+    """What the paper-scale results say, in Markdown: how many of the paper's claims hold there and at
+    ``scale``, which verdicts change between the two, and per SMP variant how far its mutual information
+    and logit variance are from the paper's, with what the evidence says about why.
+
+    ``verdicts`` is :func:`both_scales`' table, ``gaps`` :func:`paper_scale_gaps`' (with the MAP-seeds
+    chapter's results, when its columns are there), ``logit_ratio`` the paper-scale logit variance over
+    the paper's per method, ``n_chains`` the chains per run. The words follow fixed thresholds: a gap
+    within two standard deviations of another MAP and stream "is what another MAP and stream give"; a
+    growth more than twice the linear one says that the chains left the region where the MAP's Fisher
+    holds (less than half: less than it gives); a largest chain's share below ``5 / n_chains`` says that
+    the bulk of the chains carries the mutual information, one from 0.25 that one chain's excursion
+    carries much of it."""
+    from smp_book.mnist_study import verdict_summary
+
+    ours, theirs = verdicts.columns[1], verdicts.columns[2]
+    lines = [f"Of the {len(verdicts)} claims, at the paper scale {verdict_summary(verdicts[ours])}; at this "
+             f"scale ({scale}), {verdict_summary(verdicts[theirs])}."]
+    changed = verdicts[verdicts[ours] != verdicts[theirs]]
+    lines.append("The verdicts that change with the scale: " + "; ".join(
+        f"*{row['claim']}* ({row[theirs]} at {scale}, {row[ours]} at the paper scale)"
+        for _, row in changed.iterrows()) + "." if len(changed) else "No verdict changes with the scale.")
+    bullets = []
+    for method, row in gaps.iterrows():
+        parts = [f"mutual information {row['paper scale']:.4g} against the paper's {row['paper']:.4g} "
+                 f"({_times(row['ratio'])} it), logit variance {_times(logit_ratio.get(method, np.nan))} "
+                 "the paper's"]
+        gap = row.get("gap in sds", np.nan)
+        if np.isfinite(gap):
+            parts.append(f"{abs(gap):.1f} standard deviations of another MAP and stream "
+                         f"{'below' if gap < 0 else 'above'} the paper's, "
+                         + ("what another MAP and stream give" if abs(gap) <= 2 else
+                            "more than another MAP and stream give at the MAP-seeds chapter's K"))
+        growth, linear = row.get("growth", np.nan), row.get("linear growth", np.nan)
+        if np.isfinite(growth) and np.isfinite(linear):
+            parts.append(f"it grew {growth:.1f} times from the MAP-seeds chapter's K on the same MAP, where a "
+                         f"fixed Fisher gives {linear:.1f} times: "
+                         + ("the chains left the region where the MAP's Fisher holds, so at the paper's K "
+                            "the dispersion depends on where they went" if growth > 2 * linear else
+                            "less than a fixed Fisher gives" if growth < linear / 2 else
+                            "about what a fixed Fisher gives"))
+        share = row.get("largest chain's share", np.nan)
+        if np.isfinite(share):
+            parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
+                         + ("so the bulk of the chains carries it" if share < 5 / n_chains else
+                            "so a few chains carry much of it" if share < 0.25 else
+                            "so much of it is one chain's excursion"))
+        bullets.append(f"- {method}: " + "; ".join(parts) + ".")
+    return "\n".join([" ".join(lines), "", *bullets])

@@ -168,13 +168,63 @@ def test_paper_scale_gaps_against_the_map_spread_and_the_growth_in_k(tmp_path):
     per_run = pd.DataFrame({"SMP-fixed-diag": [0.01, 0.03, 0.02, 0.06]},
                            index=pd.MultiIndex.from_product([[0, 1], [0, 1]], names=["map", "replicate"]))
     seeds = _results(tmp_path / "seeds", {
-        "map_or_stream": pd.DataFrame({"sd_map": [0.5]}, index=["log SMP-fixed-diag"]),
+        "map_or_stream": pd.DataFrame({"sd_map": [0.3], "sd_stream": [0.4]}, index=["log SMP-fixed-diag"]),
         "per_run": per_run, "maps": pd.DataFrame({"seed": [2026, 2226]}, index=pd.Index([0, 1], name="map"))},
         {"n_steps": 10_000})
     table = mc.paper_scale_gaps(run, paper, seeds)
     fixed = table.loc["SMP-fixed-diag"]
-    assert fixed["MAP sd"] == 0.5 and fixed["gap in MAP sds"] == pytest.approx(np.log(0.5) / 0.5)
+    assert fixed["MAP sd"] == 0.3 and fixed["stream sd"] == 0.4
+    assert fixed["gap in sds"] == pytest.approx(np.log(0.5) / 0.5)  # the two together: sd 0.5
     assert fixed["growth"] == pytest.approx(0.94 / 0.04)  # over the runs of MAP 1, seed 2226
     linear = (1 - residual_variance_ratio(54_000, 1_000_000)) / (1 - residual_variance_ratio(54_000, 10_000))
     assert fixed["linear growth"] == pytest.approx(linear) and 5 < linear < 7
     assert np.isnan(table.loc["SMP-none", "growth"]) and np.isnan(table.loc["SMP-none", "MAP sd"])
+
+
+def _gaps(**row):
+    base = {"paper": 1.877, "paper scale": 1.129, "ratio": 1.129 / 1.877, "largest chain's share": 0.03}
+    return pd.DataFrame([{**base, **row}], index=pd.Index(["SMP-fixed-diag"], name="method"))
+
+
+def test_both_scales_puts_the_verdicts_side_by_side(tmp_path):
+    def run(folder, order):  # the chapter's claims table, and scores that decide the ordering claim
+        methods = pd.Index(["MAP", "SMP-none", *mc.DIAGONAL], name="method")
+        scores = pd.DataFrame({"accuracy": 0.98, "brier": 0.1, "nll": 0.3, "ece": 0.2,
+                               "mutual_info": [0.0, 0.001, *order]}, index=methods)
+        variances = pd.DataFrame({"logits_variance": [np.nan, 0.01, *order]}, index=methods)
+        ambiguous = pd.DataFrame(0.1, index=methods, columns=[str(c) for c in range(10)])
+        return _results(folder, {"claims": pd.DataFrame({"claim": ["own claim"], "verdict": ["holds"]}),
+                                 "scores_mean": scores, "variances_mean": variances,
+                                 "ambiguous_three": ambiguous,
+                                 "elapsed_mean": pd.DataFrame({"seconds": [0, 1, 2, 3, 4]}, index=methods)},
+                        {"n_test": 10_000})
+    table = mc.both_scales(run(tmp_path / "p", [3.0, 2.0, 1.0]), run(tmp_path / "l", [1.0, 2.0, 3.0]), "laptop")
+    assert list(table.columns) == ["claim", "verdict (paper scale)", "verdict (laptop)"]
+    assert table.iloc[0].tolist() == ["own claim", "holds", "holds"]
+    order = table.set_index("claim").loc[
+        "Dispersion is largest for fixed, then EMA, then periodic (MI, logit variance)"]
+    assert order.tolist() == ["holds", "does not hold"]
+
+
+def test_paper_scale_findings_name_the_changes_and_turn_with_the_evidence():
+    verdicts = pd.DataFrame({"claim": ["A", "B"], "verdict (paper scale)": ["holds", "holds"],
+                             "verdict (laptop)": ["holds", "does not hold"]})
+    logit = pd.Series({"SMP-fixed-diag": 0.52})
+    text = mc.paper_scale_findings(verdicts, _gaps(), logit, "laptop", 100)
+    assert "at the paper scale 2 hold; at this scale (laptop), 1 holds, 1 does not hold" in text
+    assert "*B* (does not hold at laptop, holds at the paper scale)" in text and "*A*" not in text
+    assert "(0.6 times it), logit variance 0.52 times" in text and "bulk of the chains" in text
+    assert "standard deviations" not in text and "grew" not in text  # no MAP-seeds columns, no such words
+
+    near = mc.paper_scale_findings(verdicts, _gaps(**{"gap in sds": -1.5, "growth": 25.0, "linear growth": 6.1}),
+                                   logit, "laptop", 100)
+    assert "1.5 standard deviations of another MAP and stream below" in near
+    assert "what another MAP and stream give" in near and "chains left the region" in near
+    far = mc.paper_scale_findings(verdicts[:1], _gaps(**{"gap in sds": 2.5, "growth": 7.0, "linear growth": 6.1,
+                                                         "largest chain's share": 0.4}), logit, "laptop", 100)
+    assert "2.5 standard deviations of another MAP and stream above" in far and "more than another MAP" in far
+    assert "about what a fixed Fisher gives" in far and "one chain's excursion" in far
+    assert "No verdict changes with the scale." in far
+    few = mc.paper_scale_findings(verdicts, _gaps(**{"gap in sds": 0.5, "growth": 2.0, "linear growth": 6.1,
+                                                     "largest chain's share": 0.1}), logit, "laptop", 100)
+    assert "less than a fixed Fisher gives" in few and "a few chains carry much of it" in few
