@@ -183,15 +183,17 @@ def _times(x: float) -> str:
     return f"{x:.2g} times" if x < 1 else f"{x:.2f} times" if x < 10 else f"{x:.0f} times"
 
 
-def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, logit_ratio: pd.Series, scale: str,
-                         n_chains: int) -> str:
+def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
+                         scale: str, n_chains: int) -> str:
     """What the paper-scale results say, in Markdown: how many of the paper's claims hold there and at
     ``scale``, which verdicts change between the two, and per SMP variant how far its mutual information
-    and logit variance are from the paper's, with what the evidence says about why.
+    and logit variance are from the paper's, with what the evidence says about why, and its accuracy
+    beside the MAP's at both.
 
     ``verdicts`` is :func:`both_scales`' table, ``gaps`` :func:`paper_scale_gaps`' (with the MAP-seeds
-    chapter's results, when its columns are there), ``logit_ratio`` the paper-scale logit variance over
-    the paper's per method, ``n_chains`` the chains per run. The words follow fixed thresholds: a gap
+    chapter's results, when its columns are there); ``ours`` and ``paper`` hold per method (``MAP`` and
+    the variants) the columns ``accuracy`` and ``logits_variance``, at the paper scale and in the paper's
+    tables; ``n_chains`` is the chains per run. The words follow fixed thresholds: a gap
     within two standard deviations of another MAP and stream "is what another MAP and stream give"; a
     growth more than twice the linear one says that the chains left the region where the MAP's Fisher
     holds (less than half: less than it gives); a largest chain's share below ``5 / n_chains`` says that
@@ -199,18 +201,21 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, logit_ratio
     carries much of it."""
     from smp_book.mnist_study import verdict_summary
 
-    ours, theirs = verdicts.columns[1], verdicts.columns[2]
-    lines = [f"Of the {len(verdicts)} claims, at the paper scale {verdict_summary(verdicts[ours])}; at this "
-             f"scale ({scale}), {verdict_summary(verdicts[theirs])}."]
-    changed = verdicts[verdicts[ours] != verdicts[theirs]]
+    at_paper, here = verdicts.columns[1], verdicts.columns[2]
+    lines = [f"Of the {len(verdicts)} claims, at the paper scale {verdict_summary(verdicts[at_paper])}; at this "
+             f"scale ({scale}), {verdict_summary(verdicts[here])}."]
+    changed = verdicts[verdicts[at_paper] != verdicts[here]]
     lines.append("The verdicts that change with the scale: " + "; ".join(
-        f"*{row['claim']}* ({row[theirs]} at {scale}, {row[ours]} at the paper scale)"
+        f"*{row['claim']}* ({row[here]} at {scale}, {row[at_paper]} at the paper scale)"
         for _, row in changed.iterrows()) + "." if len(changed) else "No verdict changes with the scale.")
     bullets = []
+    acc = {"ours": ours["accuracy"].astype(float), "paper": paper["accuracy"].astype(float)}
     for method, row in gaps.iterrows():
-        parts = [f"mutual information {row['paper scale']:.4g} against the paper's {row['paper']:.4g} "
-                 f"({_times(row['ratio'])} it), logit variance {_times(logit_ratio.get(method, np.nan))} "
-                 "the paper's"]
+        logit = ours.loc[method, "logits_variance"] / float(paper.loc[method, "logits_variance"])
+        parts = [f"accuracy {acc['ours'][method]:.4f} against the MAP's {acc['ours']['MAP']:.4f} (the paper: "
+                 f"{acc['paper'][method]:.4f} against {acc['paper']['MAP']:.4f})",
+                 f"mutual information {row['paper scale']:.4g} against the paper's {row['paper']:.4g} "
+                 f"({_times(row['ratio'])} it), logit variance {_times(logit)} the paper's"]
         gap = row.get("gap in sds", np.nan)
         if np.isfinite(gap):
             parts.append(f"{abs(gap):.1f} standard deviations of another MAP and stream "

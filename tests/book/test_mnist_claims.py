@@ -181,6 +181,9 @@ def test_paper_scale_gaps_against_the_map_spread_and_the_growth_in_k(tmp_path):
     assert np.isnan(table.loc["SMP-none", "growth"]) and np.isnan(table.loc["SMP-none", "MAP sd"])
 
 
+FIXED = "SMP-fixed-diag"
+
+
 def _gaps(**row):
     base = {"paper": 1.877, "paper scale": 1.129, "ratio": 1.129 / 1.877, "largest chain's share": 0.03}
     return pd.DataFrame([{**base, **row}], index=pd.Index(["SMP-fixed-diag"], name="method"))
@@ -209,22 +212,27 @@ def test_both_scales_puts_the_verdicts_side_by_side(tmp_path):
 def test_paper_scale_findings_name_the_changes_and_turn_with_the_evidence():
     verdicts = pd.DataFrame({"claim": ["A", "B"], "verdict (paper scale)": ["holds", "holds"],
                              "verdict (laptop)": ["holds", "does not hold"]})
-    logit = pd.Series({"SMP-fixed-diag": 0.52})
-    text = mc.paper_scale_findings(verdicts, _gaps(), logit, "laptop", 100)
+    ours = pd.DataFrame({"accuracy": [0.9886, 0.9906], "logits_variance": [np.nan, 53.0]}, index=["MAP", FIXED])
+    paper = pd.DataFrame({"accuracy": [0.9877, 0.9837], "logits_variance": [np.nan, 101.9]}, index=["MAP", FIXED])
+
+    def findings(selected, **row):
+        return mc.paper_scale_findings(selected, _gaps(**row), ours, paper, "laptop", 100)
+
+    text = findings(verdicts)
     assert "at the paper scale 2 hold; at this scale (laptop), 1 holds, 1 does not hold" in text
     assert "*B* (does not hold at laptop, holds at the paper scale)" in text and "*A*" not in text
     assert "(0.6 times it), logit variance 0.52 times" in text and "bulk of the chains" in text
+    assert "accuracy 0.9906 against the MAP's 0.9886 (the paper: 0.9837 against 0.9877)" in text
     assert "standard deviations" not in text and "grew" not in text  # no MAP-seeds columns, no such words
 
-    near = mc.paper_scale_findings(verdicts, _gaps(**{"gap in sds": -1.5, "growth": 25.0, "linear growth": 6.1}),
-                                   logit, "laptop", 100)
+    near = findings(verdicts, **{"gap in sds": -1.5, "growth": 25.0, "linear growth": 6.1})
     assert "1.5 standard deviations of another MAP and stream below" in near
     assert "what another MAP and stream give" in near and "chains left the region" in near
-    far = mc.paper_scale_findings(verdicts[:1], _gaps(**{"gap in sds": 2.5, "growth": 7.0, "linear growth": 6.1,
-                                                         "largest chain's share": 0.4}), logit, "laptop", 100)
+    far = findings(verdicts[:1], **{"gap in sds": 2.5, "growth": 7.0, "linear growth": 6.1,
+                                    "largest chain's share": 0.4})
     assert "2.5 standard deviations of another MAP and stream above" in far and "more than another MAP" in far
     assert "about what a fixed Fisher gives" in far and "one chain's excursion" in far
     assert "No verdict changes with the scale." in far
-    few = mc.paper_scale_findings(verdicts, _gaps(**{"gap in sds": 0.5, "growth": 2.0, "linear growth": 6.1,
-                                                     "largest chain's share": 0.1}), logit, "laptop", 100)
+    few = findings(verdicts, **{"gap in sds": 0.5, "growth": 2.0, "linear growth": 6.1,
+                                "largest chain's share": 0.1})
     assert "less than a fixed Fisher gives" in few and "a few chains carry much of it" in few
