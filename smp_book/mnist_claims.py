@@ -130,6 +130,11 @@ def all_claims(res) -> pd.DataFrame:
     return pd.concat([res.table("claims"), from_results(res)], ignore_index=True)
 
 
+# The settings that make the MAP-seeds chapter's runs comparable with a paper-scale run: the same data and
+# MAP training (then a MAP of the same seed is the same MAP) and the same number of chains.
+SAME_MAP = ("n_train", "n_val", "split_seed", "map_batch", "map_epochs", "map_lr", "map_weight_decay")
+
+
 def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
     """Per SMP variant, how far the paper-scale mutual information (``run``: the MNIST chapter's results at
     the paper scale, first replicate) is from the paper's (``paper_scores``, Table ex2_scores), and what
@@ -138,13 +143,16 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     - ``ratio``: ours over the paper's;
     - ``largest chain's share``: of our mutual information (near ``1/S``: the bulk of the chains, not
       one chain's excursion);
-    - where the MAP-seeds chapter's results ``seeds`` are given (five MAPs, a few replicates each, at a
-      smaller ``K``): ``MAP sd`` and ``stream sd``, the standard deviations of the log mutual information
-      between MAPs and between the random streams of one MAP there, and ``gap in sds``, the log ratio
-      over the standard deviation of both together (the paper's run is another MAP and another stream);
-      ``growth``, our mutual information over the mean of that chapter's runs from the same MAP
-      (by its seed), beside ``linear growth``, what a fixed Fisher and chains that stay where it holds
-      would give, the ratio of the shares ``1 - r_K^2 / r_0^2`` of the limiting variance at the two K
+    - where the MAP-seeds chapter's results ``seeds`` are given and comparable (its runs have the data,
+      the MAP training and the number of chains of ``run``: :data:`SAME_MAP`, ``n_chains``; several
+      MAPs, a few replicates each, at a smaller ``K``): ``MAP sd`` and ``stream sd``, the standard
+      deviations of the log mutual information between MAPs and between the random streams of one MAP
+      there, and ``gap in sds``, the log ratio over the standard deviation of the difference of two
+      runs from independent MAPs and streams (``sqrt(2)`` times that of one run: the paper's run and
+      ours are one draw each); ``growth``, our mutual information over the mean of that chapter's runs
+      from the same MAP (by its seed; periodic only if its Fisher uses as many validation images),
+      beside ``linear growth``, what a fixed Fisher and chains that stay where it holds would give, the
+      ratio of the shares ``1 - r_K^2 / r_0^2`` of the limiting variance at the two K
       (:func:`smp_core.recursion.residual_variance_ratio`).
     """
     from smp_core.recursion import residual_variance_ratio
@@ -154,16 +162,20 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     ours, theirs = scores.loc[methods, "mutual_info"], paper_scores.loc[methods, "mutual_info"].astype(float)
     table = pd.DataFrame({"paper": theirs, "paper scale": ours, "ratio": ours / theirs.where(theirs != 0),
                           "largest chain's share": tails.loc[methods, "mi_largest_chain_share"]})
-    if seeds is not None and seeds.has("map_or_stream") and seeds.has("per_run") and seeds.has("maps"):
+    comparable = (seeds is not None and all(seeds.has(t) for t in ("map_or_stream", "per_run", "maps"))
+                  and all(seeds.config.get(k) == run.config.get(k) for k in (*SAME_MAP, "n_chains")))
+    if comparable:
         spread = seeds.table("map_or_stream")
         for column, name in (("MAP sd", "sd_map"), ("stream sd", "sd_stream")):
             table[column] = [spread[name].get(f"log {m}", np.nan) for m in methods]
-        table["gap in sds"] = np.log(table["ratio"]) / np.hypot(table["MAP sd"], table["stream sd"])
+        table["gap in sds"] = np.log(table["ratio"]) / (np.sqrt(2) * np.hypot(table["MAP sd"], table["stream sd"]))
         maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
         same = maps.index[maps["seed"] == run.values.get("map_seed")]
         if len(same) == 1:
             runs = per_run.xs(same[0], level="map")
-            table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns else np.nan for m in methods]
+            same_fisher = seeds.config.get("n_fisher_periodic") == run.config.get("n_fisher_periodic")
+            table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns and (m != PERIODIC or same_fisher)
+                               else np.nan for m in methods]
             n, k_here, k_paper = run.config["n_train"], seeds.config["n_steps"], run.config["n_steps"]
             table["linear growth"] = ((1 - residual_variance_ratio(n, k_paper))
                                       / (1 - residual_variance_ratio(n, k_here)))
@@ -173,14 +185,31 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
 
 def both_scales(paper_run, here, scale: str) -> pd.DataFrame:
     """The verdicts of :func:`all_claims` at the paper scale (``paper_run``) beside those of this scale's
-    results ``here``: columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)``."""
+    results ``here``: columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)`` ("-" where
+    this scale judges no such claim)."""
     return all_claims(paper_run)[["claim", "verdict"]].merge(
         all_claims(here)[["claim", "verdict"]], on="claim", how="left",
-        suffixes=(" (paper scale)", f" ({scale})"))
+        suffixes=(" (paper scale)", f" ({scale})")).fillna("-")
+
+
+def count_verdicts(verdicts) -> str:
+    """``"3 hold, 1 partly, 1 not checked"``: :func:`smp_book.mnist_study.verdict_summary` with the claims
+    it does not count (not checked, or not judged: "-") counted too, so that the counts add up."""
+    from smp_book.mnist_study import verdict_summary
+
+    verdicts = list(verdicts)
+    rest = sum(v not in ("holds", "partly", "does not hold") for v in verdicts)
+    counted = [] if verdict_summary(verdicts) == "none" else [verdict_summary(verdicts)]
+    return ", ".join(counted + ([f"{rest} not checked"] if rest else [])) or "none"
+
+
+def _sig2(x: float) -> str:
+    """``x`` to two significant figures, without an exponent."""
+    return np.format_float_positional(float(f"{x:.2g}"), trim="-")
 
 
 def _times(x: float) -> str:
-    return f"{x:.2g} times" if x < 1 else f"{x:.2f} times" if x < 10 else f"{x:.0f} times"
+    return f"{_sig2(x)} times" if np.isfinite(x) else "not comparable with"
 
 
 def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
@@ -193,48 +222,58 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
     ``verdicts`` is :func:`both_scales`' table, ``gaps`` :func:`paper_scale_gaps`' (with the MAP-seeds
     chapter's results, when its columns are there); ``ours`` and ``paper`` hold per method (``MAP`` and
     the variants) the columns ``accuracy`` and ``logits_variance``, at the paper scale and in the paper's
-    tables; ``n_chains`` is the chains per run. The words follow fixed thresholds: a gap
-    within two standard deviations of another MAP and stream "is what another MAP and stream give"; a
-    growth more than twice the linear one says that the chains left the region where the MAP's Fisher
-    holds (less than half: less than it gives); a largest chain's share below ``5 / n_chains`` says that
-    the bulk of the chains carries the mutual information, one from 0.25 that one chain's excursion
-    carries much of it."""
-    from smp_book.mnist_study import verdict_summary
-
-    at_paper, here = verdicts.columns[1], verdicts.columns[2]
-    lines = [f"Of the {len(verdicts)} claims, at the paper scale {verdict_summary(verdicts[at_paper])}; at this "
-             f"scale ({scale}), {verdict_summary(verdicts[here])}."]
+    tables; ``n_chains`` is the chains per run. The words follow fixed thresholds: a gap within two
+    standard deviations is one that another MAP and stream could give (at the MAP-seeds chapter's K); a
+    growth more than twice the linear one is faster than a fixed Fisher gives, which for SMP-fixed-diag
+    says that its chains left the region where the MAP's Fisher holds (less than half: less than it
+    gives); a largest chain's share below ``5 / n_chains`` says that the bulk of the chains carries the
+    mutual information, one from 0.25 that one chain's excursion carries much of it."""
+    at_paper, here = "verdict (paper scale)", f"verdict ({scale})"
+    missing = [c for c in ("claim", at_paper, here) if c not in verdicts.columns]
+    missing += [f"gaps: {c}" for c in ("paper", "paper scale", "ratio") if c not in gaps.columns]
+    for name, table in (("ours", ours), ("paper", paper)):
+        missing += [f"{name}: {c}" for c in ("accuracy", "logits_variance") if c not in table.columns]
+        missing += [f"{name}: row {m}" for m in ("MAP", *gaps.index) if m not in table.index]
+    if missing:
+        raise ValueError(f"paper_scale_findings: missing columns or rows {missing}")
+    lines = [f"Of the {len(verdicts)} claims, at the paper scale {count_verdicts(verdicts[at_paper])}; at the "
+             f"{scale} scale, {count_verdicts(verdicts[here])}."]
     changed = verdicts[verdicts[at_paper] != verdicts[here]]
     lines.append("The verdicts that change with the scale: " + "; ".join(
-        f"*{row['claim']}* ({row[here]} at {scale}, {row[at_paper]} at the paper scale)"
+        f"*{row['claim']}* ({row[here]} at the {scale} scale, {row[at_paper]} at the paper scale)"
         for _, row in changed.iterrows()) + "." if len(changed) else "No verdict changes with the scale.")
     bullets = []
     acc = {"ours": ours["accuracy"].astype(float), "paper": paper["accuracy"].astype(float)}
     for method, row in gaps.iterrows():
         logit = ours.loc[method, "logits_variance"] / float(paper.loc[method, "logits_variance"])
+        coarse = np.isfinite(row["paper"]) and row["paper"] != 0 and float(f"{row['paper']:.1g}") == row["paper"]
         parts = [f"accuracy {acc['ours'][method]:.4f} against the MAP's {acc['ours']['MAP']:.4f} (the paper: "
                  f"{acc['paper'][method]:.4f} against {acc['paper']['MAP']:.4f})",
                  f"mutual information {row['paper scale']:.4g} against the paper's {row['paper']:.4g} "
-                 f"({_times(row['ratio'])} it), logit variance {_times(logit)} the paper's"]
+                 f"({_times(row['ratio'])} it"
+                 + (", the paper's number having one significant figure" if coarse else "")
+                 + f"), logit variance {_times(logit)} the paper's"]
         gap = row.get("gap in sds", np.nan)
         if np.isfinite(gap):
-            parts.append(f"{abs(gap):.1f} standard deviations of another MAP and stream "
-                         f"{'below' if gap < 0 else 'above'} the paper's, "
-                         + ("what another MAP and stream give" if abs(gap) <= 2 else
-                            "more than another MAP and stream give at the MAP-seeds chapter's K"))
+            parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's "
+                         "(those of the difference of two runs from other MAPs and streams, at the MAP-seeds "
+                         "chapter's K): " + ("within what another MAP and stream could give" if abs(gap) <= 2
+                                             else "more than another MAP and stream gave there"))
         growth, linear = row.get("growth", np.nan), row.get("linear growth", np.nan)
         if np.isfinite(growth) and np.isfinite(linear):
-            parts.append(f"it grew {growth:.1f} times from the MAP-seeds chapter's K on the same MAP, where a "
-                         f"fixed Fisher gives {linear:.1f} times: "
-                         + ("the chains left the region where the MAP's Fisher holds, so at the paper's K "
-                            "the dispersion depends on where they went" if growth > 2 * linear else
+            faster = ("faster than a fixed Fisher gives: the chains left the region where the MAP's Fisher "
+                      "holds, so at the paper's K the dispersion depends on where they went" if method == FIXED
+                      else "faster than a fixed Fisher gives")
+            parts.append(f"it grew {_sig2(growth)} times from the MAP-seeds chapter's K on the same MAP, where a "
+                         f"fixed Fisher gives {_sig2(linear)} times: "
+                         + (faster if growth > 2 * linear else
                             "less than a fixed Fisher gives" if growth < linear / 2 else
                             "about what a fixed Fisher gives"))
         share = row.get("largest chain's share", np.nan)
         if np.isfinite(share):
             parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
                          + ("so the bulk of the chains carries it" if share < 5 / n_chains else
-                            "so a few chains carry much of it" if share < 0.25 else
+                            "a sizeable share for one chain" if share < 0.25 else
                             "so much of it is one chain's excursion"))
         bullets.append(f"- {method}: " + "; ".join(parts) + ".")
     return "\n".join([" ".join(lines), "", *bullets])

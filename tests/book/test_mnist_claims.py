@@ -154,31 +154,42 @@ def _results(folder, tables, config, values=None):
 def test_paper_scale_gaps_against_the_map_spread_and_the_growth_in_k(tmp_path):
     from smp_core.recursion import residual_variance_ratio
 
-    methods = pd.Index(["MAP", "SMP-none", "SMP-fixed-diag"], name="method")
+    methods = pd.Index(["MAP", "SMP-none", "SMP-fixed-diag", "SMP-periodic-diag"], name="method")
+    same = {**dict.fromkeys(mc.SAME_MAP, 1), "n_train": 54_000, "n_chains": 100}
     run = _results(tmp_path / "run", {
-        "scores": pd.DataFrame({"mutual_info": [0.0, 0.0004, 0.94]}, index=methods),
-        "tails": pd.DataFrame({"mi_largest_chain_share": [np.nan, 0.05, 0.03]}, index=methods)},
-        {"n_train": 54_000, "n_steps": 1_000_000}, {"map_seed": 2226})
-    paper = pd.DataFrame({"mutual_info": [0.0, 0.0002, 1.88]}, index=["MAP", "SMP-none", "SMP-fixed-diag"])
+        "scores": pd.DataFrame({"mutual_info": [0.0, 0.0004, 0.94, 0.1]}, index=methods),
+        "tails": pd.DataFrame({"mi_largest_chain_share": [np.nan, 0.05, 0.03, 0.02]}, index=methods)},
+        {**same, "n_steps": 1_000_000, "n_fisher_periodic": 1000}, {"map_seed": 2226})
+    paper = pd.DataFrame({"mutual_info": [0.0, 0.0002, 1.88, 0.2]}, index=methods)
     alone = mc.paper_scale_gaps(run, paper)
-    assert list(alone.index) == ["SMP-none", "SMP-fixed-diag"]
+    assert list(alone.index) == ["SMP-none", "SMP-fixed-diag", "SMP-periodic-diag"]
     assert alone.loc["SMP-fixed-diag", "ratio"] == pytest.approx(0.5) and alone.loc["SMP-none", "ratio"] == 2.0
     assert alone.loc["SMP-fixed-diag", "largest chain's share"] == 0.03 and "MAP sd" not in alone.columns
 
-    per_run = pd.DataFrame({"SMP-fixed-diag": [0.01, 0.03, 0.02, 0.06]},
+    per_run = pd.DataFrame({"SMP-fixed-diag": [0.01, 0.03, 0.02, 0.06], "SMP-periodic-diag": 0.01},
                            index=pd.MultiIndex.from_product([[0, 1], [0, 1]], names=["map", "replicate"]))
-    seeds = _results(tmp_path / "seeds", {
-        "map_or_stream": pd.DataFrame({"sd_map": [0.3], "sd_stream": [0.4]}, index=["log SMP-fixed-diag"]),
-        "per_run": per_run, "maps": pd.DataFrame({"seed": [2026, 2226]}, index=pd.Index([0, 1], name="map"))},
-        {"n_steps": 10_000})
-    table = mc.paper_scale_gaps(run, paper, seeds)
+
+    def seeds(folder, **config):
+        return _results(tmp_path / folder, {
+            "map_or_stream": pd.DataFrame({"sd_map": [0.3], "sd_stream": [0.4]}, index=["log SMP-fixed-diag"]),
+            "per_run": per_run, "maps": pd.DataFrame({"seed": [2026, 2226]}, index=pd.Index([0, 1], name="map"))},
+            {**same, "n_steps": 10_000, "n_fisher_periodic": 500, **config})
+
+    table = mc.paper_scale_gaps(run, paper, seeds("seeds"))
     fixed = table.loc["SMP-fixed-diag"]
     assert fixed["MAP sd"] == 0.3 and fixed["stream sd"] == 0.4
-    assert fixed["gap in sds"] == pytest.approx(np.log(0.5) / 0.5)  # the two together: sd 0.5
+    # the difference of two runs, each with sd 0.5 (MAP and stream together)
+    assert fixed["gap in sds"] == pytest.approx(np.log(0.5) / (np.sqrt(2) * 0.5))
     assert fixed["growth"] == pytest.approx(0.94 / 0.04)  # over the runs of MAP 1, seed 2226
     linear = (1 - residual_variance_ratio(54_000, 1_000_000)) / (1 - residual_variance_ratio(54_000, 10_000))
     assert fixed["linear growth"] == pytest.approx(linear) and 5 < linear < 7
     assert np.isnan(table.loc["SMP-none", "growth"]) and np.isnan(table.loc["SMP-none", "MAP sd"])
+    assert np.isnan(table.loc["SMP-periodic-diag", "growth"])  # its Fisher on 500 images there, 1000 here
+    assert mc.paper_scale_gaps(run, paper, seeds("same_fisher", n_fisher_periodic=1000)).loc[
+        "SMP-periodic-diag", "growth"] == pytest.approx(10.0)
+    # runs on other data or with other S say nothing of this run: no such columns
+    for other in ({"n_train": 2000}, {"n_chains": 8}, {"map_epochs": 2}):
+        assert "MAP sd" not in mc.paper_scale_gaps(run, paper, seeds(str(other), **other)).columns
 
 
 FIXED = "SMP-fixed-diag"
@@ -219,20 +230,37 @@ def test_paper_scale_findings_name_the_changes_and_turn_with_the_evidence():
         return mc.paper_scale_findings(selected, _gaps(**row), ours, paper, "laptop", 100)
 
     text = findings(verdicts)
-    assert "at the paper scale 2 hold; at this scale (laptop), 1 holds, 1 does not hold" in text
-    assert "*B* (does not hold at laptop, holds at the paper scale)" in text and "*A*" not in text
+    assert "at the paper scale 2 hold; at the laptop scale, 1 holds, 1 does not hold" in text
+    assert "*B* (does not hold at the laptop scale, holds at the paper scale)" in text and "*A*" not in text
     assert "(0.6 times it), logit variance 0.52 times" in text and "bulk of the chains" in text
     assert "accuracy 0.9906 against the MAP's 0.9886 (the paper: 0.9837 against 0.9877)" in text
     assert "standard deviations" not in text and "grew" not in text  # no MAP-seeds columns, no such words
 
     near = findings(verdicts, **{"gap in sds": -1.5, "growth": 25.0, "linear growth": 6.1})
-    assert "1.5 standard deviations of another MAP and stream below" in near
-    assert "what another MAP and stream give" in near and "chains left the region" in near
+    assert "1.5 standard deviations below the paper's" in near
+    assert "within what another MAP and stream could give" in near and "chains left the region" in near
     far = findings(verdicts[:1], **{"gap in sds": 2.5, "growth": 7.0, "linear growth": 6.1,
                                     "largest chain's share": 0.4})
-    assert "2.5 standard deviations of another MAP and stream above" in far and "more than another MAP" in far
+    assert "2.5 standard deviations above the paper's" in far and "more than another MAP" in far
     assert "about what a fixed Fisher gives" in far and "one chain's excursion" in far
     assert "No verdict changes with the scale." in far
+    with pytest.raises(ValueError, match="paper: row SMP-fixed-diag"):
+        mc.paper_scale_findings(verdicts, _gaps(), ours, paper.drop(index=FIXED), "laptop", 100)
+    with pytest.raises(ValueError, match="verdict \\(ci\\)"):
+        mc.paper_scale_findings(verdicts, _gaps(), ours, paper, "ci", 100)
+    coarse = mc.paper_scale_findings(verdicts, _gaps(paper=0.0002, ratio=np.nan), ours, paper, "laptop", 100)
+    assert "(not comparable with it, the paper's number having one significant figure)" in coarse
     few = findings(verdicts, **{"gap in sds": 0.5, "growth": 2.0, "linear growth": 6.1,
                                 "largest chain's share": 0.1})
-    assert "less than a fixed Fisher gives" in few and "a few chains carry much of it" in few
+    assert "less than a fixed Fisher gives" in few and "a sizeable share for one chain" in few
+
+
+def test_count_verdicts_counts_what_is_not_judged():
+    assert mc.count_verdicts(["holds", "partly", "holds"]) == "2 hold, 1 partly"
+    assert mc.count_verdicts(["holds", "not checked (a number is missing)", "-"]) == "1 holds, 2 not checked"
+    assert mc.count_verdicts(["-"]) == "1 not checked" and mc.count_verdicts([]) == "none"
+
+
+def test_ratios_read_to_two_significant_figures():
+    assert mc._times(0.6015) == "0.6 times" and mc._times(2.449) == "2.4 times" and mc._times(126.0) == "130 times"
+    assert mc._times(1e-5) == "0.00001 times" and mc._times(np.nan) == "not comparable with"
