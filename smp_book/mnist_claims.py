@@ -199,8 +199,8 @@ def count_verdicts(verdicts) -> str:
 
     verdicts = list(verdicts)
     rest = sum(v not in ("holds", "partly", "does not hold") for v in verdicts)
-    counted = [] if verdict_summary(verdicts) == "none" else [verdict_summary(verdicts)]
-    return ", ".join(counted + ([f"{rest} not checked"] if rest else [])) or "none"
+    parts = [verdict_summary(verdicts)] + ([f"{rest} not checked"] if rest else [])
+    return ", ".join(p for p in parts if p != "none") or "none"
 
 
 def _sig2(x: float) -> str:
