@@ -1,0 +1,113 @@
+"""More SMP streams at the paper's scale: the MNIST chapter's run again with other chains of the same seed.
+
+The committed paper-scale MNIST run (``results/paper/mnist/``) holds one stream per variant: chains
+0-99 of the variant's seed, from the MAP its manifest names. Stream ``j`` here is chains
+``100 j, ..., 100 j + 99`` of the same seed (``RunOptions.first_chain``), from the same MAP, with the
+same settings: independent draws of the same law, so the spread between streams is the spread of the
+paper-scale numbers under the SMP random stream alone (one MAP, one data split).
+
+    python -m smp_book.paper_streams --variant fixed-diag --stream 1 --threads 1
+
+Each run saves a checkpoint every ``checkpoint_every`` steps under ``--work`` (outside the work tree by
+default, so that a fresh checkout keeps it) and resumes from it; once done it writes
+``results/paper/mnist_streams/<variant>/stream_<j>/`` (the MNIST chapter's tables for that run and a
+manifest: code revision, settings with tau, seeds, chains, machine, wall time and the load average when
+the run started and ended). Progress goes to the terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from smp_core.recursion import Fisher, run_smp
+
+from . import mnist_study
+from .config import MNIST_VARIANTS, get_config
+from .results import environment, git_revision
+
+WORK = Path(os.environ.get("SMP_BOOK_WORK", Path.home() / ".cache" / "smp-book" / "paper_streams"))
+
+
+def committed_run(root: Path = Path("results")) -> dict:
+    """The committed paper-scale MNIST manifest (its MAP seed and the seed of each variant)."""
+    return json.loads((root / "paper" / "mnist" / "manifest.json").read_text())
+
+
+def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = Path("results"),
+               progress: bool = True) -> Path:
+    """Stream ``stream`` (chains ``100 stream`` onwards) of ``variant`` at the paper scale; returns its folder."""
+    if variant not in MNIST_VARIANTS:
+        raise ValueError(f"variant: unknown MNIST variant {variant!r}; known: {', '.join(MNIST_VARIANTS)}")
+    if not isinstance(stream, int) or stream < 1:
+        raise ValueError(f"stream: a positive integer is needed (stream 0 is the committed run), got {stream!r}")
+    manifest = committed_run(root)
+    cfg = get_config("mnist", "paper")
+    if manifest["config"] != json.loads(json.dumps(cfg, sort_keys=True)):
+        raise ValueError("the committed paper-scale run has other settings than config.py's paper scale")
+    out = root / "paper" / "mnist_streams" / variant / f"stream_{stream}"
+    if (out / "manifest.json").exists():
+        print(f"{out} is there already")
+        return out
+    load_start, started = os.getloadavg(), time.perf_counter()
+    map_seed, seed = manifest["seeds"]["map"], manifest["seeds"]["smp"]["replicate_0"][variant]
+    data, _ = mnist_study.load_data(cfg)
+    fit = mnist_study.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
+                              cache_root=str(work))
+    committed_history = (root / "paper" / "mnist" / "map_history.csv").read_text().splitlines()[-1]
+    ours = fit["history"].iloc[-1]
+    if abs(float(committed_history.split(",")[2]) - ours["val_loss"]) > 1e-6:
+        raise RuntimeError(f"the refitted MAP of seed {map_seed} is not the committed one: validation loss "
+                           f"{ours['val_loss']} against {committed_history}")
+    theta_map = fit["theta"]
+    n_fisher = cfg["n_fisher_periodic"] if variant.startswith("periodic") else None
+    xv, yv = data["val"]
+    fisher = Fisher("empirical", xv[:n_fisher], yv[:n_fisher]) if n_fisher else Fisher("empirical", xv, yv)
+    work.mkdir(parents=True, exist_ok=True)
+    first = cfg["n_chains"] * stream
+    res = run_smp(mnist_study.lenet5(), "categorical", data["train"][0], theta0=theta_map,
+                  preconditioner=mnist_study.variant_preconditioner(cfg, variant),
+                  tau=mnist_study.variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+                  seed=seed, fisher=fisher, progress=progress,
+                  options={"first_chain": first, "checkpoint": work / f"{variant}-stream{stream}.checkpoint.pt",
+                           "checkpoint_every": cfg["checkpoint_every"]})
+    name = f"SMP-{variant}"
+    evals = {name: mnist_study.evaluate(res.theta[~res.diverged], data, device=torch.device("cpu"))}
+    tables = mnist_study.tables(evals, {name: res.elapsed})
+    out.mkdir(parents=True, exist_ok=True)
+    for table_name, df in tables.items():
+        df.to_csv(out / f"{table_name}.csv")
+    record = {
+        "git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": {**cfg, "variant": variant, "tau": mnist_study.variant_tau(cfg, variant)},
+        "seeds": {"map": map_seed, "smp": seed, "chains": [first, first + cfg["n_chains"] - 1]},
+        "diverged_chains": int(res.n_diverged),
+        "wall_time_s": round(time.perf_counter() - started, 1),
+        "load_average": {"start": load_start[0], "end": os.getloadavg()[0]},
+        "timing_note": "resumed from checkpoints across sessions, beside other work: not for comparisons",
+        "environment": environment(),
+    }
+    (out / "manifest.json").write_text(json.dumps(record, indent=2, default=str))
+    print(f"wrote {out}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", required=True, choices=MNIST_VARIANTS)
+    parser.add_argument("--stream", type=int, required=True, help="chains 100 STREAM to 100 STREAM + 99")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and the MAP cache")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    run_stream(args.variant, args.stream, args.work)
+
+
+if __name__ == "__main__":
+    main()
