@@ -57,8 +57,15 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = Path("
     load_start, started = os.getloadavg(), time.perf_counter()
     map_seed, seed = manifest["seeds"]["map"], manifest["seeds"]["smp"]["replicate_0"][variant]
     data, _ = mnist_study.load_data(cfg)
-    fit = mnist_study.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
-                              cache_root=str(work))
+    # Adam's float32 reductions round by the number of threads: the MAP is refitted with the committed run's
+    # (cached apart for each count), then the chains run with the caller's.
+    threads, map_threads = torch.get_num_threads(), manifest["environment"]["torch_threads"]
+    torch.set_num_threads(map_threads)
+    try:
+        fit = mnist_study.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
+                                  cache_root=str(work / f"map-threads-{map_threads}"))
+    finally:
+        torch.set_num_threads(threads)
     committed_history = (root / "paper" / "mnist" / "map_history.csv").read_text().splitlines()[-1]
     ours = fit["history"].iloc[-1]
     if abs(float(committed_history.split(",")[2]) - ours["val_loss"]) > 1e-6:
