@@ -25,7 +25,7 @@ import time
 import torch
 
 from smp_book.baselines import mc_dropout_logits
-from smp_book.results import cpu_model
+from smp_book.machine import cpu_model
 from smp_core import lenet5
 
 # --smoke: tiny sizes in place of the defaults (options given on the command line still apply)

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recursion import bench_lenet, fit_toy_start  # noqa: E402
 
-from smp_book.results import cpu_model  # noqa: E402
+from smp_book.machine import cpu_model  # noqa: E402
 from smp_book.toy import make_toy_data  # noqa: E402
 from smp_core import lenet5, run_smp, toy_mlp  # noqa: E402
 from smp_core.fisher import structure_for  # noqa: E402

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from smp_book.results import cpu_model  # noqa: E402
+from smp_book.machine import cpu_model  # noqa: E402
 from smp_core import metrics  # noqa: E402
 
 # --smoke: tiny sizes in place of the defaults (options given on the command line still apply)

@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 import smp_core.fisher as fisher_module
 from smp_book.config import MNIST_TAU
+from smp_book.machine import cpu_model
 from smp_book.mnist import mnist_tensors
-from smp_book.results import cpu_model
 from smp_core import Fisher, as_chain_model, lenet5, run_smp
 from smp_core.fused import fused_unavailable
 from smp_core.likelihoods import Categorical

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from smp_book.results import cpu_model
+from smp_book.machine import cpu_model
 from smp_book.toy import make_toy_data
 from smp_core import Fisher, lenet5, run_smp, toy_mlp
 from smp_core.memory import retain_freed_memory

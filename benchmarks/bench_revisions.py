@@ -120,7 +120,7 @@ def main():
             return
         raise SystemExit(f"no git revision {args.base!r} in {ROOT}: {reason}")
     rev = found.stdout.strip()
-    from smp_book.results import cpu_model  # the working tree's
+    from smp_book.machine import cpu_model  # the working tree's
 
     cfg = {"variants": args.variants, "threads": args.threads, "steps": args.steps, "chains": args.chains,
            "images": args.images, "fisher_examples": args.fisher_examples}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from smp_book.results import cpu_model  # noqa: E402
+from smp_book.machine import cpu_model  # noqa: E402
 
 SMOKE = {"chains": 8, "steps": 20, "train": 200, "ranks": [1, 2], "repeats": 1}
 

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_recursion import fit_toy_start  # noqa: E402
 
 from smp_book.config import TOY_TAU  # noqa: E402
-from smp_book.results import cpu_model  # noqa: E402
+from smp_book.machine import cpu_model  # noqa: E402
 from smp_book.toy import make_toy_data  # noqa: E402
 from smp_core import run_smp  # noqa: E402
 from smp_core.memory import retain_freed_memory  # noqa: E402

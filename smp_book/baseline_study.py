@@ -183,7 +183,7 @@ def agreement(run: dict[str, Any]) -> pd.DataFrame:
 
 def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
     """Mean, standard deviation and stacked replicates of the toy tables and the agreement table."""
-    from .results import summarise_replicates
+    from .summaries import summarise_replicates
 
     return summarise_replicates([{**ts.tables(r), "agreement": agreement(r)} for r in runs])
 
@@ -289,13 +289,13 @@ def beyond_nuts_noise(agree_replicates: pd.DataFrame, reference: str = SECOND_NU
 
 
 def compute(ctx) -> None:
-    """The chapter's results (:mod:`smp_book.chapters`): every replicate (cached by config and replicate
+    """The chapter's results (:mod:`smp_book.pipeline`): every replicate (cached by config and replicate
     under ``.cache/toy_baselines/``), the toy tables and the agreement table with their spread, the
     MAPs, the second NUTS chain, the distance beyond NUTS's own noise, the findings, the figures of the
     first replicate and the numbers the prose quotes. The toy chapter's results are read to check that
     the rows both studies compute (NUTS, NUTS-mean, SMP-none, SMP-ema-block) agree."""
     from . import plots
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     runs = [cached("toy_baselines", {**cfg, "replicate": r, "code": code_hash("smp_book.baseline_study")},

@@ -10,7 +10,9 @@ Settings the paper states are marked with a comment; the rest are our choices, s
 
 from __future__ import annotations
 
+import math
 from copy import deepcopy
+from dataclasses import dataclass
 from typing import Any
 
 SCALES = ("ci", "laptop", "paper")
@@ -28,6 +30,32 @@ TOY_TAU = {"none": 1.0, "diag": 0.3, "block": 0.3, "dense": 0.1}  # paper
 TOY_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
 TOY_TAU["kfac"] = 0.3  # ours
 
+
+@dataclass(frozen=True)
+class Variant:
+    """One SMP variant of a chapter: its row in the tables, its preconditioner and its step scale tau."""
+
+    name: str
+    preconditioner: str
+    tau: float
+
+
+def variants(cfg: dict[str, Any]) -> list[Variant]:
+    """The SMP variants of a study's settings ``cfg``: its ``variants`` with the ``tau`` of each, as the
+    manifest and the settings table show them."""
+    return [Variant(f"SMP-{v}", v, cfg["tau"][v]) for v in cfg["variants"]]
+
+
+def toy_tau(variant: str) -> float:
+    """The paper's tau for a toy variant name such as ``"ema-block"`` (ours for kfac)."""
+    return TOY_TAU["none" if variant == "none" else variant.split("-")[1]]
+
+
+def _taus(names: list[str], tau) -> dict[str, Any]:
+    """The settings ``variants`` and ``tau`` (a variant's tau by its name) of the variants ``names``."""
+    return {"variants": list(names), "tau": {v: tau(v) for v in names}}
+
+
 _TOY_PAPER: dict[str, Any] = {
     "n_train": 500,  # paper
     "n_test": 5000,  # paper
@@ -44,6 +72,7 @@ _TOY_PAPER: dict[str, Any] = {
     "n_bins": 10,  # paper (J)
     "replicates": 5,  # ours: the paper reports one run
     "seed": 2026,
+    **_taus(TOY_VARIANTS, toy_tau),  # paper
 }
 
 TOY: dict[str, dict[str, Any]] = {
@@ -56,6 +85,9 @@ TOY: dict[str, dict[str, Any]] = {
 # Section 3.3: MAP then SMP; tau per variant; empirical diagonal Fisher from the validation set.
 MNIST_VARIANTS = ["none", "fixed-diag", "ema-diag", "periodic-diag"]
 MNIST_TAU = {"none": 1.0, "fixed-diag": 0.05, "ema-diag": 0.08, "periodic-diag": 0.05}  # paper
+MNIST_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
+# ours (notebooks/mnist_kfac.md): the paper's diagonal tau for the same strategy, so that only the structure changes
+MNIST_TAU_KFAC = {v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}
 
 _MNIST_PAPER: dict[str, Any] = {
     "n_train": 54_000, "n_val": 6_000, "n_test": 10_000,  # paper
@@ -69,6 +101,7 @@ _MNIST_PAPER: dict[str, Any] = {
     # One here: at K = 10^6 a replicate is hours of CPU (the laptop scale measures the spread).
     "smp_replicates": 1,
     "split_seed": 0, "seed": 2026,
+    **_taus(MNIST_VARIANTS, MNIST_TAU.get),  # paper
 }
 
 # ours, at the paper scale: the MAP with the lowest validation loss after its last epoch among five seeds
@@ -116,10 +149,9 @@ MNIST_GROWTH: dict[str, dict[str, Any]] = {
 # four variants of the MNIST study (seed_offset). ema_refresh (ours): the EMA's factors are
 # eigendecomposed every 50 steps (1 / (1 - beta), the EMA's memory) instead of every step, which costs
 # more than the rest of the step for LeNet-5's 257 x 257 input factor (benchmarks/bench_kfac.py).
-MNIST_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
 _MNIST_KFAC_CHANGES: dict[str, Any] = {
     "variants": MNIST_KFAC_VARIANTS,
-    "tau": {"fixed-kfac": 0.05, "ema-kfac": 0.08, "periodic-kfac": 0.05},  # ours: the diagonal's tau
+    "tau": {**MNIST_TAU, **MNIST_TAU_KFAC},  # the diagonal's beside the step law's none and fixed-diag
     "ema_refresh": 50,  # ours
     "seed_offset": len(MNIST_VARIANTS),
 }
@@ -151,7 +183,7 @@ MNIST_SEEDS: dict[str, dict[str, Any]] = {
     for scale, settings in MNIST.items()}
 
 # Beyond the paper: the toy study's settings, data and NUTS (the same seeds), with the KFAC variants.
-TOY_KFAC: dict[str, dict[str, Any]] = {scale: {**settings, "variants": TOY_KFAC_VARIANTS}
+TOY_KFAC: dict[str, dict[str, Any]] = {scale: {**settings, **_taus(TOY_KFAC_VARIANTS, toy_tau)}
                                        for scale, settings in TOY.items()}
 
 # Beyond the paper (notebooks/toy_tail.md): the Gaussian tail of smp_core.tail (hybrid sampling) against
@@ -276,6 +308,50 @@ def get_config(study: str, scale: str) -> dict[str, Any]:
     return {"study": study, "scale": scale, **deepcopy(_TABLES[study][scale])}
 
 
-def toy_tau(variant: str) -> float:
-    """The paper's tau for a toy variant name such as ``"ema-block"``."""
-    return TOY_TAU["none" if variant == "none" else variant.split("-")[1]]
+# The parameters a chapter takes besides ``scale`` (papermill's -p and -y), and the setting each one sets.
+PARAMETERS: dict[str, dict[str, str]] = {
+    "toy": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "replicates", "seed": "seed"},
+    "mnist": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "smp_replicates",
+              "seed": "seed", "map_seed": "select_map_from_seeds"},
+}
+_NOTEBOOK_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
+
+
+def with_parameters(study: str, config: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """``config`` changed by a chapter's ``params`` (:data:`PARAMETERS`; ``None``, or an empty ``tau``, keeps the
+    scale's), each checked before any work: a name the chapter lacks or a bad value raises, naming it."""
+    allowed = PARAMETERS.get(study, {})
+    for name, value in (params or {}).items():
+        if name not in allowed:
+            raise ValueError(f"{name}: not a parameter of the {study} chapter; its parameters: scale, "
+                             f"{', '.join(allowed) or 'no other'}")
+        if value is None or (name == "tau" and not value):
+            continue
+        if name == "tau":
+            if not isinstance(value, dict):
+                raise TypeError(f"tau: a mapping from variant to tau is needed, got {value!r}")
+            for variant, tau in value.items():
+                plain = str(variant).removeprefix("SMP-")
+                if plain not in config["tau"]:
+                    raise ValueError(f"tau: unknown variant {variant!r}; known: {', '.join(config['variants'])}")
+                if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau) or tau <= 0:
+                    raise ValueError(f"tau: the tau of {variant!r} must be a positive finite number, got {tau!r}")
+                config["tau"][plain] = float(tau)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if "seed" in name else 1):
+            raise ValueError(f"{name}: a {'non-negative' if 'seed' in name else 'positive'} integer is needed, "
+                             f"got {value!r}")
+        else:
+            config[allowed[name]] = [value] if name == "map_seed" else value
+    return config
+
+
+def parameters(namespace: dict[str, Any], study: str | None = None) -> dict[str, Any]:
+    """A chapter's parameters from its notebook's ``globals()`` right after the parameters cell (and the cell
+    papermill injects after it): those of :data:`PARAMETERS` for ``study`` but ``scale``. Any other name
+    refuses the run, naming the parameters the chapter defines (papermill itself only warns)."""
+    allowed = {"scale", *PARAMETERS.get(study, {})}
+    unknown = sorted(n for n, v in namespace.items() if not n.startswith("_") and n not in allowed | _NOTEBOOK_NAMES
+                     and not callable(v) and type(v).__name__ != "module")
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(unknown)}: this chapter takes {', '.join(sorted(allowed))}")
+    return {name: namespace[name] for name in sorted(allowed - {"scale"}) if name in namespace}

@@ -2,7 +2,7 @@
 frozen layers' output (the features) computed once, and one run per variant on the sampled layers.
 
 They live apart from the study's scoring so that their cache key holds the code they run alone (this
-module and :mod:`smp_core`, :func:`~smp_book.results.code_hash`) and a digest of what they start from:
+module and :mod:`smp_core`, :func:`~smp_book.pipeline.code_hash`) and a digest of what they start from:
 a change to the code that scores them, to the baselines' code or to the verdicts reuses them. A run is
 the same recursion with the same random numbers as SMP on the whole network with the other layers frozen
 (``requires_grad=False``), which a test checks, at a fraction of the cost.
@@ -11,6 +11,7 @@ the same recursion with the same random numbers as SMP on the whole network with
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from smp_core.models import as_chain_model, lenet5
 from smp_core.preconditioners import ema_refresh_applies, preconditioner_from_name
 from smp_core.recursion import Fisher, run_smp
 
-from .results import cached, code_hash
+from .pipeline import CACHE, cached, code_hash
 
 SUBSETS = {"last layer": 1, "last two layers": 2}  # the sampled fully connected layers, counted from the output
 PREFIX = {"last layer": "LL", "last two layers": "LL2"}
@@ -91,7 +92,7 @@ def inputs_digest(*tensors: torch.Tensor) -> str:
 
 
 def run(cfg: dict[str, Any], subset: str, variant: str, index: int, head: nn.Module, feats: dict,
-        use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+        use_cache: bool = True, progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """:func:`run_variant`, cached in ``<cache_root>/last_layer/`` by the settings, the run's name, this
     module's code and a digest of what the run starts from (the sampled layers at the MAP, the training
     and validation features: a new MAP or other data runs it again): ``theta`` (the converged chains),

@@ -17,6 +17,7 @@ random numbers and the same samples as SMP on the whole network with the other l
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -28,6 +29,7 @@ from . import mnist_baseline_study as mbs
 from . import mnist_study as ms
 from .config import MNIST_TAU, get_config
 from .last_layer_runs import PREFIX, SEED_OFFSET, STRATEGIES, STRUCTURES, SUBSETS, features, run, split, variants
+from .pipeline import CACHE
 
 LAPLACE = "LL Laplace (laplace-torch)"
 
@@ -74,14 +76,14 @@ def fit_laplace(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict) -> dic
 
 
 def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress: bool = True,
-              cache_root: str = ".cache") -> dict[str, Any]:
+              cache_root: str | Path = CACHE) -> dict[str, Any]:
     """Every run of :func:`~smp_book.last_layer_runs.variants` (cached by
     :func:`~smp_book.last_layer_runs.run`) and the Laplace approximation (cached by the config and this
     module's code in ``<cache_root>/last_layer/``), evaluated with the MAP on the test set and the rotated
     sets (:func:`smp_book.mnist_baseline_study.evaluate`). Returns ``evals`` by method, the MAP's
     (``map_eval``, for the paired comparisons), ``runs`` (one row per run: subset, variant, d, seconds,
     diverged chains) and the Laplace fit's prior precision."""
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     fit = ms.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
                      progress=progress, cache_root=cache_root)
@@ -148,7 +150,7 @@ def verdicts(scores: pd.DataFrame, leads: pd.DataFrame, ensemble: str, worst: in
 
 
 def compute(ctx) -> None:
-    """The chapter's results (:mod:`smp_book.chapters`): the runs, the scores beside the MNIST baselines
+    """The chapter's results (:mod:`smp_book.pipeline`): the runs, the scores beside the MNIST baselines
     chapter's methods (read from its results), the verdicts, the rotation figure and the prose's numbers."""
     cfg = ctx.config
     data, _ = ms.load_data(cfg)

@@ -29,6 +29,7 @@ training runs (one MAP, one SMP run, one ensemble here).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -43,7 +44,7 @@ from . import baselines
 from . import mnist_seeds_study as mss
 from . import mnist_study as ms
 from .config import MNIST_BASELINE_KEYS
-from .results import cached, code_hash
+from .pipeline import CACHE, cached, code_hash
 
 PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
 DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
@@ -190,7 +191,7 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
 
 
 def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-                   progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+                   progress: bool = True, cache_root: str | Path = CACHE) -> pd.DataFrame:
     """Train LeNet-5 with every dropout rate of ``cfg["dropout_rates"]`` (:func:`dropout_settings`; the
     MAP's settings and the config's seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
     (``S = n_chains`` passes, masks from :func:`dropout_seed` ``"validation"``) on the validation set.
@@ -218,7 +219,7 @@ def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None 
 
 
 def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-              progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+              progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """Fit and score every method of :func:`method_names`.
 
     The MAP, the ensemble's other MAPs and the SMP runs come from (or go to) the MNIST chapter's cache
@@ -466,7 +467,7 @@ CALIBRATION_SHOWN = ("MAP", "SMP-none", "SMP-periodic-diag", "Laplace-diag (evid
 
 
 def compute(ctx) -> None:
-    """The chapter's results (:mod:`smp_book.chapters`): every method fitted and scored
+    """The chapter's results (:mod:`smp_book.pipeline`): every method fitted and scored
     (:func:`run_study`, cached under ``.cache/mnist/`` and ``.cache/mnist_baselines/``), the tables of
     :func:`tables` (the Laplace table with the prior's term ``alpha |theta_MAP|`` beside the gradient
     norm), how far the MAP and SMP rows are from the MNIST chapter's results, the findings, the NLL

@@ -120,7 +120,7 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
 
 
 def from_results(res) -> pd.DataFrame:
-    """:func:`further_claims` of the MNIST chapter's results ``res`` (:class:`smp_book.chapters.Results`)."""
+    """:func:`further_claims` of the MNIST chapter's results ``res`` (:class:`smp_book.results.Results`)."""
     return further_claims(res.table("scores_mean"), res.table("variances_mean"), res.table("ambiguous_three"),
                           res.table("elapsed_mean"), res.manifest.get("timing_note"), res.config.get("n_test"))
 

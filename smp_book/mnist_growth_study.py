@@ -22,7 +22,7 @@ from .mnist_study import (
     run_variant,
     smp_path,
 )
-from .results import cached, code_hash, config_key
+from .pipeline import CACHE, cached, code_hash, config_key
 
 
 def reached_share(n_obs: int, n_steps: int) -> float:
@@ -70,7 +70,7 @@ def growth_point(theta: torch.Tensor, data: dict, zero_mask: torch.Tensor,
 
 def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
                zero_mask: torch.Tensor, device: torch.device | None = None, use_cache: bool = True,
-               progress: bool = True, cache_root: str = ".cache") -> pd.DataFrame:
+               progress: bool = True, cache_root: str | Path = CACHE) -> pd.DataFrame:
     """One SMP run of ``variant`` (:func:`run_variant`, seeds of replicate 0) extended through the
     grid ``cfg["growth_steps"]`` of K, with :func:`growth_point` at every K.
 
@@ -233,7 +233,7 @@ def in_words(summary: pd.DataFrame, zero_fraction: float) -> list[str]:
 
 
 def compute(ctx) -> None:
-    """The growth chapter's results (:mod:`smp_book.chapters`): the MNIST chapter's MAP (shared through
+    """The growth chapter's results (:mod:`smp_book.pipeline`): the MNIST chapter's MAP (shared through
     ``.cache/mnist/``), the zero-Fisher coordinates, one run per variant extended through the grid of K
     (:func:`run_growth`, cached under ``.cache/mnist_growth/``), its growth against the one-Fisher
     prediction, the least dispersed diagonal variant at each K, the figure, the MNIST chapter's numbers at

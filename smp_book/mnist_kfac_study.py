@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,7 @@ from .mnist_study import (
     variant_preconditioner,
     variant_tau,
 )
-from .results import cached, code_hash
+from .pipeline import CACHE, cached, code_hash
 
 
 def structure_table(scores: pd.DataFrame, variances: pd.DataFrame, elapsed: pd.DataFrame) -> pd.DataFrame:
@@ -196,7 +197,7 @@ def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torc
 
 
 def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
-                    use_cache: bool = True, progress: bool = True, cache_root: str = ".cache",
+                    use_cache: bool = True, progress: bool = True, cache_root: str | Path = CACHE,
                     draw_set: int = 0) -> pd.DataFrame:
     """The law of one step at the MAP for the fixed diagonal and fixed KFAC preconditioners, and none.
 
@@ -372,7 +373,7 @@ def step_law_surprise(draws: pd.DataFrame, threshold: float = 0.5) -> pd.DataFra
 
 def cached_run(cfg: dict[str, Any], variant: str, theta_map: torch.Tensor, data: dict,
                device: torch.device | None = None, use_cache: bool = True, progress: bool = True,
-               cache_root: str = ".cache", replicate: int = 0):
+               cache_root: str | Path = CACHE, replicate: int = 0):
     """One run of a study's variant (:func:`run_variant`), from the cache :func:`run_replicates` fills
     (``<cache_root>/<study>/``, :func:`run_key`), or run now and cached there."""
     device = device or default_device()
@@ -423,7 +424,7 @@ def linearised_against_actual(theta_map: torch.Tensor, thetas: torch.Tensor, x_e
 
 
 # ----------------------------------------------------------------------------------------------
-# The chapter's results (smp_book.chapters): everything notebooks/mnist_kfac.md shows
+# The chapter's results (smp_book.pipeline): everything notebooks/mnist_kfac.md shows
 
 KFAC_STRATEGIES = ("fixed", "ema", "periodic")
 
@@ -594,15 +595,15 @@ def tails_text(tails: pd.DataFrame, surprise: pd.DataFrame, largest: pd.DataFram
 
 
 def compute(ctx) -> None:
-    """The MNIST KFAC chapter's results (:mod:`smp_book.chapters`): the MAP of the MNIST chapter (its cache),
+    """The MNIST KFAC chapter's results (:mod:`smp_book.pipeline`): the MAP of the MNIST chapter (its cache),
     the directions at the ridge and the float32 check of the KFAC statistic, the replicates of the three KFAC
     variants (cached under ``.cache/mnist_kfac/``) with the MNIST chapter's rows beside them (its results, read
     with ``ctx.read("mnist")``), the verdicts, the law of one step at the MAP (two sets of draws, their raw
     draws kept as ``step_law_draws*.csv.gz``), the largest chains against the linearised network, the
     calibration figure and the numbers the prose quotes."""
     from . import plots
-    from .chapters import study_config
     from .mnist_study import chapter_map, load_data, r_ratio, run_replicates, smp_seed, summarise
+    from .pipeline import study_config
 
     cfg = ctx.config
     mnist = ctx.read("mnist")  # first: it fits the MAP and runs the diagonal variants this chapter reuses

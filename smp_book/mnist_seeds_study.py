@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 
 from .config import MNIST_VARIANTS
 from .mnist_study import DIAGONAL_METHODS, fit_map, run_replicates, smp_seed
-from .results import summarise_replicates, variance_components
+from .pipeline import CACHE
+from .summaries import summarise_replicates, variance_components
 
 
 def map_seed(cfg: dict[str, Any], member: int) -> int:
@@ -21,7 +23,7 @@ def map_seed(cfg: dict[str, Any], member: int) -> int:
 
 
 def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-                  progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+                  progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """Beyond the paper: the four SMP variants in ``cfg["smp_replicates"]`` replicates from each of
     ``cfg["map_seeds"]`` MAPs.
 
@@ -100,7 +102,7 @@ def dispersion_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], varian
 
 def map_or_stream(per_run: pd.DataFrame) -> pd.DataFrame:
     """How much of the spread of each run's dispersion comes from the MAP and how much from the SMP random
-    stream: :func:`smp_book.results.variance_components` of the log mutual information of each variant and
+    stream: :func:`smp_book.summaries.variance_components` of the log mutual information of each variant and
     of the log ratios of :func:`dispersion_per_run`, the MAPs as groups (``sd_map``, ``sd_stream``,
     ``map_share``; ``p_value`` tests for no difference between MAPs)."""
     logged = {}
@@ -248,7 +250,7 @@ def excursions(per_run: pd.DataFrame, trimmed: pd.DataFrame, shares: pd.DataFram
 
 
 def compute(ctx) -> None:
-    """The MAP-seeds chapter's results (:mod:`smp_book.chapters`): the MAPs and their runs
+    """The MAP-seeds chapter's results (:mod:`smp_book.pipeline`): the MAPs and their runs
     (:func:`run_map_seeds`, shared with the MNIST chapters through ``.cache/mnist/``), the paper's
     tables over the MAPs, the least dispersed variant per MAP and per run, the verdicts per MAP, the
     split of the spread into the MAP's and the random stream's (:func:`map_or_stream`, with two

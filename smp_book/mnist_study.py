@@ -27,9 +27,12 @@ from smp_core.models import as_chain_model, lenet5, predict
 from smp_core.preconditioners import ema_refresh_applies, preconditioner_from_name
 from smp_core.recursion import Fisher, residual_variance_ratio, run_smp
 
-from .config import MNIST_TAU, MNIST_VARIANTS
+from .config import MNIST_VARIANTS
+from .machine import cpu_model
 from .mnist import mnist_tensors
-from .results import cached, code_hash, config_key, cpu_model, summarise_replicates
+from .pipeline import CACHE, DATA, RESULTS, cached, code_hash, config_key
+from .results import Results
+from .summaries import summarise_replicates
 
 INPUT_SHAPE = (1, 28, 28)
 FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
@@ -40,7 +43,7 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_data(cfg: dict[str, Any], data_dir: str = "data") -> tuple[dict, dict[str, Any]]:
+def load_data(cfg: dict[str, Any], data_dir: str | Path = DATA) -> tuple[dict, dict[str, Any]]:
     """The three MNIST sets at the sizes of ``cfg`` (:func:`smp_book.mnist.mnist_tensors`, split by
     ``cfg["split_seed"]``): at the paper's sizes the whole sets, the test set in its official order;
     at smaller ones (the ``ci`` scale) the first entries of the seeded orders. Returns ``(data, provenance)``."""
@@ -105,14 +108,14 @@ def map_key(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-            progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+            progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """:func:`train_map`, reused from ``<cache_root>/mnist/`` by :func:`map_key` (shared by the MNIST chapters)."""
     return cached("mnist", map_key(cfg), lambda: train_map(cfg, data, device, progress), root=cache_root,
                   enabled=use_cache)
 
 
 def chapter_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-                progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+                progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """The MAP the MNIST chapters start from: :func:`fit_map` for ``cfg["seed"]`` or, where
     ``cfg["select_map_from_seeds"]`` lists seeds (the paper scale), the fit among theirs with the lowest
     validation loss after the last epoch, a rule that looks at no SMP result. Each candidate is fitted as
@@ -177,8 +180,8 @@ def study_variants(cfg: dict[str, Any]) -> list[str]:
 
 
 def variant_tau(cfg: dict[str, Any], variant: str) -> float:
-    """tau of ``variant``: ``cfg["tau"]`` (the KFAC study) or else the paper's (``MNIST_TAU``)."""
-    taus = {**MNIST_TAU, **cfg.get("tau", {})}
+    """tau of ``variant``: ``cfg["tau"]`` (the paper's unless a chapter's parameters change it)."""
+    taus = cfg["tau"]
     if variant not in taus:
         raise KeyError(f"no tau for the MNIST variant {variant!r}; known: {sorted(taus)}")
     return taus[variant]
@@ -196,7 +199,7 @@ def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
 
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
     """The cache key of one SMP run: its scale's settings, the variant, the replicate, the code it runs
-    (:func:`~smp_book.results.code_hash`) and :func:`smp_path`. The number of
+    (:func:`~smp_book.pipeline.code_hash`) and :func:`smp_path`. The number of
     replicates is left out, so that asking for more replicates reuses the ones already run, and so are
     the ``step_law_*`` settings, which no run uses (:func:`~smp_book.mnist_kfac_study.step_law_at_map`)."""
     settings = {k: v for k, v in cfg.items() if k != "smp_replicates" and not k.startswith("step_law_")}
@@ -230,7 +233,7 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
 
 
 def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
-                   use_cache: bool = True, progress: bool = True, cache_root: str = ".cache") -> dict[str, Any]:
+                   use_cache: bool = True, progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """Every SMP variant (:func:`study_variants`) in each of ``cfg["smp_replicates"]`` replicates from
     the same MAP, evaluated.
 
@@ -379,7 +382,7 @@ def tables(evals: dict[str, dict], elapsed: dict[str, float]) -> dict[str, pd.Da
 
 def summarise(per_replicate: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
     """Mean and standard deviation over the SMP replicates of every cell of :func:`tables`
-    (:func:`smp_book.results.summarise_replicates`). Every replicate starts from the same MAP, so the
+    (:func:`smp_book.summaries.summarise_replicates`). Every replicate starts from the same MAP, so the
     MAP row has no spread to show: its standard deviation is NaN, not a misleading zero; the spread
     of the SMP rows is that of the SMP random stream alone (one MAP, one data split)."""
     out = summarise_replicates(per_replicate)
@@ -491,38 +494,22 @@ def verdict_summary(verdicts) -> str:
     return ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural}" for v, plural in kinds if counts[v]) or "none"
 
 
-def _presentation_module(name: str):
-    """``smp_book.<name>``, imported by name: the modules that only show results (figures, result
-    folders) stay out of :func:`~smp_book.results.code_hash` of this module, which is in the cache key
-    of every MAP and SMP run of the MNIST chapters (:func:`map_key`, :func:`run_key`), so that
-    editing a figure does not recompute hours of runs."""
-    import importlib
-
-    return importlib.import_module(f"smp_book.{name}")
-
-
 # Where the paper-scale results of this study are, once a run at the paper scale has written them
-# (``smp_book.chapters.results("mnist", "paper")``, or ``python -m smp_book.reproduce --scale paper --only mnist``
-# and its folder build/reproduce/paper/mnist/ copied here).
-PAPER_RESULTS = Path("results") / "paper" / "mnist"
+# (``python -m smp_book.reproduce --scale paper --only mnist`` and its folder copied here).
+PAPER_RESULTS = RESULTS / "paper" / "mnist"
 
 
 def paper_scale_results(folder: str | Path = PAPER_RESULTS):
-    """The paper-scale results of this study (:class:`smp_book.chapters.Results`) when a complete folder
-    of them exists, else ``None``: they are only read here, never computed (at ``K = 10^6`` they take
-    hours of a GPU). A folder is complete when its manifest (written last) exists and holds the paper
-    scale's current settings."""
-    import json
+    """The paper-scale results of this study (:class:`smp_book.results.Results`) when a complete folder
+    of them holds the paper scale's current settings, else ``None``: they are only read here, never computed
+    (at ``K = 10^6`` they take hours)."""
+    from .pipeline import stale_reason, study_config
 
-    chapters = _presentation_module("chapters")
     folder = Path(folder)
-    if not (folder / "manifest.json").exists():
+    if stale_reason(folder, study_config("mnist", "paper")) is not None:
         return None
-    res = chapters.Results(folder)
-    wanted = json.loads(json.dumps(chapters.study_config("mnist", "paper"), sort_keys=True, default=str))
-    if res.manifest.get("scale") != "paper" or res.config != wanted or not res.has("scores_mean"):
-        return None
-    return res
+    res = Results(folder)
+    return res if res.manifest.get("scale") == "paper" and res.has("scores_mean") else None
 
 
 def paper_scale_note(scale: str, paper_run=None) -> str:
@@ -543,12 +530,13 @@ def paper_scale_note(scale: str, paper_run=None) -> str:
 
 
 def compute(ctx) -> None:
-    """The MNIST chapter's results (:mod:`smp_book.chapters`): the MAP (cached under ``.cache/mnist/``)
+    """The MNIST chapter's results (:mod:`smp_book.pipeline`): the MAP (cached under ``.cache/mnist/``)
     with its training history, the fraction of zeros on the diagonal of the empirical Fisher, the
     replicates of the four SMP variants (:func:`run_replicates`), the paper's three tables per
     replicate and summarised, the chain shares, the verdicts, the two figures of the first replicate
     and the numbers the prose quotes. The device and the seeds go into the manifest."""
-    plots = _presentation_module("plots")
+    from . import plots
+
     cfg = ctx.config
     device = default_device()
     data, provenance = load_data(cfg)
@@ -594,7 +582,7 @@ def compute(ctx) -> None:
     ctx.value("smp_path", path)
     sizes = provenance.get("sizes", {})
     ctx.value("data_description",
-              f"the MNIST files under {provenance.get('raw_dir', provenance.get('data_dir', 'data'))}"
+              "the MNIST files under data/MNIST/raw"
               + (" (their SHA-256 as the reference's)" if provenance.get("matches_reference") else "")
               + f", split with seed {cfg['split_seed']} into {sizes.get('train', cfg['n_train']):,} training, "
               f"{sizes.get('val', cfg['n_val']):,} validation and {sizes.get('test', cfg['n_test']):,} test images")

@@ -5,13 +5,14 @@ is carried on by the Gaussian tail of :mod:`smp_core.tail` to the paper's ``K' =
 infinity, and the tail is checked against the recursion on the same chains: stopped at ``K0``, the
 tail from ``K0`` to ``K`` is compared with the recursion's own steps ``theta_K - theta_K0``
 (:func:`mnist_tails`), as the toy tail chapter does (:mod:`smp_book.tail_study`). :func:`compute`
-writes the chapter's results (:mod:`smp_book.chapters`).
+writes the chapter's results (:mod:`smp_book.pipeline`).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ from smp_core.tail import add_gaussian_tail, tail_variance
 from . import mnist_study as ms
 from .config import get_config
 from .paper import paper_table
-from .results import cached
+from .pipeline import CACHE, cached
 from .tail_study import CHECK_EVERY, RECURSION, TO_INFINITY, TOLERANCE, _tail_ratio, tail_seed
 
 PAPER_ROW = "paper (K = 10^6)"
@@ -63,7 +64,7 @@ def _scores(theta: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor, n_b
 
 
 def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
-                device: torch.device | None = None, use_cache: bool = True, cache_root: str = ".cache",
+                device: torch.device | None = None, use_cache: bool = True, cache_root: str | Path = CACHE,
                 progress: bool = False) -> dict[str, Any]:
     """Replicate 0 of each MNIST variant (the MNIST chapter's run, from its cache when there) carried
     on by the Gaussian tail, and a check of the tail against the recursion on the same chains.
@@ -180,7 +181,7 @@ def verdict(trusted: list[str], others: list[str], mi: dict[str, float], paper_m
 
 
 def compute(ctx) -> None:
-    """The MNIST tail chapter's results (:mod:`smp_book.chapters`): the MAP and the MNIST chapter's runs
+    """The MNIST tail chapter's results (:mod:`smp_book.pipeline`): the MAP and the MNIST chapter's runs
     (from the shared caches), the tails and the check (:func:`mnist_tails`), the tables beside the
     paper and the numbers the prose quotes."""
     settings = dict(ctx.config)

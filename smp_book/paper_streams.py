@@ -29,17 +29,18 @@ from smp_core.recursion import Fisher, run_smp
 
 from . import mnist_study
 from .config import MNIST_VARIANTS, get_config
-from .results import environment, git_revision
+from .machine import environment, git_revision
+from .pipeline import RESULTS
 
 WORK = Path(os.environ.get("SMP_BOOK_WORK", Path.home() / ".cache" / "smp-book" / "paper_streams"))
 
 
-def committed_run(root: Path = Path("results")) -> dict:
+def committed_run(root: Path = RESULTS) -> dict:
     """The committed paper-scale MNIST manifest (its MAP seed and the seed of each variant)."""
     return json.loads((root / "paper" / "mnist" / "manifest.json").read_text())
 
 
-def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = Path("results"),
+def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULTS,
                progress: bool = True) -> Path:
     """Stream ``stream`` (chains ``100 stream`` onwards) of ``variant`` at the paper scale; returns its folder."""
     if variant not in MNIST_VARIANTS:
@@ -91,7 +92,7 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = Path("
         df.to_csv(out / f"{table_name}.csv")
     record = {
         "git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": {**cfg, "variant": variant, "tau": mnist_study.variant_tau(cfg, variant)},
+        "config": {**cfg, "variant": variant},  # its tau: config["tau"][variant]
         "seeds": {"map": map_seed, "smp": seed, "chains": [first, first + cfg["n_chains"] - 1]},
         "diverged_chains": int(res.n_diverged),
         "wall_time_s": round(time.perf_counter() - started, 1),

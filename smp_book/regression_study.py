@@ -557,7 +557,7 @@ def prior_sensitivity(cfg: dict[str, Any], alpha: float, index: int = 0) -> dict
 
 
 # ----------------------------------------------------------------------------------------------
-# The chapter's results (smp_book.chapters): everything notebooks/regression.md shows
+# The chapter's results (smp_book.pipeline): everything notebooks/regression.md shows
 
 REFERENCES = ("NUTS", "MAP", "Laplace (linearised)")
 
@@ -783,11 +783,11 @@ def _grid_text(values) -> str:
 
 
 def compute(ctx) -> None:
-    """The regression chapter's results (:mod:`smp_book.chapters`): every data set (its MAP, NUTS, Laplace and
+    """The regression chapter's results (:mod:`smp_book.pipeline`): every data set (its MAP, NUTS, Laplace and
     SMP runs, :func:`run_data_set`, cached under ``.cache/regression/``), the scores and their medians, the
     ``tau`` matched to NUTS's spread, the gap shares, the prior's part (:func:`prior_sensitivity`, cached), the
     design runs, the figures and the numbers the prose quotes."""
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     n = cfg["data_sets"]

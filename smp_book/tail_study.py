@@ -1,6 +1,6 @@
 """The Gaussian-tail study (``notebooks/toy_tail.md``; beyond the paper): hybrid sampling against the recursion.
 
-:func:`compute` writes the chapter's results (:mod:`smp_book.chapters`); the MNIST counterpart is
+:func:`compute` writes the chapter's results (:mod:`smp_book.pipeline`); the MNIST counterpart is
 :mod:`smp_book.mnist_tail_study`.
 
 For each toy replicate (the toy study's data, NUTS and NUTS-mean) and each SMP variant, one run of
@@ -37,7 +37,7 @@ from smp_core.models import as_chain_model, predict, toy_mlp
 from smp_core.recursion import run_smp
 from smp_core.tail import add_gaussian_tail
 
-from .config import TOY_VARIANTS, toy_tau
+from .config import TOY_VARIANTS
 from .toy import make_toy_data
 from .toy_study import one_class_brier, replicate_seeds, toy_preconditioner
 
@@ -116,7 +116,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = False) -
             checkpoint = Path(tmp) / "run.pt"
             for k in [*stops, n_steps]:
                 res = run_smp(net, "bernoulli", x, theta0=theta_hat, preconditioner=toy_preconditioner(cfg, variant),
-                              tau=toy_tau(variant), n_steps=k, n_chains=cfg["n_chains"], seed=seeds["smp"] + index,
+                              tau=cfg["tau"][variant], n_steps=k, n_chains=cfg["n_chains"], seed=seeds["smp"] + index,
                               options={"checkpoint": checkpoint}, progress=progress)
                 started = time.perf_counter()
                 with warnings.catch_warnings():
@@ -240,11 +240,11 @@ PREDICTIVE_COLUMNS = {"accuracy": "accuracy", "nll": "NLL", "ece": "ECE", "mutua
 
 
 def compute(ctx) -> None:
-    """The toy tail chapter's results (:mod:`smp_book.chapters`): every replicate (cached by config and
+    """The toy tail chapter's results (:mod:`smp_book.pipeline`): every replicate (cached by config and
     replicate under ``.cache/toy_tail/``), the tail ratios and the agreement per variant, the
     predictive metrics of every sampler, the recursion rows against the toy chapter's own runs, the
     figure and the numbers the prose quotes."""
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     runs = [cached("toy_tail", {**cfg, "replicate": r, "code": code_hash(__name__)},

@@ -25,7 +25,7 @@ from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import Fisher, run_smp
 
 from . import toy_study as ts
-from .config import TOY, toy_tau
+from .config import TOY
 from .toy import make_grid, make_toy_data, p_true
 
 OURS = "ours (paper-faithful)"
@@ -116,7 +116,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
                           preconditioner=preconditioner_from_name(variant, ridge=change.get("ridge", cfg["ridge"]),
                                                                   beta=cfg["beta"], period=cfg["period"],
                                                                   ema_init=cfg["ema_init"]),
-                          tau=toy_tau(variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+                          tau=cfg["tau"][variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
                           seed=ts.variant_seed(seeds, variant, 0), fisher=fisher, progress=progress)
             kept = res.theta[~res.diverged]
             row = metrics_of(kept) if len(kept) else dict.fromkeys(METRICS, np.nan)
@@ -215,12 +215,12 @@ def findings(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def compute(ctx) -> None:
-    """The section's results (:mod:`smp_book.chapters`): every replicate's rows (cached by config and
+    """The section's results (:mod:`smp_book.pipeline`): every replicate's rows (cached by config and
     replicate under ``.cache/toy_gaps/``), the sensitivity table, the findings, one figure, and the
     numbers the prose quotes."""
     from . import plots
     from .paper import paper_table
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     rows = []

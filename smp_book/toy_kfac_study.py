@@ -35,13 +35,13 @@ def stored_numbers() -> pd.DataFrame:
 
 
 def compute(ctx) -> None:
-    """The chapter's results (:mod:`smp_book.chapters`): the stored numbers per structure, every replicate
+    """The chapter's results (:mod:`smp_book.pipeline`): the stored numbers per structure, every replicate
     (NUTS and the KFAC variants, cached by config and replicate under ``.cache/toy_kfac/``), the KFAC
     tables with their spread, the comparison with the toy chapter's ``block`` and ``dense`` rows, the
     findings per strategy, the four-panel figures of the first replicate and the numbers the prose
     quotes."""
     from . import plots
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     sizes = ctx.table("stored_numbers", stored_numbers())

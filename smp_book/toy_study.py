@@ -20,8 +20,8 @@ from smp_core.models import as_chain_model, predict, toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import residual_variance_ratio, run_smp
 
-from .config import TOY_VARIANTS, toy_tau
-from .results import summarise_replicates
+from .config import TOY_VARIANTS
+from .summaries import summarise_replicates
 from .toy import make_grid, make_toy_data
 
 SCORE_COLUMNS = list(metrics.SCORE_KEYS)
@@ -88,10 +88,10 @@ def variant_seed(seeds: dict[str, int], variant: str, position: int, seed_offset
 
 def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, variant: str, seed: int,
                 progress: bool = True):
-    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and the paper's ``tau``
-    for its structure (:func:`~smp_core.recursion.run_smp`)."""
+    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and its ``tau``
+    (``cfg["tau"]``; the paper's for its structure unless a chapter's parameters change it)."""
     return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=toy_preconditioner(cfg, variant),
-                   tau=toy_tau(variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed,
+                   tau=cfg["tau"][variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed,
                    progress=progress)
 
 
@@ -322,13 +322,13 @@ def structure_findings(comparison: pd.DataFrame) -> pd.DataFrame:
 
 
 def compute(ctx) -> None:
-    """The toy chapter's results (:mod:`smp_book.chapters`): every replicate (NUTS and the ten SMP
+    """The toy chapter's results (:mod:`smp_book.pipeline`): every replicate (NUTS and the ten SMP
     variants, cached by config and replicate under ``.cache/toy/``), the paper's three tables with
     their spread over replicates, NUTS's diagnostics, the figures of the first replicate, the
     verdicts and the numbers the prose quotes."""
     from . import plots
     from .nuts import nuts_mean_passes
-    from .results import cached, code_hash
+    from .pipeline import cached, code_hash
 
     cfg = ctx.config
     runs = [cached("toy", {**cfg, "replicate": r, "variants": TOY_VARIANTS, "code": code_hash(__name__)},

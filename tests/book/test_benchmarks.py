@@ -84,7 +84,7 @@ def test_a_whole_run_that_overruns_its_budget_is_left_out_and_said_so():
 
 def test_the_committed_benchmark_tables_parse_as_the_book_reads_them():
     """how_to_run and the MNIST chapter read these tables; a renamed heading would show 'Not measured yet'."""
-    from smp_book.chapters import benchmark_table
+    from smp_book.show import benchmark_table
 
     gpu = benchmark_table(BENCHMARKS / "gpu_h200.md", "Whole runs, measured", index=["device", "variant"])
     assert float(gpu.loc[("cuda", "SMP-none"), "seconds"]) > 0
@@ -95,7 +95,7 @@ def test_the_committed_benchmark_tables_parse_as_the_book_reads_them():
 
 
 def test_the_gpu_estimate_reads_both_tables():
-    from smp_book.chapters import benchmark_table, gpu_estimate
+    from smp_book.show import benchmark_table, gpu_estimate
 
     steps = benchmark_table(BENCHMARKS / "gpu_h200.md", "SMP step, LeNet-5", index=["device", "variant", "step run by"])
     scaling = benchmark_table(BENCHMARKS / "scaling.md", "LeNet-5, S =", index=["ranks"])

@@ -25,6 +25,18 @@ def test_every_scale_exists_and_configs_are_copies():
     assert get_config("toy", "ci")["n_steps"] > 0
 
 
+def test_every_smp_chapter_states_its_variants_and_tau():
+    from smp_book.config import Variant, variants
+
+    for study in ("toy", "toy_kfac", "toy_tail", "mnist", "mnist_kfac", "mnist_seeds", "mnist_growth"):
+        for scale in SCALES:
+            cfg = get_config(study, scale)
+            assert all(isinstance(v, Variant) and v.tau == cfg["tau"][v.preconditioner] for v in variants(cfg))
+    toy, mnist = get_config("toy", "paper"), get_config("mnist", "paper")
+    assert toy["tau"] == {v: toy_tau(v) for v in TOY_VARIANTS} and mnist["tau"] == MNIST_TAU  # the paper's
+    assert variants(mnist)[1] == Variant("SMP-fixed-diag", "fixed-diag", 0.05)
+
+
 def test_unknown_names():
     with pytest.raises(ValueError, match="unknown scale"):
         get_config("toy", "huge")
@@ -37,9 +49,9 @@ def test_kfac_study_shares_the_toy_settings_and_seeds():
 
     for scale in SCALES:
         toy, kfac = get_config("toy", scale), get_config("toy_kfac", scale)
-        assert {k: v for k, v in kfac.items() if k not in ("study", "variants")} == {
-            k: v for k, v in toy.items() if k != "study"}  # the same data, NUTS and SMP settings
-        assert kfac["variants"] == TOY_KFAC_VARIANTS
+        assert {k: v for k, v in kfac.items() if k not in ("study", "variants", "tau")} == {
+            k: v for k, v in toy.items() if k not in ("study", "variants", "tau")}  # the same data, NUTS and SMP
+        assert kfac["variants"] == TOY_KFAC_VARIANTS and kfac["tau"] == {v: toy_tau(v) for v in TOY_KFAC_VARIANTS}
     assert {toy_tau(v) for v in TOY_KFAC_VARIANTS} == {0.3}
 
 
@@ -74,8 +86,9 @@ def test_mnist_kfac_study_changes_only_the_structure():
     for scale in SCALES:
         mnist, kfac = get_config("mnist", scale), get_config("mnist_kfac", scale)
         assert ms.map_key(kfac) == ms.map_key(mnist)  # the same MAP, from the same cache
-        same = set(mnist) - {"study", "smp_replicates"}
+        same = set(mnist) - {"study", "smp_replicates", "variants", "tau"}
         assert {k: kfac[k] for k in same} == {k: mnist[k] for k in same}
+        assert {v: kfac["tau"][v] for v in mnist["tau"]} == mnist["tau"]  # the step law's none and diagonal
         assert ms.study_variants(kfac) == MNIST_KFAC_VARIANTS and ms.study_variants(mnist) == MNIST_VARIANTS
         # tau of each KFAC variant is the paper's for the diagonal variant with the same strategy
         assert {v: ms.variant_tau(kfac, v) for v in MNIST_KFAC_VARIANTS} == {

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from smp_book import mnist_claims as mc
-from smp_book.chapters import Results
 from smp_book.paper import paper_table
+from smp_book.results import Results
 
 METHODS = ["MAP", "SMP-none", "SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag"]
 
@@ -125,19 +125,6 @@ def test_from_results_reads_the_chapters_tables(tmp_path):
                                                         "timing_note": "busy"}))
     judged = mc.from_results(Results(tmp_path))
     assert (judged["verdict"] == "holds").all() and judged["evidence"].iloc[-1].endswith("(timing note: busy)")
-
-
-def test_the_mnist_runs_cache_keys_do_not_depend_on_this_module():
-    from smp_book import results
-
-    todo, seen = [results._BOOK / "mnist_study.py"], set()
-    while todo:
-        path = todo.pop()
-        if path not in seen:
-            seen.add(path)
-            if path.suffix == ".py":
-                todo += sorted(results._imports(path)[0] - seen)
-    assert results._BOOK / "mnist_claims.py" not in seen and len(seen) > 3
 
 
 def _results(folder, tables, config, values=None):

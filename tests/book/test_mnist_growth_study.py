@@ -9,7 +9,7 @@ import torch
 
 from smp_book import mnist_growth_study as mgs
 from smp_book import mnist_study as ms
-from smp_book.chapters import Context
+from smp_book.pipeline import Context
 
 
 def _tiny_mnist(seed=0):
@@ -69,7 +69,7 @@ def test_compute_writes_the_chapters_tables_values_and_figure(tmp_path, monkeypa
     for name in ("growth", "reached_share", "growth_against_linear", "growth_summary",
                  "zero_fisher_share", "least_dispersed", "mnist_comparison"):
         assert (folder / f"{name}.csv").exists(), name
-    assert ctx._figures == ["growth"]
+    assert ctx.figures == ["growth"]
     growth = pd.read_csv(folder / "growth.csv", index_col=["method", "K"])
     assert growth.index.is_unique and set(mgs.SHOWN) <= set(growth.columns)  # one row per method and K
     least = pd.read_csv(folder / "least_dispersed.csv", index_col="K")

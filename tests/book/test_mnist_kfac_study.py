@@ -60,7 +60,7 @@ def test_sets_text_counts_the_observed_values_within_two_standard_errors():
 def test_shown_writes_missing_cells_as_a_dash():
     df = pd.DataFrame({"x": [1.23456, math.nan], "s": ["a", ""], "n": [3, 4]},
                       index=pd.Index([0.5, math.nan], name="tau"))
-    from smp_book.chapters import shown
+    from smp_book.show import shown
 
     out = shown(df, significant=True)
     assert out["x"].tolist() == ["1.23", "-"] and out["s"].tolist() == ["a", "-"] and out["n"].tolist() == [3, 4]

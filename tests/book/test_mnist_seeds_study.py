@@ -8,7 +8,7 @@ import torch
 
 from smp_book import mnist_seeds_study as mss
 from smp_book import mnist_study as ms
-from smp_book.chapters import Context
+from smp_book.pipeline import Context
 
 
 def _tiny_mnist(seed=0):
@@ -73,7 +73,7 @@ def test_compute_writes_the_chapters_tables_values_and_figures(tmp_path, monkeyp
                  "per_run", "least_per_run", "map_or_stream", "mi_largest_chain_share", "per_run_trimmed",
                  "map_or_stream_trimmed"):
         assert (folder / f"{name}.csv").exists(), name
-    assert sorted(ctx._figures) == ["least_dispersed", "periodic_ratio_per_run", "periodic_ratio_trimmed"]
+    assert sorted(ctx.figures) == ["least_dispersed", "periodic_ratio_per_run", "periodic_ratio_trimmed"]
     values = ctx.values
     assert values["n_maps"] == 2 and values["n_runs"] == 4 and values["n_left_out"] == 1
     assert all(not (isinstance(v, float) and np.isnan(v)) for v in values.values())

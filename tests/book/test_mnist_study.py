@@ -59,7 +59,7 @@ def test_smp_seeds_and_run_keys_per_replicate():
     assert ms.run_key({**cfg, "smp_replicates": 9}, "none", 1, "a path") == key
     assert ms.run_key(cfg, "none", 0, "a path") != key
     # the code that computes a run is part of its key (no hand-bumped version numbers)
-    from smp_book.results import code_hash
+    from smp_book.pipeline import code_hash
 
     assert key["code"] == code_hash("smp_book.mnist_study") == ms.map_key(cfg)["code"]
 
@@ -277,7 +277,7 @@ def test_load_data_takes_whole_sets_at_the_papers_sizes(monkeypatch):
     ci = get_config("mnist", "ci")
     assert asked == [("somewhere", 0, None), ("somewhere", 0, None),
                      ("somewhere", 0, (ci["n_train"], ci["n_val"], ci["n_test"])),
-                     ("data", 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
+                     (ms.DATA, 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
 
 
 def test_kfac_study_runs_its_variants_with_their_tau_and_refresh(tmp_path):
@@ -377,7 +377,7 @@ def test_least_dispersed_per_map():
 def test_dispersion_per_run_and_map_or_stream():
     """Three MAPs x two replicates: the per-run table holds each run's mutual information, its log ratios and
     its least dispersed variant; the decomposition is that of results.variance_components on the logs."""
-    from smp_book.results import variance_components
+    from smp_book.summaries import variance_components
 
     fixed, ema, periodic = ms.DIAGONAL_METHODS
     mi = {(0, 0): [0.02, 0.5, 0.01], (0, 1): [0.03, 0.4, 0.01], (1, 0): [0.02, 0.6, 0.05],
@@ -559,10 +559,10 @@ def _tiny_chapter(monkeypatch):
 
 
 def test_compute_writes_the_chapters_results_and_they_are_read_back(tmp_path, monkeypatch):
-    from smp_book import chapters
+    from smp_book import pipeline
 
     cfg = _tiny_chapter(monkeypatch)
-    res = chapters.compute("mnist", "ci", root=tmp_path, use_cache=False)
+    res = pipeline.compute("mnist", "ci", root=tmp_path, use_cache=False)
     assert res.folder == tmp_path / "ci" / "mnist" and res.manifest["device"] == "cpu"
     assert set(res.manifest["seeds"]["smp"]) == {"replicate_0", "replicate_1"}
     for name in ("map_history", "scores", "scores_mean", "scores_std", "scores_replicates", "variances_mean",
@@ -576,14 +576,14 @@ def test_compute_writes_the_chapters_results_and_they_are_read_back(tmp_path, mo
     assert res.values["dim"] == 47_154
     # the chapter reads what is there: no second computation
     monkeypatch.setattr(ms, "compute", lambda ctx: pytest.fail("the results were computed again"))
-    again = chapters.results("mnist", "ci", root=tmp_path)
+    again = pipeline.results("mnist", "ci", root=tmp_path)
     assert again.values == res.values
 
 
 def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
     import json
 
-    from smp_book import chapters
+    from smp_book import pipeline
 
     folder = tmp_path / "paper" / "mnist"
     assert ms.paper_scale_results(folder) is None  # nothing there
@@ -591,8 +591,8 @@ def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
     assert "runs at the paper scale" in ms.paper_scale_note("paper", None)
     folder.mkdir(parents=True)
     pd.DataFrame({"accuracy": [0.99]}, index=pd.Index(["MAP"], name="method")).to_csv(folder / "scores_mean.csv")
-    paper = json.loads(json.dumps(chapters.study_config("mnist", "paper")))
-    manifest = {"format": chapters.FORMAT, "study": "mnist", "scale": "paper", "config": paper,
+    paper = json.loads(json.dumps(pipeline.study_config("mnist", "paper")))
+    manifest = {"format": pipeline.FORMAT, "study": "mnist", "scale": "paper", "config": paper,
                 "tables": {"scores_mean": {"index": 1, "header": 1}}, "wall_time_s": 3600.0,
                 "environment": {"device": "a test GPU"}, "device": "cuda"}
 

@@ -8,9 +8,8 @@ import pandas as pd
 import pytest
 
 from smp_book import mnist_tail_study as mt
-from smp_book.chapters import study_config
 from smp_book.config import SCALES, get_config
-from smp_book.results import config_key
+from smp_book.pipeline import config_key, study_config
 
 
 @pytest.mark.parametrize("scale", SCALES)

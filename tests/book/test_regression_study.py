@@ -387,7 +387,7 @@ def test_wide_table_puts_the_regions_side_by_side_and_shown_marks_missing_cells(
     assert list(wide.columns) == ["sd_ratio (in range)", "sd_ratio (in the gap)", "coverage (in range)",
                                   "coverage (in the gap)", "max_diverged", "data_sets"]
     assert wide.loc[("SMP a", 1.0), "sd_ratio (in the gap)"] == pytest.approx(0.3)
-    from smp_book.chapters import shown as show
+    from smp_book.show import shown as show
 
     shown = show(wide)
     assert ("NUTS", "-") in shown.index                                   # NUTS has no tau

@@ -25,7 +25,7 @@ def test_stored_numbers_per_structure():
 def test_with_spread_shows_missing_values_as_a_dash():
     mean = pd.DataFrame({"params_variance": [0.4, np.nan]}, index=["NUTS", "NUTS-mean"])
     std = pd.DataFrame({"params_variance": [0.01, np.nan]}, index=["NUTS", "NUTS-mean"])
-    from smp_book.chapters import with_spread
+    from smp_book.show import with_spread
 
     shown = with_spread(mean, std)
     assert shown.loc["NUTS", "params_variance"] == "0.4000 ± 0.0100"

@@ -1,0 +1,315 @@
+"""The pipeline: a study computed once and read back equal, replaced only when complete, stale when its
+settings or sources change, never computed when read-only; a chapter's parameters; the reproduction report."""
+
+import json
+import sys
+import types
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from smp_book import pipeline, reproduce
+from smp_book.results import Results, timings
+
+CALLS = []
+
+
+def _fake_study(name, shift=0.0, fail=False, verdict="holds"):
+    """A study module with a config of its own, writing a replicated table, a plain one and a value."""
+    module = types.ModuleType(name)
+
+    def config(scale):
+        return {"n": 3, "scale": scale, "shift": shift}
+
+    def compute(ctx):
+        CALLS.append(ctx.study)
+        rng = np.random.default_rng(int(ctx.config["n"]))
+        rep = pd.DataFrame({"score": rng.normal(1.0 + ctx.config["shift"], 0.1, 6), "seconds": rng.uniform(1, 2, 6)},
+                           index=pd.MultiIndex.from_product([range(3), ["a", "b"]], names=["replicate", "method"]))
+        mean = rep.groupby(level="method").mean()
+        ctx.table("scores_mean", mean)
+        ctx.table("scores_std", rep.groupby(level="method").std(ddof=1))
+        ctx.table("scores_replicates", rep)
+        ctx.table("scores", rep.xs(0, level="replicate"))  # the first replicate alone
+        wide = pd.DataFrame([[1.0, 2.0]], columns=pd.MultiIndex.from_tuples([("x", "paper"), ("x", "ours")]),
+                            index=pd.Index(["m"], name="method"))
+        ctx.table("wide", wide)
+        claims = pd.DataFrame({"claim": ["c"], "verdict": [verdict], "evidence": [f"mean {mean.iloc[0, 1]:.3f}"]})
+        ctx.table("claims", claims, index=False)
+        ctx.table("flags", pd.DataFrame({"resolved": [ctx.config["shift"] < 1]}, index=pd.Index(["m"], name="method")))
+        ctx.value("best", mean["score"].max())
+        if fail:
+            raise RuntimeError("interrupted")
+
+    module.config, module.compute = config, compute
+    return module
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    def install(**kw):
+        monkeypatch.setitem(sys.modules, "fake_study", _fake_study("fake_study", **kw))
+    install()
+    monkeypatch.setattr(pipeline, "STUDIES", {"fake": "fake_study"})
+    monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
+    monkeypatch.setattr(pipeline, "code_hash", lambda module: "c0de")
+    CALLS.clear()
+    return install
+
+
+def test_computed_once_then_read_back_equal(fake, tmp_path):
+    first = pipeline.results("fake", "ci", root=tmp_path)
+    again = pipeline.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+    for name in ("scores_mean", "scores_replicates", "wide", "claims"):
+        assert again.table(name).equals(first.table(name))
+    assert again.table("scores_replicates").index.names == ["replicate", "method"]
+    assert again.table("wide").columns.nlevels == 2
+    assert again.values["best"] == pytest.approx(again.table("scores_mean")["score"].max())
+    manifest = json.loads((tmp_path / "ci" / "fake" / "manifest.json").read_text())
+    assert manifest["config"] == {"n": 3, "scale": "ci", "shift": 0.0} and manifest["code"] == "c0de"
+
+
+def test_other_settings_recompute_and_other_code_is_shown_with_a_note(fake, tmp_path, monkeypatch):
+    pipeline.results("fake", "ci", root=tmp_path)
+    fake(shift=1.0)
+    pipeline.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake", "fake"]
+    notes = []
+    monkeypatch.setattr(pipeline, "note", notes.append)
+    monkeypatch.setattr(pipeline, "code_hash", lambda module: "other")
+    pipeline.results("fake", "ci", root=tmp_path)  # the book shows results of other code, with a note
+    assert len(CALLS) == 2 and "earlier version of the code" in notes[0]
+
+
+def test_read_only_reads_matching_results_and_refuses_to_compute_the_rest(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv(pipeline.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="no readable manifest.json.*forbids computing"):
+        pipeline.results("fake", "ci", root=tmp_path)
+    assert CALLS == []
+    monkeypatch.delenv(pipeline.READ_ONLY)
+    pipeline.results("fake", "ci", root=tmp_path)
+    monkeypatch.setenv(pipeline.READ_ONLY, "1")
+    assert pipeline.results("fake", "ci", root=tmp_path).config["shift"] == 0.0  # read, not computed
+    fake(shift=1.0)
+    with pytest.raises(RuntimeError, match="computed with other settings"):
+        pipeline.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+
+
+def test_an_interrupted_run_leaves_the_results_as_they_were(fake, tmp_path):
+    before = pipeline.results("fake", "ci", root=tmp_path).table("scores_mean")
+    fake(shift=1.0, fail=True)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        pipeline.results("fake", "ci", root=tmp_path)
+    kept = Results(tmp_path / "ci" / "fake")
+    assert kept.table("scores_mean").equals(before) and kept.config["shift"] == 0.0
+
+
+def test_bad_names_are_refused(fake, tmp_path):
+    with pytest.raises(ValueError, match="study: unknown study 'nope'"):
+        pipeline.results("nope", "ci", root=tmp_path)
+    with pytest.raises(ValueError, match="scale: unknown scale 'huge'"):
+        pipeline.results("fake", "huge", root=tmp_path)
+    res = pipeline.results("fake", "ci", root=tmp_path)
+    with pytest.raises(KeyError, match="no table 'missing'"):
+        res.table("missing")
+
+
+def test_the_report_judges_each_cell(fake, tmp_path):
+    old = pipeline.results("fake", "ci", root=tmp_path / "old")
+    same = pipeline.results("fake", "ci", root=tmp_path / "same")
+    cells = reproduce.compare_study(old, same)
+    verdicts = cells.set_index(["table", "row", "column"])["verdict"]
+    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"equal"}
+    assert set(verdicts.loc["scores_mean"].loc[:, "seconds"]) == {"timing"}
+    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"equal"}
+    assert verdicts.loc[("wide", "m", "('x', 'ours')")] == "equal"
+    assert verdicts.loc[("claims", "c", "verdict")] == "same"  # a claims table is keyed by its claim
+    assert verdicts.loc[("claims", "c", "evidence")] == "text"
+    assert verdicts.loc[("flags", "m", "resolved")] == "same"  # a yes/no cell is judged, not passed as text
+    fake(shift=5.0, verdict="does not hold")  # 50 standard deviations away
+    moved = pipeline.results("fake", "ci", root=tmp_path / "moved")
+    verdicts = reproduce.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
+    assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"outside"}
+    assert set(verdicts.loc["scores"].loc[:, "score"]) == {"outside"}  # one replicate, 35 sds away
+    assert verdicts.loc[("claims", "c", "verdict")] == "changed"
+    assert verdicts.loc[("flags", "m", "resolved")] == "changed"
+
+
+def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monkeypatch):
+    committed, work = tmp_path / "results", tmp_path / "work"
+    monkeypatch.setattr(reproduce, "RESULTS", committed)
+    pipeline.results("fake", "ci", root=committed)
+    fake(shift=5.0)
+    monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study", "other": "other_study"})
+    assert reproduce.main(["--scale", "ci", "--work", str(work), "--only", "fake"]) == 0  # partial: kept
+    assert Results(committed / "ci" / "fake").config["shift"] == 0.0
+    monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
+    assert reproduce.main(["--scale", "ci", "--work", str(work)]) == 0
+    assert Results(committed / "ci" / "fake").config["shift"] == 5.0
+    counts = reproduce.read_report("ci", root=committed)[1]
+    assert counts.loc["fake", "outside"] == 4
+    assert not (work / "ci").exists()
+
+
+def test_timings_come_from_the_manifests(fake, tmp_path):
+    pipeline.results("fake", "ci", root=tmp_path)
+    table = timings("ci", root=tmp_path)
+    assert list(table.index) == ["fake"] and table.loc["fake", "minutes"] >= 0
+
+
+def test_results_read_from_another_study_go_stale_with_it(fake, tmp_path, monkeypatch):
+    reader = types.ModuleType("reader_study")
+    reader.config = lambda scale: {"scale": scale}
+    reader.compute = lambda ctx: (CALLS.append("reader"), ctx.value("best", ctx.read("fake").values["best"]))
+    monkeypatch.setitem(sys.modules, "reader_study", reader)
+    monkeypatch.setattr(pipeline, "STUDIES", {"fake": "fake_study", "reader": "reader_study"})
+    first = pipeline.results("reader", "ci", root=tmp_path).values["best"]
+    pipeline.results("reader", "ci", root=tmp_path)
+    assert CALLS == ["reader", "fake"]
+    fake(shift=1.0)
+    pipeline.results("fake", "ci", root=tmp_path)  # the source recomputed with other settings
+    again = pipeline.results("reader", "ci", root=tmp_path).values["best"]
+    assert CALLS == ["reader", "fake", "fake", "reader"] and again > first
+
+
+def test_results_that_quote_another_scales_settings_are_stale_once_those_change(fake, tmp_path, monkeypatch):
+    """ctx.settings records what a chapter quotes from other settings (the code hash leaves the settings
+    tables out), and a change there makes its results stale."""
+    module = sys.modules["fake_study"]
+    plain = module.compute
+
+    def compute(ctx):
+        plain(ctx)
+        ctx.value("paper_k", ctx.settings("mnist", "paper")["n_steps"])
+
+    monkeypatch.setattr(module, "compute", compute)
+    first = pipeline.results("fake", "ci", root=tmp_path)
+    assert first.values["paper_k"] == 1_000_000 and "mnist/paper" in first.manifest["settings_read"]
+    pipeline.results("fake", "ci", root=tmp_path)
+    assert CALLS == ["fake"]
+    original = pipeline.get_config
+    changed = {**original("mnist", "paper"), "n_steps": 10}
+
+    def patched(study, scale):
+        return changed if (study, scale) == ("mnist", "paper") else original(study, scale)
+
+    monkeypatch.setattr(pipeline, "get_config", patched)
+    monkeypatch.setenv(pipeline.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the mnist/paper settings it quotes have changed"):
+        pipeline.results("fake", "ci", root=tmp_path)
+
+
+def test_another_scales_results_are_read_when_there_and_their_arrival_makes_a_reader_stale(fake, tmp_path,
+                                                                                           monkeypatch):
+    """read_other_scale never computes; what it found, or that it found nothing, is in the manifest, so the
+    reader is stale once the other scale's results appear or are recomputed."""
+    reader = types.ModuleType("reader_study")
+    reader.config = lambda scale: {"scale": scale}
+
+    def compute(ctx):
+        CALLS.append("reader")
+        other = ctx.read_other_scale("fake", "paper")
+        ctx.value("found", other is not None)
+
+    reader.compute = compute
+    monkeypatch.setitem(sys.modules, "reader_study", reader)
+    monkeypatch.setattr(pipeline, "STUDIES", {"fake": "fake_study", "reader": "reader_study"})
+    assert pipeline.results("reader", "ci", root=tmp_path).values["found"] is False
+    assert CALLS == ["reader"]  # the paper scale was not computed
+    pipeline.results("fake", "paper", root=tmp_path)
+    monkeypatch.setenv(pipeline.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the ../paper/fake results it read have changed since"):
+        pipeline.results("reader", "ci", root=tmp_path)
+    monkeypatch.delenv(pipeline.READ_ONLY)
+    assert pipeline.results("reader", "ci", root=tmp_path).values["found"] is True
+    pipeline.compute("fake", "paper", root=tmp_path)
+    monkeypatch.setenv(pipeline.READ_ONLY, "1")
+    with pytest.raises(RuntimeError, match="the ../paper/fake results it read have changed since"):
+        pipeline.results("reader", "ci", root=tmp_path)
+
+
+def test_a_chapters_parameters_change_its_settings_and_go_to_a_folder_of_their_own(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "STUDIES", {"toy": "smp_book.toy_study", "mnist": "smp_book.mnist_study"})
+    config = pipeline.study_config("toy", "ci", {"tau": {"SMP-fixed-diag": 0.1, "ema-block": 1}, "n_steps": 7})
+    assert config["tau"]["fixed-diag"] == 0.1 and config["tau"]["ema-block"] == 1.0 and config["n_steps"] == 7
+    assert config["tau"]["none"] == 1.0  # the others keep the paper's
+    assert pipeline.folder_of("toy", "ci", {"tau": {}, "seed": None}, tmp_path) == tmp_path / "ci" / "toy"
+    custom = pipeline.folder_of("toy", "ci", {"n_steps": 7}, tmp_path)
+    assert custom.parent == tmp_path / "custom" and custom.name.startswith("ci-toy-")
+    for params, message in [({"taus": 1}, "taus: not a parameter of the toy chapter"),
+                            ({"tau": {"SMP-dense": 0.1}}, "tau: unknown variant 'SMP-dense'"),
+                            ({"tau": {"none": -1}}, "tau: the tau of 'none' must be a positive finite number"),
+                            ({"tau": {"none": float("inf")}}, "must be a positive finite number"),
+                            ({"tau": 0.5}, "tau: a mapping from variant to tau"),
+                            ({"n_chains": 0}, "n_chains: a positive integer"),
+                            ({"n_steps": 2.5}, "n_steps: a positive integer"),
+                            ({"seed": -1}, "seed: a non-negative integer")]:
+        with pytest.raises((ValueError, TypeError), match=message):
+            pipeline.study_config("toy", "ci", params)
+    assert pipeline.study_config("mnist", "ci", {"map_seed": 5})["select_map_from_seeds"] == [5]
+
+
+def test_a_parameter_the_chapter_does_not_define_refuses_the_run():
+    from smp_book.config import parameters
+
+    namespace = {"scale": "ci", "tau": {}, "n_chains": None, "n_steps": None, "replicates": None, "seed": None,
+                 "In": [], "get_ipython": print, "_": None, "pd": pd}
+    assert parameters(namespace, "toy") == {"tau": {}, "n_chains": None, "n_steps": None, "replicates": None,
+                                            "seed": None}
+    with pytest.raises(ValueError, match="unknown parameter.s. taus: this chapter takes n_chains, n_steps, "
+                                         "replicates, scale, seed, tau"):
+        parameters({**namespace, "taus": 0.5}, "toy")
+    with pytest.raises(ValueError, match="unknown parameter.s. tau: this chapter takes scale"):
+        parameters({"scale": "ci", "tau": {}}, "summary")
+
+
+def test_the_declared_dependencies_are_the_imports():
+    """code_hash follows DEPENDS: each module's imports of smp_book modules (but the pipeline, the settings
+    and what only shows or describes: plots, paper, show, results, machine) must be declared there."""
+    import ast
+    from pathlib import Path
+
+    book = Path(pipeline.__file__).parent
+    shows = {"pipeline", "config", "plots", "paper", "show", "results", "machine", "__init__"}
+    for path in sorted(book.glob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("smp_book."):
+                found.add(node.module.split(".")[1])
+        found = {name.split(".")[0] for name in found} - shows - {path.stem}
+        if path.stem in pipeline.DEPENDS or path.stem in {s.split(".")[1] for s in pipeline.STUDIES.values()}:
+            assert found == set(pipeline.DEPENDS.get(path.stem, ())), path.stem
+
+
+def test_code_hash_follows_the_code_it_declares(tmp_path, monkeypatch):
+    pipeline.code_hash.cache_clear()
+    before = pipeline.code_hash("smp_book.toy_study")
+    assert before == pipeline.code_hash("smp_book.toy_study") and before != pipeline.code_hash("smp_book.mnist_study")
+    monkeypatch.setitem(pipeline.DEPENDS, "toy_study", ("toy", "nuts", "summaries", "baselines"))
+    pipeline.code_hash.cache_clear()
+    assert pipeline.code_hash("smp_book.toy_study") != before
+    pipeline.code_hash.cache_clear()
+
+
+def test_every_chapter_defines_its_parameters_and_refuses_others():
+    """Each notebook's parameters cell defines ``scale`` and the parameters its study takes (``PARAMETERS``),
+    and the cell after it refuses any other name (papermill only warns of one)."""
+    import re
+    from pathlib import Path
+
+    from smp_book.config import PARAMETERS
+
+    for path in sorted((Path(pipeline.__file__).parents[1] / "notebooks").glob("*.md")):
+        text = path.read_text()
+        cells = re.findall(r"```\{code-cell\} ipython3\n:tags: \[([^\]]*)\]\n\n(.*?)```", text, re.S)
+        position = next(i for i, (tags, _) in enumerate(cells) if "parameters" in tags)
+        defined = re.findall(r"^(\w+) = ", cells[position][1], re.M)
+        study = path.stem if path.stem in PARAMETERS else None
+        assert sorted(defined) == sorted({"scale", *PARAMETERS.get(study, {})}), path.name
+        check = f'parameters(globals(), "{study}")' if study else "parameters(globals())"
+        assert check in cells[position + 1][1], path.name

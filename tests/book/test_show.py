@@ -1,0 +1,141 @@
+"""The chapters' display helpers: our numbers beside the paper's and other scales', ratios, the tail rows."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from smp_book import show
+from smp_book.results import Results
+
+
+def test_beside_scales_puts_the_paper_then_each_scale_per_column():
+    paper = pd.DataFrame({"nll": [0.038, 0.5]}, index=["MAP", "SMP-none"])
+    big = pd.DataFrame({"nll": [0.04, 0.6]}, index=["MAP", "SMP-none"])
+    small = pd.DataFrame({"nll": [0.041, 0.55], "mi": [0.0, 0.01]}, index=["MAP", "SMP-none"])
+    small_sd = pd.DataFrame({"nll": [np.nan, 0.02], "mi": [np.nan, 0.001]}, index=["MAP", "SMP-none"])
+    table = show.beside_scales(paper, {"paper scale": (big, None), "laptop": (small, small_sd)})
+    assert list(table.columns) == [("nll", "paper"), ("nll", "paper scale"), ("nll", "laptop")]
+    assert table.loc["SMP-none", ("nll", "laptop")] == "0.5500 ± 0.0200"
+    assert table.loc["MAP", ("nll", "laptop")] == "0.0410"  # one value, no spread
+    assert table.loc["MAP", ("nll", "paper")] == "0.0380"
+    with pytest.raises(ValueError, match="scaled"):
+        show.beside_scales(paper, {})
+
+
+def test_paper_scale_choices_name_the_map_rule_and_the_fisher_subset(tmp_path):
+    def run(config, values, candidates=None):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        tables = {}
+        if candidates is not None:
+            candidates.to_csv(folder / "map_candidates.csv", index=False)
+            tables["map_candidates"] = {"index": 0, "header": 1}
+        (folder / "manifest.json").write_text(json.dumps({"config": config, "tables": tables}))
+        (folder / "values.json").write_text(json.dumps(values))
+        return Results(folder)
+
+    chosen = run({"n_val": 6000, "n_fisher_periodic": 1000, "select_map_from_seeds": [7, 107]}, {"map_seed": 107},
+                 pd.DataFrame({"seed": [7, 107], "val_loss": [0.05, 0.04]}))
+    text = show.paper_scale_choices(chosen)
+    assert "seed 107" in text and "7: 0.0500, 107: 0.0400" in text
+    assert "first 1,000 of the 6,000 validation images" in text
+    plain = show.paper_scale_choices(run({"n_val": 6000, "n_fisher_periodic": None}, {"map_seed": 7}))
+    assert "seed 7" in plain and "all 6,000 validation images, as in the paper" in plain
+
+
+def test_the_tail_table_gets_the_paper_scale_recursion_under_each_method(tmp_path):
+    methods = pd.Index(["MAP", "SMP-none"], name="method")
+    scores = pd.DataFrame({"nll": [0.03, 0.04], "ece": [0.01, 0.02], "mutual_info": [0.0, 0.5],
+                           "accuracy": [0.99, 0.98]}, index=methods)
+    variances = pd.DataFrame({"params_variance": [np.nan, 1e-4], "logits_variance": [np.nan, 7.0]}, index=methods)
+    scores.to_csv(tmp_path / "scores.csv")  # the first replicate's
+    variances.to_csv(tmp_path / "variances.csv")
+    (scores * 0).to_csv(tmp_path / "scores_mean.csv")  # not read: the tails are of the first replicate
+    layout = {"index": 1, "header": 1}
+    tables = {"scores": layout, "variances": layout, "scores_mean": layout}
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {"n_steps": 1_000_000}, "tables": tables}))
+    (tmp_path / "values.json").write_text(json.dumps({"map_seed": 2426}))
+    run = Results(tmp_path)
+    beside = pd.DataFrame({"MI": [0.2, 0.1, 0.3], "logit variance": [1.0, 0.5, 2.0]},
+                          index=pd.MultiIndex.from_tuples([("SMP-none", "paper"), ("SMP-none", "recursion"),
+                                                           ("SMP-none", "tail")], names=["method", "sampler"]))
+    table = show.with_paper_scale_rows(beside, run, map_seed=2026)
+    label = "recursion at the paper scale (K = 1,000,000, MAP of seed 2426)"
+    assert list(table.index) == [*beside.index, ("SMP-none", label)]
+    assert table.loc[("SMP-none", label), "MI"] == 0.5 and table.loc[("SMP-none", label), "logit variance"] == 7.0
+    same = show.with_paper_scale_rows(beside, run, map_seed=2426)  # the same MAP: no seed in the label
+    assert same.index[-1] == ("SMP-none", "recursion at the paper scale (K = 1,000,000)")
+
+
+def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
+    from smp_book.show import benchmark_table
+
+    path = tmp_path / "bench.md"
+    path.write_text("Runs\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
+                    "Runs\n\n| a | b |\n|---|---|\n| 3 | 4 |\n| 5 | 6 |\n\ntext\n")
+    table = benchmark_table(path, "Runs")
+    assert table.columns.tolist() == ["a", "b"] and table.to_numpy().tolist() == [["3", "4"], ["5", "6"]]
+    assert benchmark_table(path, "Runs", index=["a"]).loc["5", "b"] == "6"
+    assert benchmark_table(path, "Other") is None
+    assert benchmark_table(tmp_path / "missing.md", "Runs") is None
+    assert table.attrs["heading"] == "Runs"
+    path.write_text("Runs\n\nno table here\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    assert benchmark_table(path, "Runs") is None  # not the table of the next section
+    path.write_text("Runs\n| a | b |\n| 1 | 2 |\n| 3 | |\n")
+    assert benchmark_table(path, "Runs") is None  # no separator row: not a table
+
+
+def test_ratio_to_paper_divides_the_shared_cells_and_leaves_zeros_out():
+    paper = pd.DataFrame({"mi": [0.0, 2.0], "nll": [0.04, 1.0]}, index=["MAP", "SMP-fixed-diag"])
+    ours = pd.DataFrame({"mi": [0.0, 1.0], "nll": [0.05, 0.5], "extra": [1.0, 2.0]},
+                        index=["MAP", "SMP-fixed-diag"])
+    ratio = show.ratio_to_paper(ours, paper)
+    assert list(ratio.columns) == ["mi", "nll"]
+    assert ratio.loc["SMP-fixed-diag", "mi"] == 0.5 and ratio.loc["MAP", "nll"] == pytest.approx(1.25)
+    assert np.isnan(ratio.loc["MAP", "mi"])  # the paper's 0
+
+
+def test_a_claims_table_puts_each_verdict_beside_its_claim():
+    claims = pd.DataFrame({"section": ["3.2"], "claim": ["c"], "criterion": ["k"], "evidence": ["e"],
+                           "verdict (paper scale)": ["holds"], "verdict (laptop)": [np.nan]})
+    header = show.claims_table(claims).splitlines()[0]
+    assert [c.strip() for c in header.strip("|").split("|")][:3] == ["claim", "verdict (paper scale)",
+                                                                      "verdict (laptop)"]
+    assert "nan" not in show.claims_table(claims).lower()
+
+
+def test_the_settings_table_shows_each_variants_tau_on_a_row():
+    from smp_book.config import get_config
+
+    table = show.settings_table(get_config("mnist", "paper"))
+    assert table.loc["tau of SMP-ema-diag", "value"] == 0.08 and table.loc["n_steps", "value"] == 1_000_000
+    assert table.loc["select_map_from_seeds", "value"] == "2026, 2126, 2226, 2326, 2426"
+    assert "tau" not in table.index and "variants" not in table.index
+
+
+def test_the_front_page_counts_each_chapters_verdicts(tmp_path):
+    claims = pd.DataFrame({"claim": list("abcde"), "verdict": ["holds", "holds", "partly", "does not hold", "holds"],
+                           "scale": ["laptop"] * 3 + ["paper"] * 2, "chapter": ["toy"] * 3 + ["mnist"] * 2})
+    claims.to_csv(tmp_path / "claims.csv", index=False)
+    (tmp_path / "manifest.json").write_text(json.dumps({"tables": {"claims": {"index": 0, "header": 1}}}))
+    text = show.at_a_glance(Results(tmp_path))
+    assert "{doc}`notebooks/toy`" in text and "| 2 / 1 / 0" in text and "| 1 / 0 / 1" in text
+    assert "laptop scale (the paper's sizes)" in text and "| paper scale " in text
+
+
+def test_the_readme_gives_the_front_pages_counts():
+    """The README's three lines at a glance say what the front page's table computes from the summary."""
+    import re
+    from pathlib import Path
+
+    from smp_book.pipeline import RESULTS
+
+    readme = (Path(show.__file__).parents[1] / "README.md").read_text()
+    table = show.at_a_glance(Results(RESULTS / "laptop" / "summary"))
+    for chapter in ("toy", "mnist"):
+        said = re.search(rf"the {'MNIST' if chapter == 'mnist' else chapter} chapter \([^)]*\)[^;.]*?finds (\d+) hold, "
+                         r"(\d+) in part and (\d+) do(?:es)? not", readme.replace("\n", " "))
+        row = next(line for line in table.splitlines() if f"notebooks/{chapter}`" in line)
+        assert said and f"| {' / '.join(said.groups())}" in row, (chapter, said and said.groups(), row)
