@@ -5,12 +5,16 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 SCALE  ?= laptop
-# Notebooks of the book, in order (jupytext MyST sources in notebooks/).
+# Notebooks of the book, in order (jupytext MyST sources in notebooks/; chapters notebooks/NAME of _toc.yml).
 NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines last_layer mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
-GEN    := book/generated
 STAMP  := $(VENV)/.installed-stamp
+# Jupyter Book's cache of the executed notebooks (keyed by their code cells only), and what their outputs also
+# depend on (the results the book shows, at laptop and paper scale; the code; the saved benchmark outputs): when
+# anything there is newer than the cache's stamp, `make book` empties the cache first.
+JB_CACHE    := _build/.jupyter_cache
+BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchmarks
 
-.PHONY: book reproduce test venv lint unit notebooks nbval book-html mathjax browser-deps browser-test bench bench-smoke clean
+.PHONY: book reproduce test venv lint unit nbval mathjax browser-deps browser-test bench bench-smoke clean
 
 venv: $(STAMP)
 
@@ -20,30 +24,37 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[book,dev]"
 	@touch $(STAMP)
 
-## make book: the book from the results in results/SCALE/ (a chapter whose results are missing or were
-## computed with other settings computes them first), run with papermill and built as a Jupyter Book.
+## make book: `jupyter-book build book` (sources in book/, output in _build/html). Jupyter Book runs each notebook
+## at its default scale, laptop, with SMP_BOOK_READ_ONLY=1: the chapters show the committed results/laptop/, and
+## one whose results are missing or were computed with other settings fails (a warning, an error under -W) instead
+## of computing for hours; the build goes on (--keep-going) and exits non-zero. --all: Sphinx reads every page
+## again (a notebook comes from the cache unless its code or BOOK_INPUTS changed), or a page that failed before
+## and did not change would not be read, nor its notebook run, and the build would pass.
 book: venv mathjax
-	$(MAKE) notebooks SCALE=$(SCALE)
-	$(MAKE) book-html
+	@if [ -d $(JB_CACHE) ] && { [ ! -f $(JB_CACHE).stamp ] || \
+	    [ -n "$$(find $(BOOK_INPUTS) -newer $(JB_CACHE).stamp -not -path '*/__pycache__*' -print -quit)" ]; }; then \
+	  echo "results/ or the code changed since the notebooks' outputs were cached: they run again"; \
+	  rm -rf $(JB_CACHE); \
+	fi
+	@mkdir -p _build && touch $(JB_CACHE).stamp && rm -rf _build/html
+	SMP_BOOK_READ_ONLY=1 $(BIN)/jupyter-book build book --all -W -n --keep-going
 
 ## make reproduce: recompute every chapter at SCALE (progress on the terminal; resumable), write the
-## reproduction report beside the committed results, replace results/SCALE/ once complete, build the book.
+## reproduction report beside the committed results, replace results/SCALE/ once complete, build the book
+## (which shows results/laptop/).
 reproduce: venv mathjax
 	$(BIN)/python -m smp_book.mnist data
 	$(BIN)/python -m smp_book.reproduce --scale $(SCALE)
-	$(MAKE) book SCALE=$(SCALE)
+	$(MAKE) book
 
-## make test: ruff, pytest, the notebooks at ci scale (computed; nbval re-executes them), then the book readers
-## get: the laptop notebooks from the committed results only (SMP_BOOK_READ_ONLY: a chapter whose results do
-## not match fails instead of computing for hours), built with -W -n and opened in a browser.
+## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), then the book
+## readers get (make book: the laptop notebooks from the committed results only, -W -n), opened in a browser.
 test: venv mathjax
 	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) lint
 	$(MAKE) unit
-	$(MAKE) notebooks SCALE=ci
 	$(MAKE) nbval
-	SMP_BOOK_READ_ONLY=1 $(MAKE) notebooks SCALE=laptop
-	$(MAKE) book-html
+	$(MAKE) book
 	$(MAKE) browser-deps
 	$(MAKE) browser-test
 
@@ -53,25 +64,18 @@ lint:
 unit:
 	$(BIN)/python -m pytest -q tests --ignore=tests/book/test_book_browser.py
 
-# papermill cannot read .md notebooks: jupytext converts them first (into the gitignored build folder).
-notebooks:
-	@mkdir -p $(GEN) build/notebooks
+# Each notebook once at ci scale: jupytext converts it (into the gitignored build folder), papermill injects
+# scale = "ci" without running it (--prepare-only), and nbval runs it, failing on any error (outputs not compared).
+nbval: venv
+	@mkdir -p build/notebooks
 	@for nb in $(NOTEBOOKS); do \
-	  echo "== notebook $$nb (scale $(SCALE))"; \
 	  $(BIN)/jupytext --quiet --to ipynb notebooks/$$nb.md -o build/notebooks/$$nb.ipynb || exit 1; \
-	  $(BIN)/papermill --log-level WARNING -k python3 build/notebooks/$$nb.ipynb $(GEN)/$$nb.ipynb \
-	    -p scale $(SCALE) || exit 1; \
-	  $(BIN)/python book/tools/tidy_notebook.py $(GEN)/$$nb.ipynb || exit 1; \
+	  $(BIN)/papermill --log-level WARNING --prepare-only -k python3 build/notebooks/$$nb.ipynb \
+	    build/notebooks/$$nb.ipynb -p scale ci || exit 1; \
 	done
+	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider $(addprefix build/notebooks/,$(addsuffix .ipynb,$(NOTEBOOKS)))
 
-# nbval re-executes the ci-scale notebooks (with papermill's injected parameters) and fails on any error.
-nbval:
-	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider $(addprefix $(GEN)/,$(addsuffix .ipynb,$(NOTEBOOKS)))
-
-book-html:
-	$(BIN)/jupyter-book build . -W -n --keep-going
-
-# MathJax 3 from the npm registry (pinned SHA-512), served from book/_static so the book reads offline.
+# MathJax 3 from the npm registry (pinned SHA-512), served from book/static so the book reads offline.
 mathjax:
 	$(BIN)/python book/tools/fetch_mathjax.py
 
@@ -106,4 +110,4 @@ bench-smoke: venv
 	done
 
 clean:
-	rm -rf _build build $(GEN)
+	rm -rf _build build

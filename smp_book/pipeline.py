@@ -1,13 +1,13 @@
 """The book's pipeline: a study computes files, a chapter shows them.
 
-A study (``smp_book.<name>_study``, :data:`STUDIES`) has ``compute(ctx)``: it writes tables, figures and the
-values its prose quotes through the :class:`Context` it gets, and reads earlier studies with ``ctx.read``; it
-knows nothing of caching. :func:`results` reads ``results/<scale>/<study>/`` when its manifest holds the
+A study (``smp_book.<name>_study``, ``STUDIES``) has ``compute(ctx)``: it writes tables, figures and the
+values its prose quotes through the ``Context`` it gets, and reads earlier studies with ``ctx.read``; it
+knows nothing of caching. ``results`` reads ``results/<scale>/<study>/`` when its manifest holds the
 settings asked for, else computes it, unless ``SMP_BOOK_READ_ONLY`` is set (``make book``): then it raises.
 Results of other code are shown with a note. A chapter's parameters (``smp_book.config.PARAMETERS``) change
 its settings; such results go to ``results/custom/``. The expensive leaves (a NUTS run, a MAP fit, one SMP
-run) are memoised by :func:`cached`, keyed by their settings and :func:`code_hash`: the content of
-``smp_core`` and of the modules :data:`DEPENDS` declares (a test checks it against the imports).
+run) are memoised by ``cached``, keyed by their settings and ``code_hash``: the content of
+``smp_core`` and of the modules ``DEPENDS`` declares (a test checks it against the imports).
 """
 
 from __future__ import annotations

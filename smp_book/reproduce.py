@@ -23,6 +23,7 @@ from .pipeline import RESULTS, STUDIES, results
 from .results import Results
 
 ALPHA = 0.01
+COLUMNS = ["table", "row", "column", "committed", "new", "p", "verdict"]
 VERDICTS = ("within", "outside", "equal", "differs", "same", "changed", "timing", "text", "only committed", "only new")
 
 
@@ -88,7 +89,7 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
         rows += [{"table": name, "row": str(row), "column": str(col), "committed": committed.at[row, col],
                   "verdict": "only committed"} for row in committed.index for col in committed.columns
                  if row not in fresh.index or col not in fresh.columns]
-    return pd.DataFrame(rows, columns=["table", "row", "column", "committed", "new", "p", "verdict"])
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -96,7 +97,7 @@ def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd
     cells = [compare_study(Results(old_root / scale / s), Results(new_root / scale / s)).assign(study=s)
              for s in STUDIES if (new_root / scale / s / "manifest.json").exists()
              and (old_root / scale / s / "manifest.json").exists()]
-    table = pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", "verdict"])
+    table = pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", *COLUMNS])
     counts = table.groupby(["study", "verdict"], sort=False).size().unstack(fill_value=0)
     return table, counts.reindex(columns=[v for v in VERDICTS if v in counts.columns])
 

@@ -127,8 +127,9 @@ def benchmark_table(path: str | Path, heading: str, index: list[str] | None = No
     """The markdown table right after the last line of ``path`` (a benchmark's saved output, such as
     ``benchmarks/gpu_h200.md``) that starts with ``heading`` (blank lines between them allowed), as a
     table of strings indexed by the columns ``index``, with that line in ``attrs["heading"]``; ``None``
-    when the file, the heading or a table right after it is missing."""
-    path = Path(path)
+    when the file, the heading or a table right after it is missing. A relative ``path`` is from the repository's
+    root (Jupyter Book runs a chapter in its own folder)."""
+    path = Path(__file__).resolve().parents[1] / path
     if not path.exists():
         return None
     lines = path.read_text().splitlines()

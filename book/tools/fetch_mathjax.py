@@ -1,4 +1,4 @@
-"""Put a local copy of MathJax 3 under ``book/_static/mathjax`` so that the book reads offline.
+"""Put a local copy of MathJax 3 under ``book/static/mathjax`` so that the book reads offline.
 
 The copy comes from the npm registry with the ordinary client (``npm pack mathjax@VERSION``); the
 tarball is checked against a pinned SHA-512 before anything is unpacked. Only what the built pages
@@ -42,7 +42,7 @@ KEEP = (
     "sre",
 )
 ROOT = Path(__file__).resolve().parents[2]
-DEST = ROOT / "book" / "_static" / "mathjax"
+DEST = ROOT / "book" / "static" / "mathjax"
 STAMP = ".mathjax-version"
 
 
