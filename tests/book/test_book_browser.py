@@ -4,8 +4,8 @@ offline (file:// URLs, every other host unresolvable) and checks the front page 
 MathJax (no raw TeX, no TeX error, no display formula wider than the column at 1280 px); every image
 loaded; nothing was fetched from another host, no load failed and no JavaScript error was logged; no
 cell shows an error (a traceback) or stderr, and no parameters cell is shown; none of what a reader
-should never see is on it (see ``FORBIDDEN``); and every table fits its column at 1280 px (a known
-failure for now: marked xfail). Without a browser, it also checks that the built pages are exactly
+should never see is on it (see ``FORBIDDEN``); and every table fits its column at 1280 px. Without a
+browser, it also checks that the built pages are exactly
 those of the table of contents. A full-page screenshot of each page goes to ``_build/screenshots/``.
 
 Set-up (Debian): ``apt-get install -y chromium chromium-driver`` (``make browser-deps``) and
@@ -222,7 +222,6 @@ def test_page_as_a_reader_sees_it(page, driver):
     assert not nans, f"{page}: {len(nans)} table cells show 'nan'"
 
 
-@pytest.mark.xfail(strict=False, reason="known: several results tables are wider than the column at 1280 px")
 def test_tables_fit_the_column(driver):
     """Every table on every page is at most as wide as its page's article (the column) at 1280 px, the theme's
     font size, no zoom: a reader sees each table whole, without scrolling it sideways."""
