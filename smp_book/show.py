@@ -221,10 +221,9 @@ def at_a_glance(summary: Results) -> str:
         others = len(mine) - counts.reindex(["holds", "partly", "does not hold"], fill_value=0).sum()
         rows.append({"chapter": f"{{doc}}`{page}`", "what is reproduced": what,
                      "judged at": ", ".join(_scale_words(chapter, s) for s in mine["scale"].unique()),
-                     "claims: hold / partly / do not": f"{counts.get('holds', 0)} / {counts.get('partly', 0)} / "
-                                                       f"{counts.get('does not hold', 0)}"
-                                                       + (f" ({others} other)" if others else "")})
-    return pd.DataFrame(rows).to_markdown(index=False)
+                     "claims hold": counts.get("holds", 0), "partly": counts.get("partly", 0),
+                     "do not": counts.get("does not hold", 0), **({"other": others} if others else {})})
+    return pd.DataFrame(rows).fillna(0).to_markdown(index=False)
 
 
 def settings_table(config: dict) -> pd.DataFrame:
