@@ -10,7 +10,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from .results import ROOT
+
 PACKAGES = ("torch", "numpy", "jax", "numpyro", "scipy", "pandas", "matplotlib", "smp_core")
 
 

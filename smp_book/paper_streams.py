@@ -28,9 +28,10 @@ import torch
 from smp_core.recursion import Fisher, run_smp
 
 from . import mnist_study
-from .config import MNIST_VARIANTS, get_config
+from .config import MNIST_VARIANTS
 from .machine import environment, git_revision
-from .pipeline import RESULTS
+from .pipeline import RESULTS, stale_reason, study_config
+from .results import Results
 
 WORK = Path(os.environ.get("SMP_BOOK_WORK", Path.home() / ".cache" / "smp-book" / "paper_streams"))
 
@@ -47,10 +48,9 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
         raise ValueError(f"variant: unknown MNIST variant {variant!r}; known: {', '.join(MNIST_VARIANTS)}")
     if not isinstance(stream, int) or stream < 1:
         raise ValueError(f"stream: a positive integer is needed (stream 0 is the committed run), got {stream!r}")
-    manifest = committed_run(root)
-    cfg = get_config("mnist", "paper")
-    if manifest["config"] != json.loads(json.dumps(cfg, sort_keys=True)):
-        raise ValueError("the committed paper-scale run has other settings than config.py's paper scale")
+    manifest, cfg = committed_run(root), study_config("mnist", "paper")
+    if (why := stale_reason(root / "paper" / "mnist", cfg)) is not None:
+        raise ValueError(f"the committed paper-scale run cannot be extended: {why}")
     out = root / "paper" / "mnist_streams" / variant / f"stream_{stream}"
     if (out / "manifest.json").exists():
         print(f"{out} is there already")
@@ -67,15 +67,15 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
                                   cache_root=str(work / f"map-threads-{map_threads}"))
     finally:
         torch.set_num_threads(threads)
-    committed_history = (root / "paper" / "mnist" / "map_history.csv").read_text().splitlines()[-1]
-    ours = fit["history"].iloc[-1]
-    if abs(float(committed_history.split(",")[2]) - ours["val_loss"]) > 1e-6:
+    committed, ours = (Results(root / "paper" / "mnist").table("map_history")["val_loss"].iloc[-1],
+                       fit["history"]["val_loss"].iloc[-1])
+    if abs(committed - ours) > 1e-6:
         raise RuntimeError(f"the refitted MAP of seed {map_seed} is not the committed one: validation loss "
-                           f"{ours['val_loss']} against {committed_history}")
+                           f"{ours} against {committed}")
     theta_map = fit["theta"]
     n_fisher = cfg["n_fisher_periodic"] if variant.startswith("periodic") else None
     xv, yv = data["val"]
-    fisher = Fisher("empirical", xv[:n_fisher], yv[:n_fisher]) if n_fisher else Fisher("empirical", xv, yv)
+    fisher = Fisher("empirical", xv[:n_fisher], yv[:n_fisher])  # n_fisher None: all of them
     work.mkdir(parents=True, exist_ok=True)
     first = cfg["n_chains"] * stream
     res = run_smp(mnist_study.lenet5(), "categorical", data["train"][0], theta0=theta_map,
@@ -97,7 +97,8 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
         "diverged_chains": int(res.n_diverged),
         "wall_time_s": round(time.perf_counter() - started, 1),
         "load_average": {"start": load_start[0], "end": os.getloadavg()[0]},
-        "timing_note": "resumed from checkpoints across sessions, beside other work: not for comparisons",
+        "timing_note": "the wall time of the last invocation only (a run resumes from its checkpoints): not for "
+                       "comparisons",
         "environment": environment(),
     }
     (out / "manifest.json").write_text(json.dumps(record, indent=2, default=str))

@@ -29,10 +29,9 @@ import pandas as pd
 
 from .config import SCALES, get_config, with_parameters
 from .machine import environment, git_revision
-from .results import Results, note
+from .results import RESULTS, ROOT, Results, note
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS, CACHE, DATA = ROOT / "results", ROOT / ".cache", ROOT / "data"
+CACHE, DATA = ROOT / ".cache", ROOT / "data"
 READ_ONLY = "SMP_BOOK_READ_ONLY"
 FORMAT = 2
 
@@ -175,9 +174,9 @@ class Context:
         """``study``'s results at another ``scale`` when they hold that scale's settings, else ``None``; never
         computed here (the paper scale takes hours). The manifest records what was read, or that nothing was."""
         folder, key = self.root / scale / study, f"../{scale}/{study}"
-        fresh = stale_reason(folder, study_config(study, scale)) is None
-        self.sources[key] = Results(folder).manifest.get("id") if fresh else None
-        return Results(folder) if fresh else None
+        res = Results(folder) if stale_reason(folder, study_config(study, scale)) is None else None
+        self.sources[key] = res.manifest.get("id") if res else None
+        return res
 
     def read(self, study: str) -> Results:
         """An earlier study's results at the same scale and root (computed first if missing)."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import pandas as pd
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROOT = Path(__file__).resolve().parents[1]  # the repository: results, data and caches live under it
+RESULTS = ROOT / "results"
 
 
 class Results:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .results import Results
+from .results import ROOT, Results
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
@@ -129,7 +129,7 @@ def benchmark_table(path: str | Path, heading: str, index: list[str] | None = No
     table of strings indexed by the columns ``index``, with that line in ``attrs["heading"]``; ``None``
     when the file, the heading or a table right after it is missing. A relative ``path`` is from the repository's
     root (Jupyter Book runs a chapter in its own folder)."""
-    path = Path(__file__).resolve().parents[1] / path
+    path = ROOT / path
     if not path.exists():
         return None
     lines = path.read_text().splitlines()
