@@ -40,8 +40,9 @@ import torch
 
 from smp_core.models import toy_mlp
 
-from . import toy_study as ts
+from . import toy
 from .baselines import fit_laplace, linearised_logits
+from .summaries import paired_lead
 from .toy import make_grid, make_toy_data
 
 AGREEMENT_COLUMNS = ["tv_to_nuts", "mi_surface_corr", "mi_over_nuts"]
@@ -82,17 +83,17 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     """
     from .nuts import check_nuts_mean, find_map, run_nuts
 
-    run = ts.run_replicate(cfg, replicate, variants=cfg["smp_variants"], progress=progress)
+    run = toy.run_replicate(cfg, replicate, variants=cfg["smp_variants"], progress=progress)
     seeds = {**run["seeds"], **baseline_seeds(cfg["seed"], replicate)}
     x_np, y_np = run["train"]
     x = torch.as_tensor(x_np, dtype=torch.float64)
-    x_test, y_test = make_toy_data(cfg["n_test"], run["seeds"]["test"])  # as ts.run_replicate made them
+    x_test, y_test = make_toy_data(cfg["n_test"], run["seeds"]["test"])  # as toy.run_replicate made them
     gx, _, grid = make_grid(cfg["grid_per_axis"])
     shape = tuple(gx.shape)
     prior_scale = cfg["prior_precision"] ** -0.5
 
     def evaluate(samples, logits_of=None):
-        return ts.evaluate(samples, x_test, y_test, grid, shape, cfg["n_bins"], logits_of=logits_of)
+        return toy.evaluate(samples, x_test, y_test, grid, shape, cfg["n_bins"], logits_of=logits_of)
 
     second = run_nuts(x_np, y_np, seed=seeds["nuts_second"], num_warmup=cfg["nuts_warmup"],
                       num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
@@ -113,7 +114,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     run["evals"]["MAP"] = evaluate(theta_map[None])
     run["elapsed"]["MAP"] = map_seconds
     for i, variant in enumerate(cfg["smp_variants"]):  # the same chains as from NUTS-mean; only theta_0 moves
-        res = ts.run_variant(cfg, x.float(), theta_map.float(), variant, ts.variant_seed(run["seeds"], variant, i),
+        res = toy.run_variant(cfg, x.float(), theta_map.float(), variant, toy.variant_seed(run["seeds"], variant, i),
                              progress)
         name = f"SMP-{variant} from MAP"
         run["elapsed"][name] = res.elapsed
@@ -185,17 +186,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
     """Mean, standard deviation and stacked replicates of the toy tables and the agreement table."""
     from .summaries import summarise_replicates
 
-    return summarise_replicates([{**ts.tables(r), "agreement": agreement(r)} for r in runs])
-
-
-def paired_lead(differences) -> float:
-    """Mean of paired per-replicate differences over its standard error (NaN for fewer than two
-    replicates or no spread): how many standard errors one method leads another by."""
-    diffs = np.asarray(differences, dtype=np.float64)
-    if len(diffs) < 2:
-        return float("nan")
-    se = diffs.std(ddof=1) / np.sqrt(len(diffs))
-    return float(diffs.mean() / se) if se > 0 else float("nan")
+    return summarise_replicates([{**toy.tables(r), "agreement": agreement(r)} for r in runs])
 
 
 def findings(agree: pd.DataFrame, scores: pd.DataFrame, agree_replicates: pd.DataFrame | None = None,

@@ -355,3 +355,6 @@ def parameters(namespace: dict[str, Any], study: str | None = None) -> dict[str,
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)}: this chapter takes {', '.join(sorted(allowed))}")
     return {name: namespace[name] for name in sorted(allowed - {"scale"}) if name in namespace}
+
+
+DESIGNS = ("empirical", "uniform", "smoothed")

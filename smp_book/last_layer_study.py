@@ -25,8 +25,8 @@ import torch
 
 from smp_core.models import as_chain_model, lenet5, predict
 
-from . import mnist_baseline_study as mbs
-from . import mnist_study as ms
+from . import mnist_runs as mr
+from . import shifted
 from .config import MNIST_TAU, get_config
 from .last_layer_runs import PREFIX, SEED_OFFSET, STRATEGIES, STRUCTURES, SUBSETS, features, run, split, variants
 from .pipeline import CACHE
@@ -85,14 +85,14 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
     diverged chains) and the Laplace fit's prior precision."""
     from .pipeline import cached, code_hash
 
-    fit = ms.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
+    fit = mr.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
                      progress=progress, cache_root=cache_root)
     theta_map = fit["theta"].cpu()
-    sets = mbs.test_sets(cfg, data)
-    chain = as_chain_model(lenet5(), ms.INPUT_SHAPE)
+    sets = shifted.test_sets(cfg, data)
+    chain = as_chain_model(lenet5(), mr.INPUT_SHAPE)
     map_probs = torch.softmax(predict(chain, theta_map[None], sets[0][0]).double(), -1)
-    three = ms.ambiguous_three(map_probs, data["test"][1])
-    map_eval = mbs.evaluate(lambda x: predict(chain, theta_map[None], x), sets, three)
+    three = mr.ambiguous_three(map_probs, data["test"][1])
+    map_eval = shifted.evaluate(lambda x: predict(chain, theta_map[None], x), sets, three)
     evals, rows = {}, []
     for subset, n_layers in cfg["subsets"].items():
         body, head = split(theta_map, n_layers)
@@ -103,7 +103,8 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
                 continue
             name = f"{PREFIX[subset]} SMP-{variant}"
             out = run(cfg, subset, variant, index, head, feats, use_cache, progress, cache_root)
-            evals[name] = mbs.evaluate(lambda f, m=model, theta=out["theta"]: predict(m, theta, f), test_feats, three)
+            evals[name] = shifted.evaluate(lambda f, m=model, theta=out["theta"]: predict(m, theta, f), test_feats,
+                                           three)
             rows.append({"subset": subset, "variant": variant, "method": name, "d": model.layout.dim,
                          "seconds": out["seconds"], "diverged": out["diverged"]})
     body, head = split(theta_map, 1)
@@ -116,7 +117,7 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
 
     la = cached("last_layer", {**cfg, "method": LAPLACE, "code": code_hash(__name__)}, laplace, root=cache_root,
                 enabled=use_cache)
-    evals[LAPLACE] = mbs.evaluate(lambda f: predict(model, la["theta"], f), feats, three)
+    evals[LAPLACE] = shifted.evaluate(lambda f: predict(model, la["theta"], f), feats, three)
     rows.append({"subset": "last layer", "variant": "Laplace", "method": LAPLACE, "d": model.layout.dim,
                  "seconds": la["seconds"], "diverged": 0})
     return {"evals": evals, "map_eval": map_eval, "runs": pd.DataFrame(rows).set_index("method"),
@@ -153,9 +154,9 @@ def compute(ctx) -> None:
     """The chapter's results (:mod:`smp_book.pipeline`): the runs, the scores beside the MNIST baselines
     chapter's methods (read from its results), the verdicts, the rotation figure and the prose's numbers."""
     cfg = ctx.config
-    data, _ = ms.load_data(cfg)
+    data, _ = mr.load_data(cfg)
     study = run_study(cfg, data, use_cache=ctx.use_cache, progress=ctx.progress)
-    ours = mbs.tables({**study, "fit_seconds": {m: study["runs"].loc[m, "seconds"] for m in study["evals"]},
+    ours = shifted.tables({**study, "fit_seconds": {m: study["runs"].loc[m, "seconds"] for m in study["evals"]},
                        "laplace": None})
     base = ctx.read("mnist_baselines")
     ensemble = f"Ensemble ({cfg['ensemble_members']})"
@@ -170,7 +171,7 @@ def compute(ctx) -> None:
     ctx.table("runs", study["runs"])
     ctx.table("scores", scores)
     ctx.table("shift", shift)
-    ours_leads = mbs.leads_over({"MAP": study["map_eval"], **study["evals"]}).drop(index="MAP")
+    ours_leads = shifted.leads_over({"MAP": study["map_eval"], **study["evals"]}).drop(index="MAP")
     base_leads = base.table("nll_lead_over_map").rename(columns=int)
     leads = ctx.table("nll_lead_over_map", pd.concat([base_leads.loc[whole], ours_leads]))
     worst = max(cfg["shift_angles"])
@@ -178,7 +179,7 @@ def compute(ctx) -> None:
     smp_ll = [m for m in ours["scores"].index if m.startswith("LL") and m != LAPLACE]
     best = [m for m in smp_ll if judged.loc[m, "all_three"] not in ("reference", False)]
     shown_methods = ["MAP", ensemble, "SMP-fixed-diag"] + best[:4] + [LAPLACE]
-    ctx.figure("rotation", mbs.rotation_figure(shift, list(dict.fromkeys(shown_methods))))
+    ctx.figure("rotation", shifted.rotation_figure(shift, list(dict.fromkeys(shown_methods))))
     ctx.value("passing", ", ".join(best) if best else "none")
     ctx.value("best_laplace", best_laplace)
     ctx.value("n_passing", len(best))

@@ -34,17 +34,16 @@ from typing import Any
 
 import pandas as pd
 import torch
-from torchvision.transforms.v2 import functional as TF
 from tqdm.auto import tqdm
 
 from smp_core import metrics
 from smp_core.models import as_chain_model, lenet5, predict
 
-from . import baselines
-from . import mnist_seeds_study as mss
-from . import mnist_study as ms
+from . import baselines, shifted
+from . import mnist_runs as mr
 from .config import MNIST_BASELINE_KEYS
 from .pipeline import CACHE, cached, code_hash
+from .summaries import paired_lead
 
 PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
 DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
@@ -65,7 +64,7 @@ def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
     """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself at the laptop
     and ci scales (at the paper scale that MAP is the member with the lowest validation loss,
     :func:`smp_book.mnist_study.chapter_map`)."""
-    return mss.map_seed(cfg, member)
+    return mr.map_seed(cfg, member)
 
 
 def dropout_seed(cfg: dict[str, Any], part: str) -> int:
@@ -87,54 +86,12 @@ def laplace_seed(cfg: dict[str, Any], structure: str, prior: str) -> int:
 
 def method_names(cfg: dict[str, Any]) -> list[str]:
     """The rows of the tables, in order."""
-    names = ms.method_names()
+    names = mr.method_names()
     for structure in cfg["laplace_structures"]:
         names += [f"Laplace-{structure} (wd)", f"Laplace-{structure} (evidence)", f"Laplace-{structure}-nn (wd)"]
     if cfg.get("dropout_rates"):
         names.append(DROPOUT)
     return names + [f"Ensemble ({cfg['ensemble_members']})"]
-
-
-def rotate(images: torch.Tensor, degrees: float) -> torch.Tensor:
-    """``images`` ``(n, 1, 28, 28)`` rotated anticlockwise by ``degrees`` (bilinear, the corners filled with 0)."""
-    return TF.rotate(images, float(degrees), interpolation=TF.InterpolationMode.BILINEAR, fill=0.0)
-
-
-def test_sets(cfg: dict[str, Any], data: dict) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """``{angle: (images, labels)}``: the whole test set at 0 and the first ``shift_images`` rotated."""
-    x, y = data["test"]
-    n = min(cfg["shift_images"], len(y))
-    sets = {0: (x, y)}
-    sets.update({int(a): (rotate(x[:n], a), y[:n]) for a in cfg["shift_angles"]})
-    return sets
-
-
-def evaluate(logits_of, sets: dict[int, tuple[torch.Tensor, torch.Tensor]], three: int, n_bins: int = 10) -> dict:
-    """Scores of one method on every test set, from ``logits_of(x) -> (S, n, 10)``.
-
-    Returns the paper's scores on every set (``shift``, by angle; ``scores`` = angle 0), the per-image
-    NLL and Brier score on every set (for paired standard errors), the logit variance, calibration
-    curve and mean class probabilities of test image ``three`` (the MNIST chapter's ambiguous 3) on
-    the whole test set, and the seconds the predictions took.
-    """
-    started = time.perf_counter()
-    out: dict[str, Any] = {"shift": {}, "per_image": {}}
-    for angle, (x, y) in sets.items():
-        logits = logits_of(x)
-        probs = torch.softmax(logits.double(), dim=-1)
-        out["shift"][angle] = metrics.all_scores(probs, y, n_bins=n_bins)
-        mean = metrics.predictive(probs)
-        truth = mean.gather(1, y[:, None])[:, 0]
-        out["per_image"][angle] = {"nll": -torch.log(truth.clamp_min(metrics.NLL_FLOOR)),
-                                   "brier": ((mean - torch.nn.functional.one_hot(y, mean.shape[1])) ** 2).sum(1)}
-        if angle == 0:
-            out["scores"] = out["shift"][0]
-            out["logits_variance"] = metrics.logits_variance(logits)
-            out["curve"] = metrics.calibration_curve(probs, y, n_bins=n_bins)
-            out["three_probs"] = mean[three].float()
-    out["n_samples"] = int(logits.shape[0])
-    out["predict_seconds"] = time.perf_counter() - started
-    return out
 
 
 def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
@@ -150,7 +107,7 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
     assumes; Adam's 20 epochs need not reach one, and the evidence's alpha is not the one the MAP was
     fitted with) and the fitting seconds. The evidence's prior is laplace-torch's
     ``optimize_prior_precision(method="marglik")`` from the weight-decay prior, with its defaults."""
-    device = device or ms.default_device()
+    device = device or mr.default_device()
     net = lenet5().to(device)
     x, y = (t.to(device) for t in data["train"])
     if x.shape[0] != cfg["n_train"]:
@@ -158,9 +115,9 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
     theta = theta_map.to(device)
     sq_norm = float(theta.double().square().sum())
     started = time.perf_counter()
-    log_lik = baselines.log_likelihood(net, "categorical", theta, x, y, input_shape=ms.INPUT_SHAPE)
+    log_lik = baselines.log_likelihood(net, "categorical", theta, x, y, input_shape=mr.INPUT_SHAPE)
     log_lik_seconds = time.perf_counter() - started
-    grad = baselines.log_likelihood_gradient(net, "categorical", theta, x, y, input_shape=ms.INPUT_SHAPE).double()
+    grad = baselines.log_likelihood_gradient(net, "categorical", theta, x, y, input_shape=mr.INPUT_SHAPE).double()
     posteriors, rows = {}, []
 
     def now() -> float:  # the seconds of a GPU's work, not of its queueing
@@ -171,7 +128,7 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
     for structure in cfg["laplace_structures"]:
         started = now()
         base = baselines.fit_laplace(net, "categorical", theta, x, y, prior_precision=weight_decay_prior(cfg),
-                                     structure=structure, input_shape=ms.INPUT_SHAPE)
+                                     structure=structure, input_shape=mr.INPUT_SHAPE)
         eigenvalues = base.ggn_eigenvalues()
         fit_seconds = now() - started
         started = now()
@@ -199,11 +156,11 @@ def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None 
     Returns one row per rate: the validation NLL and accuracy of the MC predictive, the seconds of the
     training and of the validation passes, and ``selected`` (the lowest NLL; the first on a tie).
     """
-    device = device or ms.default_device()
+    device = device or mr.default_device()
     xv, yv = data["val"]
     rows = []
     for rate in cfg["dropout_rates"]:
-        fit = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
+        fit = mr.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
                          cache_root=cache_root)
         started = time.perf_counter()
         masks = torch.Generator().manual_seed(dropout_seed(cfg, "validation"))
@@ -233,16 +190,16 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     ``laplace`` (the table of :func:`fit_laplaces`), ``dropout`` (the table of :func:`select_dropout`),
     the MAP fit and the index of the ambiguous 3.
     """
-    device = device or ms.default_device()
+    device = device or mr.default_device()
     mnist_cfg = mnist_settings(cfg)
-    fit = ms.chapter_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
+    fit = mr.chapter_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
     theta_map = fit["theta"]
-    chain = as_chain_model(lenet5().to(device), ms.INPUT_SHAPE)
+    chain = as_chain_model(lenet5().to(device), mr.INPUT_SHAPE)
     net = lenet5().to(device)
-    sets = test_sets(cfg, data)
+    sets = shifted.test_sets(cfg, data)
     map_probs = torch.softmax(predict(chain, theta_map[None].to(device), sets[0][0].to(device)).cpu().double(), -1)
-    three = ms.ambiguous_three(map_probs, data["test"][1])
-    path = ms.smp_path(device)
+    three = mr.ambiguous_three(map_probs, data["test"][1])
+    path = mr.smp_path(device)
     names = method_names(cfg)
 
     def key(name: str) -> dict[str, Any]:
@@ -253,8 +210,8 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     def score(theta_or_logits) -> dict:
         if isinstance(theta_or_logits, torch.Tensor):  # parameter samples: the network's own predictive
             theta = theta_or_logits.to(device)
-            return evaluate(lambda x: predict(chain, theta, x.to(device)).cpu(), sets, three)
-        return evaluate(lambda x: theta_or_logits(x.to(device)).cpu(), sets, three)
+            return shifted.evaluate(lambda x: predict(chain, theta, x.to(device)).cpu(), sets, three)
+        return shifted.evaluate(lambda x: theta_or_logits(x.to(device)).cpu(), sets, three)
 
     laplace: dict[str, Any] = {}
 
@@ -279,9 +236,9 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
             fit_seconds[name] = fit["seconds"]
         elif name.startswith("SMP-"):
             variant = name.removeprefix("SMP-")
-            index = ms.study_variants(mnist_cfg).index(variant)
-            run = cached("mnist", ms.run_key(mnist_cfg, variant, 0, path),
-                         lambda variant=variant, index=index: ms.run_variant(mnist_cfg, variant, theta_map, data, index,
+            index = mr.study_variants(mnist_cfg).index(variant)
+            run = cached("mnist", mr.run_key(mnist_cfg, variant, 0, path),
+                         lambda variant=variant, index=index: mr.run_variant(mnist_cfg, variant, theta_map, data, index,
                                                                              device, None, progress, replicate=0),
                          root=cache_root, enabled=use_cache)
             compute = lambda run=run: score(run.theta[~run.diverged])  # noqa: E731
@@ -297,14 +254,14 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
                 if own_network:
                     return score(samples)
                 return score(lambda x: baselines.linearised_logits(net, theta_map.to(device), samples, x,
-                                                                    input_shape=ms.INPUT_SHAPE))
+                                                                    input_shape=mr.INPUT_SHAPE))
 
             fit_seconds[name] = float(laplace_table.loc[(structure, prior), "seconds"])
         elif name == DROPOUT:
             rate = float(dropout_table.index[dropout_table["selected"]][0])
 
             def compute(rate=rate):
-                theta = ms.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=False,
+                theta = mr.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=False,
                                    cache_root=cache_root)["theta"].to(device)
                 dropped = lenet5(rate).to(device)
                 return score(lambda x: baselines.mc_dropout_logits(
@@ -314,7 +271,7 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
         else:  # the ensemble: the MAPs of the ensemble seeds (member 0 the chapter's MAP at the laptop scale)
             members, seconds = [], []
             for m in range(cfg["ensemble_members"]):
-                member = ms.fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}, data, device, use_cache=use_cache,
+                member = mr.fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}, data, device, use_cache=use_cache,
                                     progress=False, cache_root=cache_root)
                 members.append(member["theta"].to(theta_map.device))
                 seconds.append(member["seconds"])
@@ -325,39 +282,11 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
             "map": fit, "three": three}
 
 
-def tables(study: dict[str, Any]) -> dict[str, pd.DataFrame]:
-    """The chapter's tables from :func:`run_study`.
-
-    ``scores``: the paper's metrics on the whole test set, the logit variance and the seconds to fit
-    and to predict (the test set and the rotated sets); ``shift``: accuracy, NLL, Brier score and ECE
-    per method and angle (0 is the whole test set); ``three``: the mean class probabilities of the
-    ambiguous 3; ``laplace``: the Laplace fits; ``dropout``: MC dropout's choice of rate.
-    """
-    evals = study["evals"]
-    names = list(evals)
-    scores = pd.DataFrame([evals[n]["scores"] for n in names], index=names)[list(metrics.SCORE_KEYS)]
-    scores["logits_variance"] = [evals[n]["logits_variance"] for n in names]
-    scores["fit_seconds"] = [study["fit_seconds"][n] for n in names]
-    scores["predict_seconds"] = [evals[n]["predict_seconds"] for n in names]
-    scores.index.name = "method"
-    shift = pd.DataFrame([{"method": n, "angle": a, **{k: s[k] for k in ("accuracy", "nll", "brier", "ece")}}
-                          for n in names for a, s in evals[n]["shift"].items()]).set_index(["method", "angle"])
-    three = pd.DataFrame({n: evals[n]["three_probs"].double().numpy() for n in names}).T
-    three.index.name, three.columns.name = "method", "class"
-    out = {"scores": scores, "shift": shift, "three": three}
-    if study["laplace"] is not None:
-        out["laplace"] = study["laplace"]
-    if study.get("dropout") is not None:
-        out["dropout"] = study["dropout"]
-    return out
-
-
 def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
     """Per test set (angle) and per metric (NLL, Brier score): the best method, the runner-up and the
     best SMP variant (when it is neither), each lead in standard errors of the mean per-image
     difference (paired over the test images, so it measures the test set's sampling error only),
     resolved from ``resolved_at``."""
-    from .baseline_study import paired_lead
 
     rows = []
     angles = list(next(iter(evals.values()))["per_image"])
@@ -377,42 +306,6 @@ def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
                              "other_value": float(per_image[other].mean()), "lead_se": lead,
                              "resolved": bool(lead >= resolved_at)})
     return pd.DataFrame(rows)
-
-
-def leads_over(evals: dict[str, dict], reference: str = "MAP", metric: str = "nll") -> pd.DataFrame:
-    """``method x angle``: by how many standard errors each method's mean per-image ``metric`` is
-    below the ``reference``'s (paired over the test images; positive: better than the reference,
-    NaN for the reference itself)."""
-    from .baseline_study import paired_lead
-
-    angles = list(evals[reference]["per_image"])
-    table = pd.DataFrame(
-        {angle: {name: (float("nan") if name == reference else paired_lead(
-            (evals[reference]["per_image"][angle][metric] - e["per_image"][angle][metric]).double().numpy()))
-            for name, e in evals.items()} for angle in angles})
-    table.index.name, table.columns.name = "method", "angle"
-    return table
-
-
-def rotation_figure(shift: pd.DataFrame, methods: list[str]):
-    """Accuracy, NLL and ECE of ``methods`` against the rotation angle (``shift``: :func:`tables`'
-    ``shift``); the ``-nn`` rows, off the scale, are left to the table."""
-    import matplotlib.pyplot as plt
-
-    shift = shift.reset_index()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    for ax, metric in zip(axes, ("accuracy", "nll", "ece"), strict=True):
-        for name in methods:
-            if name.endswith("-nn (wd)"):
-                continue
-            rows = shift[shift["method"] == name]
-            style = "-" if name.startswith(("SMP", "MAP")) else "--"
-            ax.plot(rows["angle"], rows[metric], style, marker="o", label=name)
-        ax.set_xlabel("rotation (degrees)")
-        ax.set_title(metric)
-    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
-    fig.tight_layout()
-    return fig
 
 
 def highlights(cfg: dict[str, Any], out: dict[str, pd.DataFrame], over_map: pd.DataFrame, dim: int) -> str:
@@ -476,10 +369,10 @@ def compute(ctx) -> None:
     from . import plots
 
     cfg = ctx.config
-    device = ms.default_device()
-    data, provenance = ms.load_data(cfg)
+    device = mr.default_device()
+    data, provenance = mr.load_data(cfg)
     study = run_study(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
-    out = tables(study)
+    out = shifted.tables(study)
     theta_map = study["map"]["theta"]
     norm = float(theta_map.double().norm())
     if "laplace" in out:
@@ -490,16 +383,16 @@ def compute(ctx) -> None:
 
     # the MAP and SMP rows are the MNIST chapter's replicate 0: how far from its result files
     theirs = ctx.read("mnist").table("scores_replicates").loc[0]
-    same = [m for m in ms.method_names() if m in theirs.index and m in s.index]
+    same = [m for m in mr.method_names() if m in theirs.index and m in s.index]
     gap = (theirs.loc[same] - s.loc[same, theirs.columns]).abs().max(axis=1).rename("largest_difference")
     ctx.table("mnist_chapter_gap", gap.to_frame())
 
     found = ctx.table("findings", findings(study["evals"]), index=False)
-    over_map = ctx.table("nll_lead_over_map", leads_over(study["evals"]))
+    over_map = ctx.table("nll_lead_over_map", shifted.leads_over(study["evals"]))
     shown = [n for n in (*CALIBRATION_SHOWN, f"Ensemble ({cfg['ensemble_members']})") if n in study["evals"]]
     ctx.figure("calibration_baselines", plots.calibration_all({n: study["evals"][n]["curve"] for n in shown},
                                                               "Calibration, MNIST test set"))
-    ctx.figure("rotation", rotation_figure(out["shift"], list(s.index)))
+    ctx.figure("rotation", shifted.rotation_figure(out["shift"], list(s.index)))
 
     smp = [m for m in s.index if m.startswith("SMP-")]
     worst = max(cfg["shift_angles"])
@@ -540,7 +433,7 @@ def compute(ctx) -> None:
     mnist_cfg = mnist_settings(cfg)
     ctx.record(seeds={"split": cfg["split_seed"], "map": study["map"]["seed"],
                       "ensemble": [ensemble_seed(cfg, m) for m in range(cfg["ensemble_members"])],
-                      "smp": {v: ms.smp_seed(mnist_cfg, i) for i, v in enumerate(ms.study_variants(mnist_cfg))},
+                      "smp": {v: mr.smp_seed(mnist_cfg, i) for i, v in enumerate(mr.study_variants(mnist_cfg))},
                       "laplace": {f"{st} ({pr})": laplace_seed(cfg, st, pr)
                                   for st in cfg["laplace_structures"] for pr in PRIORS},
                       "dropout_masks": {part: dropout_seed(cfg, part) for part in ("validation", "test")}},

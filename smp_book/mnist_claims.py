@@ -9,6 +9,8 @@ so the cache keys of its runs (hours at the paper scale) do not depend on it.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pandas as pd
 
@@ -195,7 +197,6 @@ def both_scales(paper_run, here, scale: str) -> pd.DataFrame:
 def count_verdicts(verdicts) -> str:
     """``"3 hold, 1 partly, 1 not checked"``: :func:`smp_book.mnist_study.verdict_summary` with the claims
     it does not count (not checked, or not judged: "-") counted too, so that the counts add up."""
-    from smp_book.mnist_study import verdict_summary
 
     verdicts = list(verdicts)
     rest = sum(v not in ("holds", "partly", "does not hold") for v in verdicts)
@@ -277,3 +278,72 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
                             "so much of it is one chain's excursion"))
         bullets.append(f"- {method}: " + "; ".join(parts) + ".")
     return "\n".join([" ".join(lines), "", *bullets])
+
+
+def claims(scores: pd.DataFrame, variances: pd.DataFrame,
+           replicates: list[tuple[pd.DataFrame, pd.DataFrame]] | None = None) -> pd.DataFrame:
+    """The conclusions of Section 3.3.4, judged by stated criteria on our numbers.
+
+    ``scores`` and ``variances`` are the tables the verdicts are judged on (with replicates, their
+    means). ``replicates``, a list of ``(scores, variances)`` of single runs, adds a column
+    ``replicates`` that counts the verdicts each run alone gets (e.g. ``holds 2, does not hold 1``):
+    how much a verdict depends on the random stream.
+    """
+    table = _claims(scores, variances)
+    if replicates:
+        per_run = [_claims(s, v)["verdict"].tolist() for s, v in replicates]
+        table["replicates"] = [verdict_counts(col) for col in zip(*per_run, strict=True)]
+    return table
+
+
+def verdict_counts(verdicts) -> str:
+    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first;
+    a tie in the order the verdicts first appear, i.e. of the replicates)."""
+    return ", ".join(f"{v} {n}" for v, n in Counter(verdicts).most_common())
+
+
+def _claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:
+    s, v = scores, variances
+    rows = []
+
+    def add(claim, criterion, verdict, evidence):
+        rows.append({"claim": claim, "criterion": criterion, "verdict": verdict, "evidence": evidence})
+
+    acc_gap = abs(s.loc["SMP-none", "accuracy"] - s.loc["MAP", "accuracy"])
+    nll_gap = abs(s.loc["SMP-none", "nll"] - s.loc["MAP", "nll"])
+    add("SMP-none predicts like MAP (same accuracy, Brier, NLL, ECE)",
+        "accuracy within 0.002 and NLL within 0.005 of MAP",
+        "holds" if acc_gap <= 0.002 and nll_gap <= 0.005 else ("partly" if acc_gap <= 0.005 else "does not hold"),
+        f"accuracy {s.loc['SMP-none', 'accuracy']:.4f} vs {s.loc['MAP', 'accuracy']:.4f}; NLL "
+        f"{s.loc['SMP-none', 'nll']:.4f} vs {s.loc['MAP', 'nll']:.4f}")
+    mi = s.loc["SMP-none", "mutual_info"]
+    add("SMP-none collapses to a point estimate (tiny MI and epistemic std)",
+        "MI < 0.005 and epistemic std < 0.005",
+        "holds" if mi < 0.005 and s.loc["SMP-none", "epistemic_std"] < 0.005 else "does not hold",
+        f"MI {mi:.5f}, epistemic std {s.loc['SMP-none', 'epistemic_std']:.5f}")
+    diag = DIAGONAL
+    over = [s.loc[d, "mutual_info"] > 10 * max(mi, 1e-6) and s.loc[d, "nll"] > s.loc["MAP", "nll"] for d in diag]
+    add("The diagonal variants over-disperse: much larger MI and worse NLL than MAP and SMP-none",
+        "for each diagonal variant MI > 10x SMP-none's and NLL > MAP's (partly: some of them)",
+        "holds" if all(over) else ("partly" if any(over) else "does not hold"),
+        "; ".join(f"{d}: MI {s.loc[d, 'mutual_info']:.4f}, NLL {s.loc[d, 'nll']:.4f}" for d in diag))
+    least = min(diag, key=lambda d: s.loc[d, "mutual_info"])
+    add("Periodic recomputation over-disperses least among the diagonal variants",
+        "SMP-periodic-diag has the smallest MI of the three",
+        "holds" if least == "SMP-periodic-diag" else "does not hold",
+        f"smallest MI: {least}")
+    big = [v.loc[d, "params_variance"] < 1e-3 and v.loc[d, "logits_variance"] > 1.0 for d in diag]
+    add("Diagonal variants: tiny parameter variance (< 1e-3) but large logit variance (> 1)",
+        "both, for each diagonal variant (partly: some)",
+        "holds" if all(big) else ("partly" if any(big) else "does not hold"),
+        "; ".join(f"{d}: params {v.loc[d, 'params_variance']:.2e}, logits {v.loc[d, 'logits_variance']:.3f}"
+                  for d in diag))
+    return pd.DataFrame(rows)
+
+
+def verdict_summary(verdicts) -> str:
+    """``"3 hold, 1 partly, 1 does not hold"``: how many verdicts of each kind, in that order (kinds
+    that do not occur left out)."""
+    counts = Counter(verdicts)
+    kinds = (("holds", "hold"), ("partly", "partly"), ("does not hold", "do not hold"))
+    return ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural}" for v, plural in kinds if counts[v]) or "none"

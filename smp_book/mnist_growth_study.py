@@ -14,7 +14,7 @@ import torch
 from smp_core import metrics
 from smp_core.recursion import RunOptions, residual_variance_ratio
 
-from .mnist_study import (
+from .mnist_runs import (
     DIAGONAL_METHODS,
     default_device,
     largest_chain_shares,
@@ -239,7 +239,7 @@ def compute(ctx) -> None:
     prediction, the least dispersed diagonal variant at each K, the figure, the MNIST chapter's numbers at
     its K beside this chapter's (``ctx.read("mnist")``) and the numbers the prose quotes."""
     from .config import MNIST_VARIANTS
-    from .mnist_study import chapter_map, fisher_zero_mask, load_data, smp_seed
+    from .mnist_runs import chapter_map, fisher_zero_mask, load_data, smp_seed
 
     cfg = ctx.config
     device = default_device()

@@ -15,7 +15,7 @@ from smp_core.fisher import estimate_fisher, fisher_vectors, kronecker_layers
 from smp_core.models import as_chain_model, lenet5
 from smp_core.preconditioners import build_preconditioner
 
-from .mnist_study import (
+from .mnist_runs import (
     INPUT_SHAPE,
     _categorical,
     default_device,
@@ -602,7 +602,7 @@ def compute(ctx) -> None:
     draws kept as ``step_law_draws*.csv.gz``), the largest chains against the linearised network, the
     calibration figure and the numbers the prose quotes."""
     from . import plots
-    from .mnist_study import chapter_map, load_data, r_ratio, run_replicates, smp_seed, summarise
+    from .mnist_runs import chapter_map, load_data, r_ratio, run_replicates, smp_seed, summarise
     from .pipeline import study_config
 
     cfg = ctx.config

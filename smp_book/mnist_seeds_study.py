@@ -10,16 +10,9 @@ import pandas as pd
 import torch
 
 from .config import MNIST_VARIANTS
-from .mnist_study import DIAGONAL_METHODS, fit_map, run_replicates, smp_seed
+from .mnist_runs import DIAGONAL_METHODS, fit_map, map_seed, run_replicates, smp_seed
 from .pipeline import CACHE
 from .summaries import summarise_replicates, variance_components
-
-
-def map_seed(cfg: dict[str, Any], member: int) -> int:
-    """The seed of MAP number ``member`` of a set trained with the same settings: ``seed + 100 member``
-    (MAP 0 is the study's own; the MNIST baselines chapter's ensemble and the MAP-seeds chapter use
-    these, so they share the MAPs)."""
-    return cfg["seed"] + 100 * member
 
 
 def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
@@ -258,7 +251,8 @@ def compute(ctx) -> None:
     trimmed mutual information, with the figures and the numbers the prose quotes."""
     from smp_core import metrics
 
-    from .mnist_study import TRIM, claims, default_device, load_data, smp_path
+    from .mnist_claims import claims
+    from .mnist_runs import TRIM, default_device, load_data, smp_path
 
     cfg = ctx.config
     device = default_device()

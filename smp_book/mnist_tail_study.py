@@ -24,11 +24,11 @@ from smp_core.models import lenet5
 from smp_core.recursion import residual_variance_ratio
 from smp_core.tail import add_gaussian_tail, tail_variance
 
-from . import mnist_study as ms
+from . import mnist_runs as mr
 from .config import get_config
 from .paper import paper_table
 from .pipeline import CACHE, cached
-from .tail_study import CHECK_EVERY, RECURSION, TO_INFINITY, TOLERANCE, _tail_ratio, tail_seed
+from .tails import CHECK_EVERY, RECURSION, TO_INFINITY, TOLERANCE, _tail_ratio, tail_seed
 
 PAPER_ROW = "paper (K = 10^6)"
 
@@ -84,21 +84,21 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
     Returns ``rows`` (one per variant and sampler: scores, variances, seconds), ``ratios`` (with the
     chains they use and jackknife standard errors over those chains) and ``diverged``.
     """
-    device = device or ms.default_device()
+    device = device or mr.default_device()
     n_steps, check_from = cfg["n_steps"], tail_cfg["check_from"]
     if not 0 < check_from < n_steps or check_from % CHECK_EVERY:
         raise ValueError(f"check_from must be a multiple of {CHECK_EVERY} (a divergence check, so that the "
                          f"checks are the chapter run's) in (0, K = {n_steps}), got {check_from}")
     x_train, labels = data["train"][0].to(device), data["test"][1]
-    path, folder = ms.smp_path(device), cfg.get("study", "mnist")
+    path, folder = mr.smp_path(device), cfg.get("study", "mnist")
     names = sampler_names(tail_cfg, n_steps)
     check_cfg = {**cfg, "n_steps": check_from, "checkpoint_every": None}
     rows, ratios, diverged = [], [], {}
-    for index, variant in enumerate(ms.study_variants(cfg)):
-        key = ms.run_key(cfg, variant, 0, path)
+    for index, variant in enumerate(mr.study_variants(cfg)):
+        key = mr.run_key(cfg, variant, 0, path)
 
         def chapter_run(variant=variant, index=index):
-            return ms.run_variant(cfg, variant, theta_map, data, index, device, None, progress)
+            return mr.run_variant(cfg, variant, theta_map, data, index, device, None, progress)
 
         res = cached(folder, key, chapter_run, root=cache_root, enabled=use_cache)
         if res.precond_state is None:  # cached before SMPResult kept its state: the same run again, kept apart
@@ -106,14 +106,14 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
                           "smp_core.tail): running it again, cached under mnist_tail/", stacklevel=2)
             res = cached("mnist_tail", {**key, "part": f"{variant} with its state"}, chapter_run, root=cache_root,
                          enabled=use_cache)
-        short = cached("mnist_tail", {**ms.run_key(check_cfg, variant, 0, path), "part": f"{variant} check"},
-                       lambda variant=variant, index=index: ms.run_variant(
+        short = cached("mnist_tail", {**mr.run_key(check_cfg, variant, 0, path), "part": f"{variant} check"},
+                       lambda variant=variant, index=index: mr.run_variant(
                            check_cfg, variant, theta_map, data, index, device, None, progress),
                        root=cache_root, enabled=use_cache)
         samples, seconds = {RECURSION: res.theta}, {RECURSION: res.elapsed}
         for name, run, k_to in ((names[0], short, n_steps), (names[2], res, tail_cfg["tail_to"]),
                                 (names[3], res, None)):
-            seed = tail_seed(ms.smp_seed(cfg, index), f"{variant} to {k_to}", run.config["n_steps"])
+            seed = tail_seed(mr.smp_seed(cfg, index), f"{variant} to {k_to}", run.config["n_steps"])
             started = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # diverged chains are counted below
@@ -121,7 +121,7 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
                                                   n_scores=tail_cfg["tail_scores"], seed=seed)
             seconds[name] = run.elapsed + time.perf_counter() - started
         diverged[f"SMP-{variant}"] = res.n_diverged
-        logits = {name: ms.logits_on_test_set(torch.nan_to_num(samples[name]), data, device) for name in names}
+        logits = {name: mr.logits_on_test_set(torch.nan_to_num(samples[name]), data, device) for name in names}
         for name in names:
             rows.append({"method": f"SMP-{variant}", "sampler": name,
                          **_scores(samples[name].cpu(), logits[name], labels), "seconds": seconds[name]})
@@ -129,7 +129,7 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
         keep = (torch.isfinite(res.theta).all(1) & torch.isfinite(samples[names[0]]).all(1)
                 & torch.isfinite(short.theta).all(1)).cpu()
         start = short.theta.cpu()[keep]
-        start_logits = ms.logits_on_test_set(start, data, device)
+        start_logits = mr.logits_on_test_set(start, data, device)
         pairs = {"params": (samples[names[0]].cpu()[keep], res.theta.cpu()[keep], start),
                  "logits": (logits[names[0]][keep], logits[RECURSION][keep], start_logits)}
         row = {"method": f"SMP-{variant}", "tail_from": check_from, "chains": int(keep.sum())}
@@ -138,7 +138,7 @@ def mnist_tails(cfg: dict[str, Any], tail_cfg: dict[str, Any], theta_map: torch.
             row[f"{space}_se"] = ratio_jackknife_se(hybrid, recursion, begin)
         ratios.append(row)
     return {"rows": rows, "ratios": ratios, "diverged": diverged, "seeds": {
-        v: ms.smp_seed(cfg, i) for i, v in enumerate(ms.study_variants(cfg))}}
+        v: mr.smp_seed(cfg, i) for i, v in enumerate(mr.study_variants(cfg))}}
 
 
 def check_table(ratios: pd.DataFrame, tolerance: float = TOLERANCE) -> pd.DataFrame:
@@ -187,9 +187,9 @@ def compute(ctx) -> None:
     settings = dict(ctx.config)
     tail_cfg = settings.pop("tail")
     cfg = settings  # the MNIST chapter's settings, so that its runs are found in the cache
-    device = ms.default_device()
-    data, provenance = ms.load_data(cfg)
-    theta_map = ms.chapter_map(cfg, data, device, ctx.use_cache, progress=ctx.progress)["theta"]
+    device = mr.default_device()
+    data, provenance = mr.load_data(cfg)
+    theta_map = mr.chapter_map(cfg, data, device, ctx.use_cache, progress=ctx.progress)["theta"]
     result = mnist_tails(cfg, tail_cfg, theta_map, data, device, ctx.use_cache, progress=ctx.progress)
     names = sampler_names(tail_cfg, cfg["n_steps"])
     scores = ctx.table("scores", pd.DataFrame(result["rows"]).set_index(["method", "sampler"]))

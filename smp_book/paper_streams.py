@@ -27,7 +27,7 @@ import torch
 
 from smp_core.recursion import Fisher, run_smp
 
-from . import mnist_study
+from . import mnist_runs
 from .config import MNIST_VARIANTS
 from .machine import environment, git_revision
 from .pipeline import RESULTS, stale_reason, study_config
@@ -57,13 +57,13 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
         return out
     load_start, started = os.getloadavg(), time.perf_counter()
     map_seed, seed = manifest["seeds"]["map"], manifest["seeds"]["smp"]["replicate_0"][variant]
-    data, _ = mnist_study.load_data(cfg)
+    data, _ = mnist_runs.load_data(cfg)
     # Adam's float32 reductions round by the number of threads: the MAP is refitted with the committed run's
     # (cached apart for each count), then the chains run with the caller's.
     threads, map_threads = torch.get_num_threads(), manifest["environment"]["torch_threads"]
     torch.set_num_threads(map_threads)
     try:
-        fit = mnist_study.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
+        fit = mnist_runs.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
                                   cache_root=str(work / f"map-threads-{map_threads}"))
     finally:
         torch.set_num_threads(threads)
@@ -78,15 +78,15 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
     fisher = Fisher("empirical", xv[:n_fisher], yv[:n_fisher])  # n_fisher None: all of them
     work.mkdir(parents=True, exist_ok=True)
     first = cfg["n_chains"] * stream
-    res = run_smp(mnist_study.lenet5(), "categorical", data["train"][0], theta0=theta_map,
-                  preconditioner=mnist_study.variant_preconditioner(cfg, variant),
-                  tau=mnist_study.variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+    res = run_smp(mnist_runs.lenet5(), "categorical", data["train"][0], theta0=theta_map,
+                  preconditioner=mnist_runs.variant_preconditioner(cfg, variant),
+                  tau=mnist_runs.variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
                   seed=seed, fisher=fisher, progress=progress,
                   options={"first_chain": first, "checkpoint": work / f"{variant}-stream{stream}.checkpoint.pt",
                            "checkpoint_every": cfg["checkpoint_every"]})
     name = f"SMP-{variant}"
-    evals = {name: mnist_study.evaluate(res.theta[~res.diverged], data, device=torch.device("cpu"))}
-    tables = mnist_study.tables(evals, {name: res.elapsed})
+    evals = {name: mnist_runs.evaluate(res.theta[~res.diverged], data, device=torch.device("cpu"))}
+    tables = mnist_runs.tables(evals, {name: res.elapsed})
     out.mkdir(parents=True, exist_ok=True)
     for table_name, df in tables.items():
         df.to_csv(out / f"{table_name}.csv")

@@ -47,15 +47,15 @@ STUDIES = {name: f"smp_book.{module}" for name, module in [
 # The smp_book modules whose code each module's numbers rest on: its own imports, but for the pipeline,
 # the settings (they reach the numbers through the keys) and what only draws or shows (plots, paper, show).
 DEPENDS: dict[str, tuple[str, ...]] = {
-    "toy_study": ("nuts", "summaries", "toy"), "baseline_study": ("baselines", "nuts", "summaries", "toy", "toy_study"),
-    "toy_kfac_study": ("toy_study",), "tail_study": ("nuts", "toy", "toy_study"),
-    "toy_gaps_study": ("nuts", "toy", "toy_study"), "mnist_study": ("mnist", "summaries"),
-    "mnist_seeds_study": ("mnist_study", "summaries"), "mnist_growth_study": ("mnist_study",),
-    "mnist_kfac_study": ("mnist_study", "step_law"), "mnist_tail_study": ("mnist_study", "tail_study"),
-    "mnist_baseline_study": ("baseline_study", "baselines", "mnist_seeds_study", "mnist_study"),
-    "last_layer_study": ("last_layer_runs", "mnist_baseline_study", "mnist_study"),
-    "regression_study": ("baselines", "nuts"), "summary_study": ("mnist_claims", "regression_study", "toy_study"),
-    "mnist_claims": ("mnist_study",),
+    "toy": ("nuts", "summaries"), "toy_study": ("nuts", "toy"),
+    "baseline_study": ("baselines", "nuts", "summaries", "toy"), "toy_kfac_study": ("toy",),
+    "tail_study": ("nuts", "tails", "toy"), "toy_gaps_study": ("nuts", "toy"),
+    "mnist_runs": ("mnist", "summaries"), "mnist_study": ("mnist_claims", "mnist_runs"),
+    "mnist_seeds_study": ("mnist_claims", "mnist_runs", "summaries"), "mnist_growth_study": ("mnist_runs",),
+    "mnist_kfac_study": ("mnist_runs", "step_law"), "mnist_tail_study": ("mnist_runs", "tails"),
+    "shifted": ("summaries",), "mnist_baseline_study": ("baselines", "mnist_runs", "shifted", "summaries"),
+    "last_layer_study": ("last_layer_runs", "mnist_runs", "shifted"),
+    "regression_study": ("baselines", "nuts", "summaries"), "summary_study": ("mnist_claims", "summaries"),
 }
 
 

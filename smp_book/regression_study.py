@@ -41,6 +41,8 @@ from smp_core.preconditioners import ROUNDED_STATISTIC_WARNING, parse_preconditi
 from smp_core.recursion import DivergenceError, Fisher, run_smp
 
 from .baselines import fit_laplace, linearised_logits
+from .config import DESIGNS
+from .summaries import empirical_counterpart
 
 __all__ = [
     "REGIONS",
@@ -70,7 +72,6 @@ __all__ = [
 
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
-DESIGNS = ("empirical", "uniform", "smoothed")
 POOL_SEED_OFFSET = 50  # a data set's design pools from seed + 1000 index + 50 + DESIGNS.index(design)
 
 
@@ -153,15 +154,6 @@ def design_label(preconditioner: str, ridge: float, default_ridge: float, design
         raise ValueError(f"fisher_from must be 'data' or 'design', got {fisher_from!r}")
     label = f"{method_label(preconditioner, ridge, default_ridge)}, {design} design"
     return label + (", P from the design" if fisher_from == "design" and preconditioner != "none" else "")
-
-
-def empirical_counterpart(label: str) -> str:
-    """The label of the same SMP setting with the empirical design: :func:`design_label`'s design part removed
-    (``"SMP fixed-dense, ridge 1, uniform design, P from the design"`` -> ``"SMP fixed-dense, ridge 1"``); a label
-    without one is returned as it is."""
-    for design in DESIGNS:
-        label = label.split(f", {design} design")[0]
-    return label
 
 
 def regression_mlp(hidden: int) -> nn.Sequential:

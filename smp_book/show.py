@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from .results import ROOT, Results
@@ -13,7 +14,6 @@ from .results import ROOT, Results
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one
     replicate), and "-" where a method has no value."""
-    from .toy_study import beside_paper
 
     return beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
 
@@ -23,7 +23,6 @@ def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.
     """The paper's table beside ours at several scales, per column: ``(column, "paper")`` then
     ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (``std`` None or NaN: no spread shown),
     rows and columns those of the first scale's mean. A cell without a value shows "-"."""
-    from .toy_study import beside_paper
 
     if not scaled:
         raise ValueError("scaled: give at least one scale's (mean, std)")
@@ -234,3 +233,18 @@ def settings_table(config: dict) -> pd.DataFrame:
     rows.update({f"tau of SMP-{variant}": tau for variant, tau in config.get("tau", {}).items()
                  if variant in config.get("variants", config.get("tau", {}))})
     return pd.Series(rows, name="value", dtype=object).to_frame().rename_axis("setting")
+
+
+def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | None = None,
+                 digits: int = 4) -> pd.DataFrame:
+    """One table with, per column, the paper's number and ours (mean ± sd over replicates if given;
+    a NaN sd, as with one replicate, shows no spread)."""
+    cols = {}
+    for c in ours.columns:
+        if c in paper.columns:
+            cols[(c, "paper")] = paper[c].reindex(ours.index).map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
+        mine = ours[c].map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
+        if std is not None:  # no spread to show where it is NaN (one replicate, or a row without values)
+            mine = mine + std[c].reindex(ours.index).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
+        cols[(c, "ours")] = mine
+    return pd.DataFrame(cols, index=ours.index)

@@ -24,7 +24,7 @@ def config(scale: str) -> dict[str, str]:
 
 def _table_figure(ctx, source, prefix: str, name: str, digits: int) -> None:
     from . import plots
-    from .toy_study import beside_paper
+    from .show import beside_paper
 
     mean, std = source.table(f"{name}_mean"), source.table(f"{name}_std")
     paper = paper_table(f"{prefix}_{name}")
@@ -183,7 +183,7 @@ def tail_table(mnist_tail, paper=None) -> pd.DataFrame | None:
 def regression_tables(ctx, regression) -> None:
     """Per SMP setting of the regression chapter, the tau matched to NUTS's spread in range and the spread
     there (beside the linearised Laplace approximation's); and the wider design's gap shares."""
-    from .regression_study import empirical_counterpart
+    from .summaries import empirical_counterpart
 
     if not (regression.has("tau_matched_in_range") and regression.has("scores_median")):
         return

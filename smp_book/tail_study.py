@@ -21,7 +21,6 @@ logit space.
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 import time
 import warnings
@@ -38,20 +37,10 @@ from smp_core.recursion import run_smp
 from smp_core.tail import add_gaussian_tail
 
 from .config import TOY_VARIANTS
-from .toy import make_toy_data
-from .toy_study import one_class_brier, replicate_seeds, toy_preconditioner
+from .tails import CHECK_EVERY, RECURSION, TO_INFINITY, TOLERANCE, _tail_ratio, tail_seed
+from .toy import make_toy_data, one_class_brier, replicate_seeds, toy_preconditioner
 
-CHECK_EVERY = 50  # run_smp's default check_every: a stop elsewhere would move the divergence checks
-RECURSION, TO_INFINITY = "recursion", "recursion + tail to inf"
-TOLERANCE = 1.25  # the agreement criterion of :func:`agreement` (ours, set before the runs)
 SCORE_COLUMNS = ["accuracy", "brier", "nll", "ece", "mutual_info", "logits_variance", "params_variance", "seconds"]
-
-
-def tail_seed(smp_seed: int, variant: str, k_from: int) -> int:
-    """The seed of one tail draw: a hash of the replicate's SMP seed, the variant and ``K0``, so that no
-    two tails share random numbers (nor any other seed of the toy study, which are small integers)."""
-    digest = hashlib.sha256(f"{smp_seed}/tail/{variant}/{k_from}".encode()).hexdigest()
-    return int(digest[:15], 16)
 
 
 def hybrid_name(k_from: int) -> str:
@@ -78,11 +67,6 @@ def _scores(theta: torch.Tensor, logits: torch.Tensor, y_test: torch.Tensor, n_b
     scores["logits_variance"] = metrics.logits_variance(logits[alive])
     scores["params_variance"] = metrics.params_variance(theta[alive])
     return scores
-
-
-def _tail_ratio(hybrid: torch.Tensor, recursion: torch.Tensor, start: torch.Tensor) -> float:
-    """``sum Var(hybrid - start) / sum Var(recursion - start)`` over the columns (chains in rows)."""
-    return float((hybrid - start).var(0).sum() / (recursion - start).var(0).sum())
 
 
 def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = False) -> dict[str, Any]:

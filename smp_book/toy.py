@@ -19,8 +19,22 @@ from different seeds (the notebooks use ``seed=0`` for training and ``seed=1`` f
 
 from __future__ import annotations
 
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
+import pandas as pd
 import torch
+
+from smp_core import metrics
+from smp_core.models import as_chain_model, predict, toy_mlp
+from smp_core.preconditioners import preconditioner_from_name
+from smp_core.recursion import residual_variance_ratio, run_smp
+
+from .config import TOY_VARIANTS
+from .summaries import summarise_replicates
 
 __all__ = ["p_true", "make_toy_data", "make_grid"]
 
@@ -66,3 +80,211 @@ def make_grid(n_per_axis: int = 101) -> tuple[torch.Tensor, torch.Tensor, torch.
     yy, xx = torch.meshgrid(axis, axis, indexing="ij")
     points = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
     return xx, yy, points
+
+
+SCORE_COLUMNS = list(metrics.SCORE_KEYS)
+
+
+VARIANCE_COLUMNS = ["params_variance", "logits_variance"]
+
+
+def method_names(variants=TOY_VARIANTS) -> list[str]:
+    """Row names exactly as the paper's tables: NUTS, NUTS-mean, SMP-none, SMP-fixed-diag, ..."""
+    return ["NUTS", "NUTS-mean"] + [f"SMP-{v}" for v in variants]
+
+
+def replicate_seeds(base_seed: int, replicate: int) -> dict[str, int]:
+    """The seeds of one replicate: training data, test data, NUTS, and SMP (variant i adds i)."""
+    s = base_seed + 1000 * replicate
+    return {"train": s, "test": s + 1, "nuts": s + 2, "smp": s + 10}
+
+
+@dataclass
+class Evaluation:
+    """Predictive summaries of one method: scores, variances, calibration and grid surfaces."""
+
+    scores: dict[str, float]
+    variances: dict[str, float]
+    curve: metrics.CalibrationCurve
+    surfaces: dict[str, np.ndarray]
+
+
+def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bins: int = 10,
+             logits_of=None) -> Evaluation:
+    """Metrics of Appendix A for parameter samples ``theta`` ``(S, 20)`` (S = 1 for a point estimate).
+
+    ``logits_of(points)`` ``-> (S, n)``, when given, replaces the network's logits at the samples
+    (e.g. the linearised network of :func:`smp_book.baselines.linearised_logits`); the parameter
+    variance is still that of ``theta``.
+    """
+    model = as_chain_model(toy_mlp())
+    theta = theta.to(torch.float32)
+    if logits_of is None:
+        def logits_of(points):
+            return predict(model, theta, points)[..., 0]
+    logits = logits_of(x_test)  # (S, n)
+    probs = metrics.binary_probs(torch.sigmoid(logits.double()))
+    labels = y_test.long()
+    scores = metrics.all_scores(probs, labels, n_bins=n_bins)
+    variances = {"params_variance": metrics.params_variance(theta), "logits_variance": metrics.logits_variance(logits)}
+    curve = metrics.calibration_curve(probs, labels, n_bins=n_bins)
+    grid_probs = metrics.binary_probs(torch.sigmoid(logits_of(grid_points).double()))
+    surfaces = {
+        "prob": metrics.predictive(grid_probs)[:, 1].numpy().reshape(grid_shape).astype(np.float32),
+        "mi": metrics.mutual_information(grid_probs, per_point=True).numpy().reshape(grid_shape).astype(np.float32),
+        "exp_entropy": metrics.expected_entropy(grid_probs, per_point=True).numpy().reshape(grid_shape).astype(
+            np.float32),
+    }
+    return Evaluation(scores, variances, curve, surfaces)
+
+
+def variant_seed(seeds: dict[str, int], variant: str, position: int, seed_offset: int = 0) -> int:
+    """The chain seed of an SMP variant run at ``position`` of a list: ``seeds["smp"] + seed_offset + i``,
+    with ``i`` the variant's place in the paper's ``TOY_VARIANTS`` when it is one of them, so that a
+    paper variant draws the toy chapter's chains whatever list it is run in."""
+    index = TOY_VARIANTS.index(variant) if variant in TOY_VARIANTS else position
+    return seeds["smp"] + seed_offset + index
+
+
+def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, variant: str, seed: int,
+                progress: bool = True):
+    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and its ``tau``
+    (``cfg["tau"]``; the paper's for its structure unless a chapter's parameters change it)."""
+    return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=toy_preconditioner(cfg, variant),
+                   tau=cfg["tau"][variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed,
+                   progress=progress)
+
+
+def toy_preconditioner(cfg: dict[str, Any], variant: str):
+    """The preconditioner of a toy variant with the chapter's settings (ridge, beta, T, the EMA's start)."""
+    return preconditioner_from_name(variant, ridge=cfg["ridge"], beta=cfg["beta"], period=cfg["period"],
+                                    ema_init=cfg["ema_init"])
+
+
+def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
+                  seed_offset: int = 0) -> dict[str, Any]:
+    """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
+
+    Each variant runs with the seed of :func:`variant_seed` (a paper variant draws the toy chapter's
+    chains whatever list it is run in): a study of other variants on the same replicates (the same
+    data and NUTS) passes ``seed_offset = len(TOY_VARIANTS)`` so that its chains draw other random
+    numbers than the paper's variants.
+
+    SMP starts from NUTS-mean, as in the paper, even where :func:`smp_book.nuts.check_nuts_mean`
+    finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
+    the replicate is kept, not replaced by a luckier seed, with a warning, and its check's metrics
+    are in ``nuts_mean_check`` (:func:`smp_book.nuts.nuts_mean_passes` judges them). One NUTS chain
+    of 2,000 iterations is chaotic in rounding, so which replicate crosses can differ between
+    processors (JAX compiles for the host's CPU).
+    """
+    from .nuts import check_nuts_mean, nuts_mean_passes, run_nuts
+
+    ours = [v for v in variants if v not in TOY_VARIANTS]
+    if seed_offset == 0 and ours and len(ours) < len(variants):
+        raise ValueError(f"variants {ours} would share seeds with the paper's variants in {list(variants)}: run them "
+                         "apart with a seed_offset (see toy_kfac)")
+    seeds = replicate_seeds(cfg["seed"], replicate)
+    x, y = make_toy_data(cfg["n_train"], seeds["train"])
+    x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])
+    gx, gy, grid = make_grid(cfg["grid_per_axis"])
+    shape = tuple(gx.shape)
+
+    nuts = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
+                    num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
+                    x_eval=x_test.numpy())
+    sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy(), raise_error=False)
+    if not nuts_mean_passes(sanity):
+        warnings.warn(f"toy replicate {replicate}: NUTS-mean predicts much worse than the NUTS ensemble ({sanity}); "
+                      "the chain probably crossed between modes. SMP still starts from NUTS-mean, as in the paper; "
+                      "the replicate is kept and flagged in its nuts_mean_check", stacklevel=2)
+    nuts_samples = torch.as_tensor(nuts.samples, dtype=torch.float32)
+    theta_hat = nuts_samples.mean(0)
+
+    evals: dict[str, Evaluation] = {}
+    elapsed: dict[str, float] = {"NUTS": nuts.diagnostics.wall_time_s, "NUTS-mean": 0.0}
+    diverged: dict[str, int] = {}
+    evals["NUTS"] = evaluate(nuts_samples, x_test, y_test, grid, shape, cfg["n_bins"])
+    evals["NUTS-mean"] = evaluate(theta_hat[None], x_test, y_test, grid, shape, cfg["n_bins"])
+    for i, variant in enumerate(variants):
+        res = run_variant(cfg, x, theta_hat, variant, variant_seed(seeds, variant, i, seed_offset), progress)
+        name = f"SMP-{variant}"
+        elapsed[name] = res.elapsed
+        diverged[name] = res.n_diverged
+        evals[name] = evaluate(res.theta[~res.diverged], x_test, y_test, grid, shape, cfg["n_bins"])
+    return {
+        "replicate": replicate, "seeds": seeds, "evals": evals, "elapsed": elapsed, "diverged": diverged,
+        "nuts_diagnostics": nuts.diagnostics.summary(), "nuts_mean_check": sanity,
+        "train": (x.numpy(), y.numpy()), "grid": (gx.numpy(), gy.numpy()), "theta_hat": theta_hat.numpy(),
+        "nuts_init": nuts.init,
+        "r_ratio": residual_variance_ratio(cfg["n_train"], cfg["n_steps"]),
+        "threads": torch.get_num_threads(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+def one_class_brier(two_class_brier: pd.Series) -> pd.Series:
+    """The paper's Brier score of the binary toy problem: ``mean (p - y)^2``, half the two-class sum.
+
+    Appendix A sums ``(f(j | x) - 1{y = j})^2`` over both classes, which for two classes is
+    ``2 (p - y)^2``. The paper's toy table cannot be that sum: in expectation it is at least twice
+    the Bayes risk ``E[p_true (1 - p_true)] = 0.039`` here, i.e. 0.078, while the paper reports 0.050
+    for NUTS. Its numbers match the one-class score ``(p - y)^2``, so the toy tables use that.
+    """
+    return two_class_brier / 2
+
+
+def tables(run: dict[str, Any]) -> dict[str, pd.DataFrame]:
+    """The three tables of one replicate, rows and columns named as the paper's."""
+    names = list(run["evals"])
+    scores = pd.DataFrame([run["evals"][n].scores for n in names], index=names)[SCORE_COLUMNS]
+    scores["brier"] = one_class_brier(scores["brier"])
+    variances = pd.DataFrame([run["evals"][n].variances for n in names], index=names)[VARIANCE_COLUMNS]
+    elapsed = pd.DataFrame({"seconds": [run["elapsed"][n] for n in names]}, index=names)
+    for df in (scores, variances, elapsed):
+        df.index.name = "method"
+    return {"scores": scores, "variances": variances, "elapsed": elapsed}
+
+
+def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
+    """Mean and standard deviation over replicates of every cell of every table."""
+    return summarise_replicates([tables(r) for r in runs])
+
+
+def structure_comparison(mean: pd.DataFrame, var_mean: pd.DataFrame, elapsed: pd.DataFrame,
+                         structures=("block", "dense", "kfac")) -> pd.DataFrame:
+    """Per temporal strategy and structure, the numbers that tell the structures apart (replicate means):
+    accuracy, NLL, ECE, mutual information and logit variance as multiples of NUTS's, and seconds.
+
+    ``mean``, ``var_mean`` and ``elapsed`` hold rows ``NUTS`` and ``SMP-<strategy>-<structure>``
+    (rows of several studies on the same replicates may be concatenated).
+    """
+    from smp_core.preconditioners import STRATEGIES
+
+    nuts_mi, nuts_lv = mean.loc["NUTS", "mutual_info"], var_mean.loc["NUTS", "logits_variance"]
+    rows = []
+    for strategy in STRATEGIES:
+        for structure in structures:
+            name = f"SMP-{strategy}-{structure}"
+            if name not in mean.index:
+                continue
+            rows.append({"strategy": strategy, "structure": structure, "accuracy": mean.loc[name, "accuracy"],
+                         "nll": mean.loc[name, "nll"], "ece": mean.loc[name, "ece"],
+                         "mi_over_nuts": mean.loc[name, "mutual_info"] / nuts_mi,
+                         "logits_variance_over_nuts": var_mean.loc[name, "logits_variance"] / nuts_lv,
+                         "seconds": elapsed.loc[name, "seconds"]})
+    return pd.DataFrame(rows).set_index(["strategy", "structure"])
+
+
+def structure_findings(comparison: pd.DataFrame) -> pd.DataFrame:
+    """Per temporal strategy: the structure whose mutual information is closest to NUTS's (smallest
+    ``|log(MI / MI_NUTS)|``), the one with the lowest NLL, and where KFAC ranks on each (1 = best)."""
+    rows = []
+    for strategy, group in comparison.groupby(level="strategy", sort=False):
+        group = group.droplevel("strategy")
+        distance = np.log(group["mi_over_nuts"]).abs()
+        rows.append({"strategy": strategy, "closest to NUTS by MI": distance.idxmin(),
+                     "kfac rank by MI distance": int(distance.rank(method="min")["kfac"]) if "kfac" in group.index
+                     else None,
+                     "lowest NLL": group["nll"].idxmin(),
+                     "kfac rank by NLL": int(group["nll"].rank(method="min")["kfac"]) if "kfac" in group.index
+                     else None})
+    return pd.DataFrame(rows).set_index("strategy")

@@ -24,7 +24,7 @@ from smp_core.models import toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import Fisher, run_smp
 
-from . import toy_study as ts
+from . import toy
 from .config import TOY
 from .toy import make_grid, make_toy_data, p_true
 
@@ -70,13 +70,13 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
     the NUTS settings; SMP-none where the setting applies to it; SMP-fixed-dense), one dict per row."""
     from .nuts import find_map, run_nuts
 
-    seeds = ts.replicate_seeds(cfg["seed"], replicate)
+    seeds = toy.replicate_seeds(cfg["seed"], replicate)
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
     x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])
     gx, _, grid = make_grid(3)  # the surfaces are not used here
 
     def metrics_of(theta: torch.Tensor) -> dict[str, float]:
-        ev = ts.evaluate(theta, x_test, y_test, grid, tuple(gx.shape), cfg["n_bins"])
+        ev = toy.evaluate(theta, x_test, y_test, grid, tuple(gx.shape), cfg["n_bins"])
         scores = {**ev.scores, **ev.variances}
         return {m: scores[m] for m in METRICS}
 
@@ -117,7 +117,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
                                                                   beta=cfg["beta"], period=cfg["period"],
                                                                   ema_init=cfg["ema_init"]),
                           tau=cfg["tau"][variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
-                          seed=ts.variant_seed(seeds, variant, 0), fisher=fisher, progress=progress)
+                          seed=toy.variant_seed(seeds, variant, 0), fisher=fisher, progress=progress)
             kept = res.theta[~res.diverged]
             row = metrics_of(kept) if len(kept) else dict.fromkeys(METRICS, np.nan)
             rows.append({"setting": name, "method": f"SMP-{variant}", "diverged": int(res.n_diverged), **row})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from . import toy_study as ts
+from . import toy
 from .config import TOY_TAU, TOY_VARIANTS
 
 SEED_OFFSET = len(TOY_VARIANTS)  # the KFAC chains' seeds follow the paper's ten variants'
@@ -45,12 +45,12 @@ def compute(ctx) -> None:
 
     cfg = ctx.config
     sizes = ctx.table("stored_numbers", stored_numbers())
-    runs = [cached("toy_kfac", {**cfg, "replicate": r, "code": code_hash("smp_book.toy_study"),
+    runs = [cached("toy_kfac", {**cfg, "replicate": r, "code": code_hash(__name__),
                                 "seed_offset": SEED_OFFSET, "kfac_ema": KFAC_EMA},
-                   lambda r=r: ts.run_replicate(cfg, r, variants=cfg["variants"], progress=ctx.progress,
+                   lambda r=r: toy.run_replicate(cfg, r, variants=cfg["variants"], progress=ctx.progress,
                                                 seed_offset=SEED_OFFSET), enabled=ctx.use_cache)
             for r in range(cfg["replicates"])]
-    summary = ts.summarise(runs)
+    summary = toy.summarise(runs)
     for key in ("scores", "variances", "elapsed"):
         for part in ("mean", "std", "replicates"):
             ctx.table(f"{key}_{part}", summary[f"{key}_{part}"])
@@ -59,14 +59,14 @@ def compute(ctx) -> None:
     ctx.table("diverged", diverged)
 
     # block and dense from the toy chapter, on the same replicates (the same data and NUTS)
-    toy = ctx.read("toy")
-    toy_tables = {key: toy.table(f"{key}_mean") for key in ("scores", "variances", "elapsed")}
+    toy_res = ctx.read("toy")
+    toy_tables = {key: toy_res.table(f"{key}_mean") for key in ("scores", "variances", "elapsed")}
     nuts_gap = (toy_tables["scores"].loc["NUTS"] - summary["scores_mean"].loc["NUTS"]).abs().max()
     toy_rows = {key: df[~df.index.isin(summary[f"{key}_mean"].index)] for key, df in toy_tables.items()}
-    comparison = ts.structure_comparison(*(pd.concat([summary[f"{key}_mean"], toy_rows[key]])
+    comparison = toy.structure_comparison(*(pd.concat([summary[f"{key}_mean"], toy_rows[key]])
                                            for key in ("scores", "variances", "elapsed")))
     ctx.table("comparison", comparison)
-    found = ctx.table("findings", ts.structure_findings(comparison))
+    found = ctx.table("findings", toy.structure_findings(comparison))
 
     first = runs[0]
     gx, gy = first["grid"]

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from smp_book import baseline_study as bs
+from smp_book import toy
 from smp_book import toy_study as ts
 from smp_book.config import get_config
 
 
 def _evaluation(prob, mi):
-    return ts.Evaluation(scores={}, variances={}, curve=None,  # agreement reads the surfaces only
+    return toy.Evaluation(scores={}, variances={}, curve=None,  # agreement reads the surfaces only
                          surfaces={"prob": np.asarray(prob, np.float32), "mi": np.asarray(mi, np.float32),
                                    "exp_entropy": np.zeros(len(prob), np.float32)})
 
@@ -90,8 +91,8 @@ def test_laplace_rows_and_seeds():
     assert bs.laplace_rows(["diag", "dense"]) == {"Laplace-diag": ("diag", "glm"), "Laplace-dense": ("dense", "glm"),
                                                   "Laplace-dense-nn": ("dense", "nn")}
     assert "Laplace-dense-nn" not in bs.laplace_rows(["kfac"])
-    toy, ours = ts.replicate_seeds(2026, 1), bs.baseline_seeds(2026, 1)
-    assert set(toy.values()).isdisjoint(ours.values())
+    theirs, ours = toy.replicate_seeds(2026, 1), bs.baseline_seeds(2026, 1)
+    assert set(theirs.values()).isdisjoint(ours.values())
 
 
 @pytest.fixture(scope="module")

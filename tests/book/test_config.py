@@ -1,5 +1,6 @@
 import pytest
 
+from smp_book import mnist_runs as mr
 from smp_book.config import MNIST_TAU, SCALES, TOY_VARIANTS, get_config, toy_tau
 
 
@@ -66,10 +67,9 @@ def test_baselines_study_shares_the_toy_settings_and_seeds():
 
 
 def test_growth_study_shares_the_mnist_settings_but_s_and_k():
-    from smp_book import mnist_study as ms
     for scale in SCALES:
         mnist, growth = get_config("mnist", scale), get_config("mnist_growth", scale)
-        assert ms.map_key(growth) == ms.map_key(mnist)  # the same MAP, from the same cache
+        assert mr.map_key(growth) == mr.map_key(mnist)  # the same MAP, from the same cache
         assert "n_steps" not in growth and "smp_replicates" not in growth
         same = set(mnist) - {"n_steps", "smp_replicates", "n_chains", "study"}
         assert {k: growth[k] for k in same} == {k: mnist[k] for k in same}
@@ -85,13 +85,13 @@ def test_mnist_kfac_study_changes_only_the_structure():
 
     for scale in SCALES:
         mnist, kfac = get_config("mnist", scale), get_config("mnist_kfac", scale)
-        assert ms.map_key(kfac) == ms.map_key(mnist)  # the same MAP, from the same cache
+        assert mr.map_key(kfac) == mr.map_key(mnist)  # the same MAP, from the same cache
         same = set(mnist) - {"study", "smp_replicates", "variants", "tau"}
         assert {k: kfac[k] for k in same} == {k: mnist[k] for k in same}
         assert {v: kfac["tau"][v] for v in mnist["tau"]} == mnist["tau"]  # the step law's none and diagonal
         assert ms.study_variants(kfac) == MNIST_KFAC_VARIANTS and ms.study_variants(mnist) == MNIST_VARIANTS
         # tau of each KFAC variant is the paper's for the diagonal variant with the same strategy
-        assert {v: ms.variant_tau(kfac, v) for v in MNIST_KFAC_VARIANTS} == {
+        assert {v: mr.variant_tau(kfac, v) for v in MNIST_KFAC_VARIANTS} == {
             v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}
         # seeds follow the MNIST study's four variants: no run shares a seed with one of its runs
         mnist_seeds = {ms.smp_seed(mnist, i, r) for r in range(3) for i in range(len(MNIST_VARIANTS))}

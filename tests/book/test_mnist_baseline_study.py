@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from smp_book import baselines
+from smp_book import baselines, shifted
 from smp_book import mnist_baseline_study as mbs
-from smp_book import mnist_study as ms
+from smp_book import mnist_runs as mr
 from smp_book.config import SCALES, get_config
 from smp_core import metrics
 from smp_core.models import lenet5
@@ -24,8 +24,8 @@ def test_the_map_and_smp_runs_share_the_mnist_chapters_cache_keys(scale):
     mnist = get_config("mnist", scale)
     assert mbs.mnist_settings(cfg) == mnist
     path = "a path"
-    assert ms.run_key(mbs.mnist_settings(cfg), "none", 0, path) == ms.run_key(mnist, "none", 0, path)
-    assert ms.map_key(mbs.mnist_settings(cfg)) == ms.map_key(mnist)
+    assert mr.run_key(mbs.mnist_settings(cfg), "none", 0, path) == mr.run_key(mnist, "none", 0, path)
+    assert mr.map_key(mbs.mnist_settings(cfg)) == mr.map_key(mnist)
 
 
 def test_weight_decay_is_the_prior_precision_of_the_summed_objective():
@@ -64,16 +64,16 @@ def test_adams_weight_decay_is_the_gradient_of_the_l2_term():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     import inspect
 
-    assert "torch.optim.Adam(" in inspect.getsource(ms.train_map)  # the optimiser this is about
-    assert "weight_decay=cfg[\"map_weight_decay\"]" in inspect.getsource(ms.train_map)
+    assert "torch.optim.Adam(" in inspect.getsource(mr.train_map)  # the optimiser this is about
+    assert "weight_decay=cfg[\"map_weight_decay\"]" in inspect.getsource(mr.train_map)
 
 
 def test_rotate():
     x = torch.rand(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(mbs.rotate(x, 0), x)
+    torch.testing.assert_close(shifted.rotate(x, 0), x)
     # a quarter turn anticlockwise moves pixels exactly (up to the interpolation's rounding)
-    torch.testing.assert_close(mbs.rotate(x, 90), torch.rot90(x, 1, dims=(-2, -1)), rtol=0, atol=1e-5)
-    half = mbs.rotate(x, 45)
+    torch.testing.assert_close(shifted.rotate(x, 90), torch.rot90(x, 1, dims=(-2, -1)), rtol=0, atol=1e-5)
+    half = shifted.rotate(x, 45)
     assert half.shape == x.shape and not torch.allclose(half, x)
     assert float(half[..., 0, 0].abs().max()) == 0.0  # a corner comes from outside the image: filled with 0
 
@@ -84,7 +84,7 @@ def test_evaluate_per_image_scores_average_to_the_papers_metrics():
     y = torch.randint(0, 10, (40,), generator=g)
     logits = 2 * torch.randn(5, 40, 10, generator=g)
     sets = {0: (x, y), 30: (x[:10], y[:10])}
-    out = mbs.evaluate(lambda xs: logits[:, : xs.shape[0]], sets, three=7)
+    out = shifted.evaluate(lambda xs: logits[:, : xs.shape[0]], sets, three=7)
     probs = torch.softmax(logits.double(), -1)
     assert out["scores"] == metrics.all_scores(probs, y)
     for angle, n in ((0, 40), (30, 10)):
@@ -124,7 +124,7 @@ def test_findings_lead_is_paired_over_images():
 def test_method_names():
     cfg = get_config("mnist_baselines", "laptop")
     names = mbs.method_names(cfg)
-    assert names[:5] == ms.method_names()
+    assert names[:5] == mr.method_names()
     assert "Laplace-kfac (evidence)" in names and "Laplace-diag-nn (wd)" in names and names[-1] == "Ensemble (5)"
     assert names[-2] == mbs.DROPOUT and mbs.DROPOUT not in mbs.method_names({**cfg, "dropout_rates": []})
     assert len(set(names)) == len(names)
@@ -133,7 +133,7 @@ def test_method_names():
     for rate in cfg["dropout_rates"]:
         settings = mbs.dropout_settings(cfg, rate)
         assert settings["seed"] == cfg["seed"] and settings["map_dropout"] == rate
-        assert ms.map_key(settings) != ms.map_key(mbs.mnist_settings(cfg))
+        assert mr.map_key(settings) != mr.map_key(mbs.mnist_settings(cfg))
 
 
 def _tiny_mnist(seed=0):
@@ -151,7 +151,7 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     data = _tiny_mnist()
     kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     study = mbs.run_study(cfg, data, **kw)
-    tables = mbs.tables(study)
+    tables = shifted.tables(study)
     # every MAP (the ensemble's too) and SMP run went to the cache under tmp_path, none elsewhere
     assert len(list((tmp_path / "mnist").glob("*.pt"))) == cfg["ensemble_members"] + 4 + len(cfg["dropout_rates"])
     drop = tables["dropout"]
@@ -161,9 +161,9 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert tables["scores"].loc[mbs.DROPOUT, "logits_variance"] > 0  # the masks vary the logits
     # the MC dropout row is the selected rate's network, predicting under the test masks' seed
     rate = float(drop.index[drop["selected"]][0])
-    theta = ms.fit_map(mbs.dropout_settings(cfg, rate), data, **kw)["theta"]
-    sets = mbs.test_sets(cfg, data)
-    redo = mbs.evaluate(lambda x: baselines.mc_dropout_logits(
+    theta = mr.fit_map(mbs.dropout_settings(cfg, rate), data, **kw)["theta"]
+    sets = shifted.test_sets(cfg, data)
+    redo = shifted.evaluate(lambda x: baselines.mc_dropout_logits(
         lenet5(rate), theta, x, cfg["n_chains"], torch.Generator().manual_seed(mbs.dropout_seed(cfg, "test"))),
         sets, study["three"])
     assert redo["scores"] == study["evals"][mbs.DROPOUT]["scores"]
@@ -181,22 +181,22 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert study["evals"]["Ensemble (2)"]["n_samples"] == 2
     assert not math.isnan(tables["scores"].loc["Laplace-kfac (wd)", "logits_variance"])
     # the chapter's list of its main numbers and its figure of the rotated sets
-    text = mbs.highlights(cfg, tables, mbs.leads_over(study["evals"]), 47_154)
+    text = mbs.highlights(cfg, tables, shifted.leads_over(study["evals"]), 47_154)
     assert len(text.splitlines()) == 8 and f"MC dropout (p = {rate:g})" in text and "At 45 degrees" in text
-    fig = mbs.rotation_figure(tables["shift"], list(tables["scores"].index))
+    fig = shifted.rotation_figure(tables["shift"], list(tables["scores"].index))
     assert len(fig.axes[0].lines) == len(mbs.method_names(cfg)) - len(cfg["laplace_structures"])  # no -nn rows
     plt.close(fig)
     # a second pass reads everything from the cache: no Laplace fit, no MAP training, no SMP run
     monkeypatch.setattr(mbs, "fit_laplaces", lambda *a, **k: pytest.fail("the Laplace fits were not cached"))
-    monkeypatch.setattr(ms, "train_map", lambda *a, **k: pytest.fail("a MAP was not cached"))
-    monkeypatch.setattr(ms, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not cached"))
-    again = mbs.tables(mbs.run_study(cfg, data, **kw))
+    monkeypatch.setattr(mr, "train_map", lambda *a, **k: pytest.fail("a MAP was not cached"))
+    monkeypatch.setattr(mr, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not cached"))
+    again = shifted.tables(mbs.run_study(cfg, data, **kw))
     assert again["scores"].drop(columns="predict_seconds").equals(tables["scores"].drop(columns="predict_seconds"))
     assert again["laplace"].equals(lap)
     assert again["dropout"].drop(columns="val_seconds").equals(drop.drop(columns="val_seconds"))
     # MC dropout's grid is in MC dropout's cache keys only: without it every other row is still cached
-    monkeypatch.setattr(mbs, "evaluate", lambda *a, **k: pytest.fail("a method's scores were not cached"))
-    without = mbs.tables(mbs.run_study({**cfg, "dropout_rates": []}, data, **kw))
+    monkeypatch.setattr(shifted, "evaluate", lambda *a, **k: pytest.fail("a method's scores were not cached"))
+    without = shifted.tables(mbs.run_study({**cfg, "dropout_rates": []}, data, **kw))
     assert mbs.DROPOUT not in without["scores"].index and "dropout" not in without
     assert without["scores"].drop(columns="predict_seconds").equals(
         tables["scores"].drop(index=mbs.DROPOUT, columns="predict_seconds"))
@@ -204,8 +204,8 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
 
 def test_leads_over_the_map():
     evals = _evals({"MAP": [1.0, 2.0, 3.0], "SMP-none": [0.9, 1.8, 2.9], "Ensemble (5)": [1.0, 2.0, 3.0]})
-    table = mbs.leads_over(evals)
+    table = shifted.leads_over(evals)
     diffs = np.array([0.1, 0.2, 0.1])
     assert table.loc["SMP-none", 0] == pytest.approx(diffs.mean() / (diffs.std(ddof=1) / math.sqrt(3)))
     assert math.isnan(table.loc["MAP", 0]) and math.isnan(table.loc["Ensemble (5)", 0])  # no spread: no lead
-    assert (mbs.leads_over(evals, reference="SMP-none").loc["MAP"] < 0).all()  # worse than the reference
+    assert (shifted.leads_over(evals, reference="SMP-none").loc["MAP"] < 0).all()  # worse than the reference

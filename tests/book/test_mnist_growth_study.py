@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 
 from smp_book import mnist_growth_study as mgs
+from smp_book import mnist_runs as mr
 from smp_book import mnist_study as ms
 from smp_book.pipeline import Context
 
@@ -55,7 +56,7 @@ def test_compute_writes_the_chapters_tables_values_and_figure(tmp_path, monkeypa
     cfg = {**get_config("mnist_growth", "ci"), "n_train": 40, "n_val": 20, "n_test": 30, "map_epochs": 1,
            "n_chains": 3, "period": 10, "growth_steps": [50, 100]}
     monkeypatch.setattr(ms, "load_data", lambda cfg, data_dir="data": (_tiny_mnist(4), {"source": "tiny"}))
-    methods = ms.method_names()
+    methods = mr.method_names()
     scores = pd.DataFrame({"mutual_info": np.linspace(0.0, 0.3, 5), "nll": 0.5, "accuracy": 0.9},
                           index=pd.Index(methods, name="method"))
     variances = pd.DataFrame({"params_variance": 1e-5, "logits_variance": 1.0}, index=scores.index)

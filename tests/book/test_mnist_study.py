@@ -5,8 +5,10 @@ import pandas as pd
 import pytest
 import torch
 
+from smp_book import mnist_claims as mc
 from smp_book import mnist_growth_study as mgs
 from smp_book import mnist_kfac_study as mks
+from smp_book import mnist_runs as mr
 from smp_book import mnist_seeds_study as mss
 from smp_book import mnist_study as ms
 from smp_book.paper import paper_table
@@ -29,7 +31,7 @@ def test_claims_count_the_verdicts_of_single_runs():
     assert counts.filter(like="SMP-none predicts like MAP").item() == "holds 3"
     assert list(table.columns) == ["claim", "criterion", "verdict", "evidence", "replicates"]
     assert "replicates" not in ms.claims(scores, variances).columns
-    assert ms.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
+    assert mc.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
 
 
 def test_summarise_gives_the_map_row_no_spread():
@@ -53,15 +55,15 @@ def test_smp_seeds_and_run_keys_per_replicate():
     seeds = [ms.smp_seed(cfg, i, r) for r in range(5) for i in range(len(MNIST_VARIANTS))]
     assert len(set(seeds)) == len(seeds)
     assert [ms.smp_seed(cfg, i) for i in range(4)] == [2036, 2037, 2038, 2039]  # the single run's seeds
-    key = ms.run_key(cfg, "none", 1, "a path")
+    key = mr.run_key(cfg, "none", 1, "a path")
     assert "smp_replicates" not in key and key["replicate"] == 1 and key["smp_path"] == "a path"
     # asking for more replicates keeps the keys, hence the cache, of those already run
-    assert ms.run_key({**cfg, "smp_replicates": 9}, "none", 1, "a path") == key
-    assert ms.run_key(cfg, "none", 0, "a path") != key
+    assert mr.run_key({**cfg, "smp_replicates": 9}, "none", 1, "a path") == key
+    assert mr.run_key(cfg, "none", 0, "a path") != key
     # the code that computes a run is part of its key (no hand-bumped version numbers)
     from smp_book.pipeline import code_hash
 
-    assert key["code"] == code_hash("smp_book.mnist_study") == ms.map_key(cfg)["code"]
+    assert key["code"] == code_hash("smp_book.mnist_runs") == mr.map_key(cfg)["code"]
 
 
 def test_ambiguous_three_rule():
@@ -84,14 +86,14 @@ def test_largest_chain_shares():
     # equal excursions: each of S chains carries 1/S; one chain far out carries nearly all
     logits = torch.zeros(10, 7, 3, dtype=torch.float64)
     logits[:, 0, 0] = torch.tensor([1.0, -1.0] * 5)
-    shares = ms.largest_chain_shares(logits)
+    shares = mr.largest_chain_shares(logits)
     assert abs(shares["largest_chain_share"] - 0.1) < 1e-12 and abs(shares["largest_two_share"] - 0.2) < 1e-12
     logits[3] += 100.0
-    assert ms.largest_chain_shares(logits)["largest_chain_share"] > 0.85
+    assert mr.largest_chain_shares(logits)["largest_chain_share"] > 0.85
     # the shares add up to the unbiased variance of smp_core.metrics
     per_chain = ((logits - logits.mean(0)) ** 2).flatten(1).mean(1) / 9
     assert abs(float(per_chain.sum()) - metrics.logits_variance(logits)) < 1e-9
-    assert math.isnan(ms.largest_chain_shares(logits[:1])["largest_chain_share"])
+    assert math.isnan(mr.largest_chain_shares(logits[:1])["largest_chain_share"])
 
 
 def test_mutual_information_tail():
@@ -100,18 +102,18 @@ def test_mutual_information_tail():
     logits = 0.05 * torch.randn(20, 50, 10, generator=gen, dtype=torch.float64)
     logits[11] = 5.0 * torch.randn(50, 10, generator=gen, dtype=torch.float64)
     probs = torch.softmax(logits, dim=-1)
-    tail = ms.mutual_information_tail(probs, trim=0.05)
+    tail = mr.mutual_information_tail(probs, trim=0.05)
     assert tail["mi_largest_chain_share"] > 0.9
     keep = torch.arange(20) != 11
     assert tail["trimmed_mutual_info"] == pytest.approx(metrics.mutual_information(probs[keep]), rel=1e-12)
     # chains that spread alike: the largest share stays near 1/S (here below 3/S)
     alike = torch.softmax(torch.randn(20, 500, 10, generator=gen, dtype=torch.float64), dim=-1)
-    assert ms.mutual_information_tail(alike)["mi_largest_chain_share"] < 3 / 20
-    assert all(math.isnan(v) for v in ms.mutual_information_tail(probs[:1]).values())
+    assert mr.mutual_information_tail(alike)["mi_largest_chain_share"] < 3 / 20
+    assert all(math.isnan(v) for v in mr.mutual_information_tail(probs[:1]).values())
     # identical chains: no mutual information to share (3 chains: the mean of 3 equal numbers may round)
     for n in (3, 4, 7):
         same = torch.softmax(logits[:1] + 0.1, dim=-1).expand(n, -1, -1)
-        assert math.isnan(ms.mutual_information_tail(same)["mi_largest_chain_share"])
+        assert math.isnan(mr.mutual_information_tail(same)["mi_largest_chain_share"])
 
 
 def test_divergence_record():
@@ -120,7 +122,7 @@ def test_divergence_record():
     theta = torch.tensor([[0.5, -0.2], [float("nan"), float("nan")], [0.1, 2.0], [float("nan"), 0.0]])
     res = SimpleNamespace(theta=theta, diverged=torch.tensor([False, True, False, True]),
                           diverged_step=torch.tensor([-1, 6550, -1, 4050]))
-    row = ms.divergence_record(res, torch.tensor([0.0, 1.0]), 0, "SMP-periodic-kfac", period=500)
+    row = mr.divergence_record(res, torch.tensor([0.0, 1.0]), 0, "SMP-periodic-kfac", period=500)
     assert row["diverged"] == 2 and row["caught_at_steps"] == "4050 6550" and row["steps_modulo_T"] == "50 50"
     assert row["largest_move_of_a_kept_chain"] == pytest.approx(1.2)  # |-0.2 - 1| in chain 0
 
@@ -146,7 +148,7 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
 
     cfg = {**get_config("mnist_growth", "ci"), "n_train": 40, "n_chains": 3, "growth_steps": [50, 100]}
     data = _tiny_mnist()
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     zero = torch.zeros(theta0.numel(), dtype=torch.bool)
     zero[:100] = True
     # (SMP-none: a preconditioned variant from a random network on random images kills every unit)
@@ -154,7 +156,7 @@ def test_run_growth_extends_one_run_through_the_grid(tmp_path, monkeypatch):
     table = mgs.run_growth(cfg, "none", theta0, data, 0, zero, **kw)
     assert list(table.index) == [50, 100] and (table["method"] == "SMP-none").all()
     # the point at K = 100 of the extended run is a run of exactly 100 steps
-    direct = ms.run_variant({**cfg, "n_steps": 100, "checkpoint_every": None}, "none", theta0, data, 0,
+    direct = mr.run_variant({**cfg, "n_steps": 100, "checkpoint_every": None}, "none", theta0, data, 0,
                             torch.device("cpu"), progress=False)
     point = mgs.growth_point(direct.theta, data, zero, torch.device("cpu"))
     assert table.loc[100, "params_variance"] == point["params_variance"]
@@ -218,11 +220,11 @@ def test_run_replicates_tables_and_cache(tmp_path):
 
     cfg = {**get_config("mnist", "ci"), "n_train": 40, "n_chains": 3, "n_steps": 50}
     data = _tiny_mnist(1)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     runs = ms.run_replicates(cfg, theta0, data, **kw)
     assert len(runs["tables"]) == cfg["smp_replicates"] == 2
-    assert list(runs["tables"][1]["scores"].index) == ms.method_names()
+    assert list(runs["tables"][1]["scores"].index) == mr.method_names()
     assert list(runs["diverged"].index) == [0, 1]
     assert list(runs["diverged"].columns) == [f"SMP-{v}" for v in MNIST_VARIANTS]
     assert all("probs" in ev for ev in runs["figure_evals"].values())
@@ -270,14 +272,14 @@ def test_load_data_takes_whole_sets_at_the_papers_sizes(monkeypatch):
     from smp_book.config import get_config
 
     asked = []
-    monkeypatch.setattr(ms, "mnist_tensors", lambda data_dir, seed, subset: asked.append((data_dir, seed, subset)))
+    monkeypatch.setattr(mr, "mnist_tensors", lambda data_dir, seed, subset: asked.append((data_dir, seed, subset)))
     for scale in ("paper", "laptop", "ci"):
         ms.load_data(get_config("mnist", scale), "somewhere")
     ms.load_data(get_config("mnist_growth", "ci"))
     ci = get_config("mnist", "ci")
     assert asked == [("somewhere", 0, None), ("somewhere", 0, None),
                      ("somewhere", 0, (ci["n_train"], ci["n_val"], ci["n_test"])),
-                     (ms.DATA, 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
+                     (mr.DATA, 0, (ci["n_train"], ci["n_val"], ci["n_test"]))]
 
 
 def test_kfac_study_runs_its_variants_with_their_tau_and_refresh(tmp_path):
@@ -287,7 +289,7 @@ def test_kfac_study_runs_its_variants_with_their_tau_and_refresh(tmp_path):
            "ema_refresh": 7}
     data = _tiny_mnist(1)
     torch.manual_seed(0)  # with N = 40 the steps are large: some chains may diverge, which must not fail the run
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     runs = ms.run_replicates(cfg, theta0, data, device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     assert list(runs["tables"][0]["scores"].index) == ["MAP"] + [f"SMP-{v}" for v in MNIST_KFAC_VARIANTS]
     assert list(runs["diverged"].columns) == [f"SMP-{v}" for v in MNIST_KFAC_VARIANTS]
@@ -347,14 +349,14 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
     assert not runs[1][0].equals(runs[1][1])  # each replicate its own stream
     pd.testing.assert_frame_equal(scores[1], (runs[1][0] + runs[1][1]) / 2)
     # the MNIST chapter at the same settings finds MAP 0 and its replicates in the cache
-    monkeypatch.setattr(ms, "train_map", lambda *a, **k: pytest.fail("a MAP was not shared"))
-    monkeypatch.setattr(ms, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not shared"))
+    monkeypatch.setattr(mr, "train_map", lambda *a, **k: pytest.fail("a MAP was not shared"))
+    monkeypatch.setattr(mr, "run_variant", lambda *a, **k: pytest.fail("an SMP run was not shared"))
     mnist = {**{k: v for k, v in cfg.items() if k != "map_seeds"}, "study": "mnist"}
-    theta0 = ms.fit_map(mnist, data, **kw)["theta"]
+    theta0 = mr.fit_map(mnist, data, **kw)["theta"]
     chapter = ms.run_replicates(mnist, theta0, data, **kw)
     assert [t["scores"].equals(r) for t, r in zip(chapter["tables"], runs[0], strict=True)] == [True, True]
     # MAP 1 is stored under the MNIST settings with the seed map_seed(cfg, 1)
-    member = ms.fit_map({**mnist, "seed": mss.map_seed(cfg, 1)}, data, **kw)
+    member = mr.fit_map({**mnist, "seed": mss.map_seed(cfg, 1)}, data, **kw)
     assert member["theta"].shape == theta0.shape and not torch.equal(member["theta"], theta0)
     # ... which the baselines chapter's ensemble member 1 uses, at every scale
     for scale in ("ci", "laptop", "paper"):
@@ -362,7 +364,7 @@ def test_map_seeds_share_the_mnist_chapters_and_the_ensembles_maps_and_runs(tmp_
         mnist_at_scale = {**{k: v for k, v in seeds.items() if k != "map_seeds"}, "study": "mnist"}
         for m in range(seeds["map_seeds"]):
             ensemble = {**mbs.mnist_settings(baselines), "seed": mbs.ensemble_seed(baselines, m)}
-            assert ms.map_key(ensemble) == ms.map_key({**mnist_at_scale, "seed": mss.map_seed(seeds, m)})
+            assert mr.map_key(ensemble) == mr.map_key({**mnist_at_scale, "seed": mss.map_seed(seeds, m)})
 
 
 def test_least_dispersed_per_map():
@@ -416,7 +418,7 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     cfg = {**get_config("mnist_kfac", "ci"), "n_train": 40, "step_law_draws": 12, "step_law_eval": 5}
     data = _tiny_mnist(2)
     torch.manual_seed(0)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     draws = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     assert list(draws["variant"].unique()) == list(mks.STEP_LAW_VARIANTS) and len(draws) == 36
     by = {v: d.reset_index(drop=True) for v, d in draws.groupby("variant")}
@@ -434,7 +436,7 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     assert again.equals(draws)
     # the step-law settings are not part of any run's cache key
     other = {**cfg, "step_law_draws": 99}
-    assert ms.run_key(cfg, "fixed-kfac", 0, "p") == ms.run_key(other, "fixed-kfac", 0, "p")
+    assert mr.run_key(cfg, "fixed-kfac", 0, "p") == mr.run_key(other, "fixed-kfac", 0, "p")
 
     groups = mks.step_law_groups(theta0, data, cfg["ridge"], torch.device("cpu"))
     by_group = mks.step_law_by_group(draws, groups)
@@ -492,12 +494,12 @@ def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
     surprise = mks.step_law_surprise(draws, threshold=1.01)  # every draw counts as surprising
     assert surprise.iloc[:, 0].eq(1.0).all() and surprise.iloc[:, 1:].to_numpy() == pytest.approx(1.0)
     with pytest.raises(KeyError, match="no tau"):
-        ms.variant_tau(cfg, "dense-fixed")
+        mr.variant_tau(cfg, "dense-fixed")
 
 
 def test_linearised_against_actual_is_exact_for_a_small_move():
     torch.manual_seed(0)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     direction = torch.randn(3, theta0.numel(), dtype=torch.float64)
     thetas = (theta0.double() + 1e-4 * direction * torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)).float()
     thetas = torch.cat([thetas, torch.full((1, theta0.numel()), float("nan"))])  # a stopped chain
@@ -514,7 +516,7 @@ def test_linearised_against_actual_is_exact_for_a_small_move():
 def test_validation_fisher_diagonal_is_the_mean_squared_score_of_the_observed_labels():
     data = _tiny_mnist(3)
     torch.manual_seed(1)
-    net = ms.lenet5()
+    net = mr.lenet5()
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     xv, yv = data["val"]
     expected = torch.zeros_like(theta0)
@@ -523,10 +525,10 @@ def test_validation_fisher_diagonal_is_the_mean_squared_score_of_the_observed_la
         torch.nn.functional.cross_entropy(net(x[None]), y[None]).backward()
         expected += torch.cat([p.grad.reshape(-1) for p in net.parameters()]) ** 2
     expected /= len(yv)
-    diag = ms.validation_fisher_diagonal(theta0, data, torch.device("cpu"))
+    diag = mr.validation_fisher_diagonal(theta0, data, torch.device("cpu"))
     assert diag.shape == theta0.shape and diag.device.type == "cpu"
     assert diag.double().numpy() == pytest.approx(expected.double().numpy(), rel=1e-4, abs=1e-12)
-    zero = ms.fisher_zero_mask(theta0, data, torch.device("cpu"))
+    zero = mr.fisher_zero_mask(theta0, data, torch.device("cpu"))
     assert zero.dtype == torch.bool and torch.equal(zero, diag == 0)
     assert ms.fisher_zero_fraction(theta0, data, torch.device("cpu")) == pytest.approx(zero.double().mean().item())
 
@@ -537,7 +539,7 @@ def test_kfac_statistic_precision_compares_a_float32_and_a_float64_statistic():
     far less than a per cent."""
     data = _tiny_mnist(4)
     torch.manual_seed(2)
-    net = ms.lenet5()
+    net = mr.lenet5()
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     table = mks.kfac_statistic_precision(theta0, data, 1e-4, n_scores=8, device=torch.device("cpu"))
     assert list(table.index) == [1, 2, 3, 4, 5]
@@ -568,7 +570,7 @@ def test_compute_writes_the_chapters_results_and_they_are_read_back(tmp_path, mo
     for name in ("map_history", "scores", "scores_mean", "scores_std", "scores_replicates", "variances_mean",
                  "elapsed_mean", "tails_replicates", "diverged", "claims", "ambiguous_three"):
         assert res.has(name), name
-    assert list(res.table("scores_mean").index) == ms.method_names()
+    assert list(res.table("scores_mean").index) == mr.method_names()
     assert list(res.table("scores_replicates").index.names) == ["replicate", "method"]
     assert len(res.table("map_history")) == cfg["map_epochs"]
     assert set(res.manifest["figures"]) == {"calibration_all", "ambiguous_three"}
@@ -586,7 +588,7 @@ def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
     from smp_book import pipeline
 
     folder = tmp_path / "paper" / "mnist"
-    assert ms.paper_scale_results(folder) is None  # nothing there
+    assert mr.paper_scale_results(folder) is None  # nothing there
     assert "No paper-scale results exist yet" in ms.paper_scale_note("ci", None)
     assert "runs at the paper scale" in ms.paper_scale_note("paper", None)
     folder.mkdir(parents=True)
@@ -600,16 +602,16 @@ def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
         (folder / "manifest.json").write_text(json.dumps({**manifest, **changes}))
 
     write()
-    res = ms.paper_scale_results(folder)
+    res = mr.paper_scale_results(folder)
     assert res is not None and res.table("scores_mean").loc["MAP", "accuracy"] == 0.99
     note = ms.paper_scale_note("ci", res)
     assert f"$K$ = {paper['n_steps']:,}" in note and "a test GPU" in note and "3,600 s" in note
     write(scale="laptop")  # another scale's results
-    assert ms.paper_scale_results(folder) is None
+    assert mr.paper_scale_results(folder) is None
     write(config={**paper, "n_steps": 10})  # other settings: not the paper scale's results
-    assert ms.paper_scale_results(folder) is None
+    assert mr.paper_scale_results(folder) is None
     write(tables={})  # no table of scores
-    assert ms.paper_scale_results(folder) is None
+    assert mr.paper_scale_results(folder) is None
 
 
 def test_verdict_summary():
@@ -626,12 +628,12 @@ def test_chapter_map_takes_the_lowest_validation_loss_of_its_seeds(tmp_path):
     cfg = {**get_config("mnist", "ci"), "n_train": 40, "n_val": 20, "n_test": 30, "map_epochs": 1}
     data = _tiny_mnist(1)
     chosen = ms.chapter_map({**cfg, "select_map_from_seeds": [5, 6, 7]}, data, progress=False, cache_root=tmp_path)
-    losses = {s: float(ms.fit_map({**cfg, "seed": s}, data, progress=False, cache_root=tmp_path)["history"]
+    losses = {s: float(mr.fit_map({**cfg, "seed": s}, data, progress=False, cache_root=tmp_path)["history"]
                        ["val_loss"].iloc[-1]) for s in (5, 6, 7)}
     assert len(set(losses.values())) == 3  # the seeds give different MAPs: the choice is not vacuous
     best = min(losses, key=losses.get)
     assert chosen["seed"] == best and chosen["candidates"].set_index("seed")["val_loss"].to_dict() == losses
-    assert torch.equal(chosen["theta"], ms.fit_map({**cfg, "seed": best}, data, progress=False,
+    assert torch.equal(chosen["theta"], mr.fit_map({**cfg, "seed": best}, data, progress=False,
                                                    cache_root=tmp_path)["theta"])
     plain = ms.chapter_map(cfg, data, progress=False, cache_root=tmp_path)
     assert plain["seed"] == cfg["seed"] and len(plain["candidates"]) == 1

@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from smp_book import mnist_runs as mr
 from smp_book import mnist_tail_study as mt
 from smp_book.config import SCALES, get_config
 from smp_book.pipeline import config_key, study_config
@@ -68,7 +69,7 @@ def test_mnist_tails_reuse_the_mnist_runs_and_check_on_the_same_chains(tmp_path)
     tail_cfg = {**get_config("mnist_tail", "ci"), "check_from": 50, "tail_scores": 4}
     data = _tiny_mnist(1)
     torch.manual_seed(0)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in ms.lenet5().parameters()])
+    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
     kw = dict(device=torch.device("cpu"), progress=False, cache_root=str(tmp_path))
     # the MNIST chapter's replicate 0 in the cache first: the tail study must read it, not rerun it
     runs = ms.run_replicates({**cfg, "smp_replicates": 1}, theta0, data, **kw)
@@ -77,10 +78,10 @@ def test_mnist_tails_reuse_the_mnist_runs_and_check_on_the_same_chains(tmp_path)
     assert sorted((tmp_path / "mnist").glob("*.pt")) == cached_runs  # nothing new in the MNIST cache
     scores = pd.DataFrame(result["rows"]).set_index(["method", "sampler"])
     names = mt.sampler_names(tail_cfg, 100)
-    assert list(scores.index) == [(m, n) for m in ms.method_names()[1:] for n in names]
+    assert list(scores.index) == [(m, n) for m in mr.method_names()[1:] for n in names]
     # the recursion rows are the MNIST chapter's runs
     chapter = runs["tables"][0]["scores"]
-    for method in ms.method_names()[1:]:
+    for method in mr.method_names()[1:]:
         assert scores.loc[(method, mt.RECURSION), "nll"] == pytest.approx(chapter.loc[method, "nll"])
     ratios = pd.DataFrame(result["ratios"])
     assert (ratios[["params", "logits"]] > 0).all().all()
@@ -93,14 +94,14 @@ def test_mnist_tails_reuse_the_mnist_runs_and_check_on_the_same_chains(tmp_path)
     # the check's chains are the chapter's: its run to K0, continued from a checkpoint to K, is the chapter's run
     check_cfg = {**cfg, "n_steps": 50, "checkpoint_every": None}
     device = torch.device("cpu")
-    ms.run_variant(check_cfg, "ema-diag", theta0, data, 2, device, tmp_path / "go_on.pt", False)
-    continued = ms.run_variant(cfg, "ema-diag", theta0, data, 2, device, tmp_path / "go_on.pt", False)
-    stored = torch.load(tmp_path / "mnist" / f"{config_key(ms.run_key(cfg, 'ema-diag', 0, ms.smp_path(device)))}.pt",
+    mr.run_variant(check_cfg, "ema-diag", theta0, data, 2, device, tmp_path / "go_on.pt", False)
+    continued = mr.run_variant(cfg, "ema-diag", theta0, data, 2, device, tmp_path / "go_on.pt", False)
+    stored = torch.load(tmp_path / "mnist" / f"{config_key(mr.run_key(cfg, 'ema-diag', 0, ms.smp_path(device)))}.pt",
                         weights_only=False)
     torch.testing.assert_close(continued.theta, stored["value"].theta, equal_nan=True, rtol=0, atol=0)
 
     # a chapter run cached before SMPResult kept its state is run again under mnist_tail/, the original untouched
-    path = tmp_path / "mnist" / f"{config_key(ms.run_key(cfg, 'none', 0, ms.smp_path(device)))}.pt"
+    path = tmp_path / "mnist" / f"{config_key(mr.run_key(cfg, 'none', 0, ms.smp_path(device)))}.pt"
     stale = torch.load(path, weights_only=False)
     stale["value"].precond_state = None
     torch.save(stale, path)

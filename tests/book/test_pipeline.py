@@ -313,3 +313,17 @@ def test_every_chapter_defines_its_parameters_and_refuses_others():
         assert sorted(defined) == sorted({"scale", *PARAMETERS.get(study, {})}), path.name
         check = f'parameters(globals(), "{study}")' if study else "parameters(globals())"
         assert check in cells[position + 1][1], path.name
+
+
+def test_no_study_imports_another():
+    """What two studies share lives in a module of its own (``toy``, ``mnist_runs``, ``shifted``, ``tails``,
+    ``summaries``); a chapter that shows another chapter's numbers reads its results files."""
+    import ast
+    from pathlib import Path
+
+    studies = {module.split(".")[1] for module in pipeline.STUDIES.values()}
+    for path in sorted(Path(pipeline.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                names = {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+                assert not (names & studies - {path.stem}) or path.stem not in studies, (path.stem, names & studies)
