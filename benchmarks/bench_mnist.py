@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tables import Tables
 
 import smp_core.fisher as fisher_module
 from smp_book.config import MNIST_TAU
@@ -200,6 +202,7 @@ def main():
     parser.add_argument("--full-variants", nargs="*", default=["none"], help="variants of the measured whole runs")
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="leave out a whole run projected to end later than this many seconds from the start")
+    parser.add_argument("--csv", type=Path, default=None, help="also save each table as DIR/<table>.csv")
     parser.add_argument("--smoke", action="store_true",
                         help="every table at tiny sizes, in seconds (times mean nothing); offline")
     args = parser.parse_args()
@@ -228,15 +231,14 @@ def main():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     print(f"torch {torch.__version__}, {args.threads} CPU threads, {cpu_model()}, GPU: {gpu}, "
           f"retain_freed_memory() in force: {retained}, {time.strftime('%Y-%m-%d')}\nImages: {source}\n")
-    print("| device | MAP epoch (s, 54,000 images) |")
-    print("|---|---|")
+    out = Tables(args.csv, machine=f"torch {torch.__version__}, {args.threads} CPU threads, {cpu_model()}, GPU: {gpu}")
+    out.start("map_epoch", "MAP epoch", ["device", "MAP epoch (s, 54,000 images)"])
     for name in devices:
         seconds = bench_map_epoch(x, y, torch.device(name), args.map_batches, warmup=args.map_warmup)
-        print(f"| {name} | {seconds:.1f} |", flush=True)
-    print(f"\nSMP step, LeNet-5 (d = 47,154), S = {args.chains}; periodic variants recompute the Fisher "
-          f"every 500 steps, not included here\n")
-    print("| device | variant | step run by | ms / step | K = 10^6 (s, projected) | paper, SMP-none (s) |")
-    print("|---|---|---|---|---|---|")
+        out.row(name, f"{seconds:.1f}")
+    out.start("steps", f"SMP step, LeNet-5 (d = 47,154), S = {args.chains}; periodic variants recompute the Fisher "
+              "every 500 steps, not included here",
+              ["device", "variant", "step run by", "ms / step", "K = 10^6 (s, projected)", "paper, SMP-none (s)"])
     xf, yf = xv[: args.val_images], yv[: args.val_images]
     step_seconds = {}
     for name in devices:
@@ -246,28 +248,26 @@ def main():
         for variant in args.variants:
             for mode in modes:
                 if mode == "compiled" and fused_unavailable() is not None:
-                    print(f"| {name} | SMP-{variant} | compiled kernel | not available: {fused_unavailable()} | | |")
+                    out.row(name, f"SMP-{variant}", "compiled kernel", f"not available: {fused_unavailable()}", "", "")
                     continue
                 step = bench_smp_step(x, xf, yf, torch.device(name), variant, args.chains, args.steps, mode,
                                       args.repeats)
                 step_seconds[(name, variant)] = min(step, step_seconds.get((name, variant), float("inf")))
                 paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
-                print(f"| {name} | SMP-{variant} | {MODE_NAMES[mode]} | {1000 * step:.2f} | {step * 1e6:.0f} | "
-                      f"{paper} |", flush=True)
-    print(f"\nDiagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} validation images\n")
-    print("| device | path | seconds |")
-    print("|---|---|---|")
+                out.row(name, f"SMP-{variant}", MODE_NAMES[mode], f"{1000 * step:.2f}", f"{step * 1e6:.0f}", paper)
+    out.start("fisher", f"Diagonal empirical Fisher of S = {args.chains} chains over {args.fisher_examples} "
+              "validation images", ["device", "path", "seconds"])
     fisher_seconds = {}
     for name in devices:
         for path, seconds in bench_fisher(xv, yv, torch.device(name), args.chains, args.fisher_examples):
             fisher_seconds[(name, path)] = seconds * len(xv) / args.fisher_examples
-            print(f"| {name} | {path} | {seconds:.2f} |", flush=True)
+            out.row(name, path, f"{seconds:.2f}")
     if not args.full_steps:
+        out.save()
         return
-    print(f"\nWhole runs, measured: S = {args.chains}, K = {args.full_steps:,}, the paper's tau, the Fisher from "
-          f"{len(xv)} validation images (set-up and periodic recomputations included)\n")
-    print("| device | variant | seconds | diverged chains | paper, SMP-none (s) |")
-    print("|---|---|---|---|---|")
+    out.start("runs", f"Whole runs, measured: S = {args.chains}, K = {args.full_steps:,}, the paper's tau, the Fisher "
+              f"from {len(xv)} validation images (set-up and periodic recomputations included)",
+              ["device", "variant", "seconds", "diverged chains", "paper, SMP-none (s)"])
     for name in devices:
         for variant in args.full_variants:
             projected = max(0.0, step_seconds[(name, variant)]) * args.full_steps
@@ -276,12 +276,13 @@ def main():
                 projected += fisher * (1 + (args.full_steps // 500 if variant.startswith("periodic") else 0))
             left = args.budget_s - (time.perf_counter() - started)
             if projected > left:
-                print(f"| {name} | SMP-{variant} | left out: projected {projected:.0f} s, {max(left, 0):.0f} s of "
-                      f"the budget left | | |", flush=True)
+                out.row(name, f"SMP-{variant}", f"left out: projected {projected:.0f} s, {max(left, 0):.0f} s of "
+                        "the budget left", "", "")
                 continue
             seconds, diverged = full_run(x, xv, yv, torch.device(name), variant, args.chains, args.full_steps)
             paper = f"{PAPER_SMP_NONE_SECONDS:.0f}" if variant == "none" else ""
-            print(f"| {name} | SMP-{variant} | {seconds:.1f} | {diverged} | {paper} |", flush=True)
+            out.row(name, f"SMP-{variant}", f"{seconds:.1f}", diverged, paper)
+    out.save()
 
 
 if __name__ == "__main__":

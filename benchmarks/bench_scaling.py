@@ -29,6 +29,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from tables import Tables  # noqa: E402
+
 from smp_book.machine import cpu_model  # noqa: E402
 
 SMOKE = {"chains": 8, "steps": 20, "train": 200, "ranks": [1, 2], "repeats": 1}
@@ -82,6 +84,7 @@ def main(argv=None) -> None:
     parser.add_argument("--train", type=int, default=2000, help="training inputs the covariates are drawn from")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each size; the fastest is kept (the first can pay one-time costs)")
+    parser.add_argument("--csv", type=Path, default=None, help="also save the table as DIR/scaling.csv")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, to check that the script runs")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -97,14 +100,16 @@ def main(argv=None) -> None:
     rows = {n: min((run(n, args.chains, args.steps, args.train) for _ in range(args.repeats)),
                    key=lambda row: row["seconds"]) for n in sorted(set(args.ranks))}
     base = args.chains * args.steps / rows[1]["seconds"]
-    print(f"LeNet-5, S = {args.chains}, K = {args.steps}, fixed-diag, 1 torch thread per rank, gloo, the fastest of "
-          f"{args.repeats} run(s) per size; {cpu_model()}, {os.cpu_count()} logical CPUs")
-    print("| ranks | seconds | chain-steps / s | speed-up | efficiency | peak memory per rank (MB) |")
-    print("|---|---|---|---|---|---|")
+    out = Tables(args.csv, machine=f"{cpu_model()}, {os.cpu_count()} logical CPUs")
+    out.start("scaling", f"LeNet-5, S = {args.chains}, K = {args.steps}, fixed-diag, 1 torch thread per rank, "
+              f"gloo, the fastest of {args.repeats} run(s) per size; {cpu_model()}, {os.cpu_count()} logical "
+              "CPUs",
+              ["ranks", "seconds", "chain-steps / s", "speed-up", "efficiency", "peak memory per rank (MB)"])
     for n, row in rows.items():
         speed = args.chains * args.steps / row["seconds"]
-        print(f"| {n} | {row['seconds']:.1f} | {speed:,.0f} | {speed / base:.2f} | {speed / base / n:.0%} | "
-              f"{row['max_rss_mb']:.0f} |")
+        out.row(n, f"{row['seconds']:.1f}", f"{speed:.0f}", f"{speed / base:.2f}", f"{speed / base / n:.2f}",
+                f"{row['max_rss_mb']:.0f}")
+    out.save()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ $py -m pytest -q -p no:cacheprovider tests/core/test_recursion.py tests/book/tes
 tests=$?
 # BUDGET counts from the start of bench_mnist.py, not of this script
 $py benchmarks/bench_mnist.py --devices cuda --fisher-examples 6000 --full-steps 1000000 \
-    --full-variants none fixed-diag ema-diag periodic-diag --budget-s "${BUDGET:-380}" 2>&1 | tee "$out/bench_mnist_gpu.md"
+    --full-variants none fixed-diag ema-diag periodic-diag --budget-s "${BUDGET:-380}" --csv "$out/bench_mnist_gpu" \
+    2>&1 | tee "$out/bench_mnist_gpu.md"
 bench=$?
 [ "$tests" -eq 0 ] || echo "the CUDA tests failed (status $tests): $out/cuda_tests.txt" >&2
 exit $(( tests != 0 ? tests : bench ))

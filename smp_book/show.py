@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -122,44 +122,22 @@ def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.Da
     return out
 
 
-def benchmark_table(path: str | Path, heading: str, index: list[str] | None = None) -> pd.DataFrame | None:
-    """The markdown table right after the last line of ``path`` (a benchmark's saved output, such as
-    ``benchmarks/gpu_h200.md``) that starts with ``heading`` (blank lines between them allowed), as a
-    table of strings indexed by the columns ``index``, with that line in ``attrs["heading"]``; ``None``
-    when the file, the heading or a table right after it is missing. A relative ``path`` is from the repository's
-    root (Jupyter Book runs a chapter in its own folder)."""
-    path = ROOT / path
-    if not path.exists():
+def benchmark(name: str, table: str, index: list[str] | None = None,
+              measured: str | None = None) -> pd.DataFrame | None:
+    """A benchmark's saved table, ``benchmarks/<name>/<table>.csv`` (written by the script's ``--csv``), with
+    its heading line in ``attrs["heading"]``; with ``measured``, only the rows whose ``measured`` column is a
+    number (a run left out of a budget says so in words). ``None`` when the file or every row is missing."""
+    folder = ROOT / "benchmarks" / name
+    if not (folder / f"{table}.csv").exists():
         return None
-    lines = path.read_text().splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(heading)]
-    if not starts:
+    df = pd.read_csv(folder / f"{table}.csv", dtype=str, keep_default_na=False)
+    if measured is not None:
+        df = df[pd.to_numeric(df[measured], errors="coerce").notna()]
+    if df.empty:
         return None
-    rows = []
-    for line in lines[starts[-1] + 1:]:
-        if line.startswith("|"):
-            rows.append([cell.strip() for cell in line.strip()[1:-1].split("|")])
-        elif rows or line.strip():
-            break
-    if len(rows) < 2 or not all(set(cell) <= set("-: ") and cell for cell in rows[1]):
-        return None
-    table = pd.DataFrame(rows[2:], columns=rows[0])
-    table.attrs["heading"] = lines[starts[-1]]
-    return table.set_index(index) if index else table
-
-
-def _numbers(cells: pd.Series) -> pd.Series:
-    """A benchmark table's cells (``"16,729"``, say) as numbers, NaN where a cell holds words."""
-    return pd.to_numeric(cells.astype(str).str.replace(",", ""), errors="coerce")
-
-
-def numeric_rows(table: pd.DataFrame | None, column: str) -> pd.DataFrame | None:
-    """The rows of a :func:`benchmark_table` whose ``column`` is a number (a whole run left out of a
-    budget says so in words instead)."""
-    if table is None:
-        return None
-    keep = _numbers(table[column]).notna()
-    return table[keep] if keep.any() else None
+    headings = folder / "headings.json"
+    df.attrs["heading"] = json.loads(headings.read_text()).get(table, "") if headings.exists() else ""
+    return df.set_index(index) if index else df
 
 
 def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
@@ -169,15 +147,15 @@ def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
     from the two tables and labelled so; ``None`` when a row it needs is missing."""
     found = re.search(r"S = (\d+)", steps.attrs.get("heading", ""))
     try:
-        graphs, eager = _numbers(steps.loc[[("cuda", "SMP-fixed-diag", "CUDA graphs"),
-                                            ("cuda", "SMP-fixed-diag", "batched torch, one by one")], "ms / step"])
-    except KeyError:
+        graphs, eager = (float(steps.loc[("cuda", "SMP-fixed-diag", mode), "ms / step"])
+                         for mode in ("CUDA graphs", "batched torch, one by one"))
+    except (KeyError, ValueError):
         return None
-    cpu = _numbers(scaling["chain-steps / s"]).iloc[-1]
-    if found is None or pd.isna([graphs, eager, cpu]).any():
+    cpu = float(scaling["chain-steps / s"].iloc[-1])
+    if found is None:
         return None
     gpu = int(found.group(1)) / (graphs / 1000)
-    return (f"An estimate from these tables and `benchmarks/gpu_h200.md`, not a run: with CUDA graphs one H200 "
+    return (f"An estimate from these tables and `benchmarks/gpu_h200/`, not a run: with CUDA graphs one H200 "
             f"steps {found.group(1)} chains of SMP-fixed-diag in {graphs} ms, {gpu:,.0f} chain-steps per second, "
             f"{gpu / cpu:.0f} times the {scaling.index[-1]} processes here. Without the graphs, which take away "
             f"the overhead of launching each kernel, the step takes {eager} ms ({eager / graphs:.1f} times as "

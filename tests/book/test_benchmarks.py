@@ -82,23 +82,40 @@ def test_a_whole_run_that_overruns_its_budget_is_left_out_and_said_so():
     assert any("SMP-periodic-diag | left out: projected" in line for line in rows[-2:]), done.stdout
 
 
-def test_the_committed_benchmark_tables_parse_as_the_book_reads_them():
-    """how_to_run and the MNIST chapter read these tables; a renamed heading would show 'Not measured yet'."""
-    from smp_book.show import benchmark_table
+def test_the_committed_benchmark_tables_read_as_the_book_reads_them():
+    """how_to_run and the MNIST chapter read these CSVs; a renamed table would show 'Not measured'."""
+    from smp_book.show import benchmark
 
-    gpu = benchmark_table(BENCHMARKS / "gpu_h200.md", "Whole runs, measured", index=["device", "variant"])
-    assert float(gpu.loc[("cuda", "SMP-none"), "seconds"]) > 0
-    steps = benchmark_table(BENCHMARKS / "gpu_h200.md", "SMP step, LeNet-5", index=["device", "variant"])
+    gpu = benchmark("gpu_h200", "runs", index=["device", "variant"], measured="seconds")
+    assert list(gpu.index) == [("cuda", "SMP-none")] and float(gpu.loc[("cuda", "SMP-none"), "seconds"]) > 0
+    steps = benchmark("gpu_h200", "steps", index=["device", "variant"])
     assert len(steps) == 8 and {"step run by", "ms / step"} <= set(steps.columns)
-    scaling = benchmark_table(BENCHMARKS / "scaling.md", "LeNet-5, S =", index=["ranks"])
+    assert steps.attrs["heading"].startswith("SMP step, LeNet-5")
+    scaling = benchmark("scaling", "scaling", index=["ranks"])
     assert list(scaling.index) == ["1", "2"] and "chain-steps / s" in scaling.columns
+    assert benchmark("gpu_h200", "missing") is None and benchmark("nowhere", "runs") is None
 
 
 def test_the_gpu_estimate_reads_both_tables():
-    from smp_book.show import benchmark_table, gpu_estimate
+    from smp_book.show import benchmark, gpu_estimate
 
-    steps = benchmark_table(BENCHMARKS / "gpu_h200.md", "SMP step, LeNet-5", index=["device", "variant", "step run by"])
-    scaling = benchmark_table(BENCHMARKS / "scaling.md", "LeNet-5, S =", index=["ranks"])
+    steps = benchmark("gpu_h200", "steps", index=["device", "variant", "step run by"])
+    scaling = benchmark("scaling", "scaling", index=["ranks"])
     text = gpu_estimate(scaling, steps)
     assert text.startswith("An estimate") and "chain-steps per second" in text and "the 2 processes" in text
     assert gpu_estimate(scaling, steps.drop(index=("cuda", "SMP-fixed-diag", "CUDA graphs"))) is None
+
+
+def test_a_benchmark_saves_each_table_as_csv(tmp_path, capsys):
+    import sys
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from tables import Tables
+
+    out = Tables(tmp_path / "t", machine="this CPU")
+    out.start("steps", "SMP step, S = 3", ["variant", "ms / step"])
+    out.row("SMP-none", "2.64")
+    out.save()
+    printed = capsys.readouterr().out
+    assert "| variant | ms / step |\n|---|---|\n| SMP-none | 2.64 |" in printed
+    assert (tmp_path / "t" / "steps.csv").read_text().splitlines() == ["variant,ms / step", "SMP-none,2.64"]

@@ -69,7 +69,8 @@ FORBIDDEN = {
 }
 # The saved benchmark outputs that chapters show (how_to_run, mnist): when they are in the checkout, a chapter that
 # says "Not measured in this checkout" read them from the wrong folder (a notebook runs in notebooks/, not the root).
-BENCHMARK_OUTPUTS = [ROOT / "benchmarks" / name for name in ("gpu_h200.md", "scaling.md", "fresh_clone.md")]
+BENCHMARK_OUTPUTS = [ROOT / "benchmarks" / name
+                     for name in ("gpu_h200/runs.csv", "scaling/scaling.csv", "fresh_clone.md")]
 if all(path.is_file() for path in BENCHMARK_OUTPUTS):
     FORBIDDEN["a saved benchmark output reported missing"] = r"Not measured in this checkout"
 TIMEOUT = 60  # seconds for one page: load, MathJax, fonts

@@ -69,24 +69,6 @@ def test_the_tail_table_gets_the_paper_scale_recursion_under_each_method(tmp_pat
     assert same.index[-1] == ("SMP-none", "recursion at the paper scale (K = 1,000,000)")
 
 
-def test_benchmark_table_reads_the_table_after_the_last_heading(tmp_path):
-    from smp_book.show import benchmark_table
-
-    path = tmp_path / "bench.md"
-    path.write_text("Runs\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\n"
-                    "Runs\n\n| a | b |\n|---|---|\n| 3 | 4 |\n| 5 | 6 |\n\ntext\n")
-    table = benchmark_table(path, "Runs")
-    assert table.columns.tolist() == ["a", "b"] and table.to_numpy().tolist() == [["3", "4"], ["5", "6"]]
-    assert benchmark_table(path, "Runs", index=["a"]).loc["5", "b"] == "6"
-    assert benchmark_table(path, "Other") is None
-    assert benchmark_table(tmp_path / "missing.md", "Runs") is None
-    assert table.attrs["heading"] == "Runs"
-    path.write_text("Runs\n\nno table here\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
-    assert benchmark_table(path, "Runs") is None  # not the table of the next section
-    path.write_text("Runs\n| a | b |\n| 1 | 2 |\n| 3 | |\n")
-    assert benchmark_table(path, "Runs") is None  # no separator row: not a table
-
-
 def test_ratio_to_paper_divides_the_shared_cells_and_leaves_zeros_out():
     paper = pd.DataFrame({"mi": [0.0, 2.0], "nll": [0.04, 1.0]}, index=["MAP", "SMP-fixed-diag"])
     ours = pd.DataFrame({"mi": [0.0, 1.0], "nll": [0.05, 0.5], "extra": [1.0, 2.0]},
