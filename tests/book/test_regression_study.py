@@ -9,6 +9,7 @@ import torch
 
 from smp_book import regression_study as rs
 from smp_book.config import get_config
+from smp_core.metrics import rmse
 from smp_core.models import as_chain_model
 from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import Fisher, run_smp
@@ -90,6 +91,15 @@ def test_fit_map_reaches_a_stationary_point():
 def test_method_label():
     assert rs.method_label("fixed-dense", 1e-4, 1e-4) == "SMP fixed-dense"
     assert rs.method_label("fixed-dense", 1.0, 1e-4) == "SMP fixed-dense, ridge 1"
+    assert rs.method_label("none", 1e-4, 1e-4, "uniform", "data") == "SMP none, uniform design"
+    assert rs.method_label("none", 1e-4, 1e-4, "uniform", "design") == "SMP none, uniform design"  # no P to take it
+    assert (rs.method_label("fixed-dense", 1.0, 1e-4, "smoothed", "design")
+            == "SMP fixed-dense, ridge 1, smoothed design, P from the design")
+    with pytest.raises(ValueError, match="fisher_from"):
+        rs.method_label("fixed-dense", 1.0, 1e-4, "uniform", "pool")
+    for label in ("SMP fixed-dense, ridge 1, smoothed design, P from the design", "SMP fixed-dense, ridge 1"):
+        assert rs.empirical_counterpart(label) == "SMP fixed-dense, ridge 1"
+    assert rs.empirical_counterpart("SMP none, uniform design") == "SMP none"
 
 
 @pytest.fixture(scope="module")
@@ -156,13 +166,18 @@ def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured
     assert next(calls, None) is None
 
 
-def test_prior_sensitivity_rows(small_run):
-    cfg, _ = small_run
-    out = rs.prior_sensitivity(cfg, 4.0)
-    table = out["rows"]
-    assert list(table["method"]) == ["NUTS", "Laplace (linearised)"] * 2
-    assert (table["prior precision"] == 4.0).all() and (table["median sd"] > 0).all()
-    assert table["coverage"].between(0, 1).all()
+def test_the_prior_runs_reproduce_the_reference_and_prior_table_sets_them_side_by_side(small_run):
+    """compute's runs under other priors are data set 0 without SMP: under the chapter's prior, its reference again."""
+    cfg, run = small_run
+    alone = {a: rs.run_data_set({**cfg, "prior_precision": a, "smp_variants": [], "design_variants": []}, 0)["rows"]
+             for a in (cfg["prior_precision"], 4.0)}
+    references = run["rows"][run["rows"]["method"].isin(rs.REFERENCES)]
+    pd.testing.assert_frame_equal(alone[cfg["prior_precision"]], references)
+    table = rs.prior_table(list(alone.items()))
+    assert list(table.index) == [(m, r) for m in ("NUTS", "Laplace (linearised)") for r in rs.REGIONS]
+    nuts = references.set_index(["method", "region"]).loc[("NUTS", "in the gap")]
+    assert table.loc[("NUTS", "in the gap")].tolist() == [nuts["median_sd"], alone[4.0].iloc[1]["median_sd"],
+                                                          nuts["coverage"], alone[4.0].iloc[1]["coverage"]]
 
 
 def _synthetic_rows():
@@ -242,15 +257,9 @@ def test_evaluate_spread_ratio_and_scores():
     scored = rs.evaluate(doubled, sd, data, 0.1, 0.9)
     assert all(scored[region]["sd_ratio"] == pytest.approx(2.0) for region in rs.REGIONS)
     assert scored["in the gap"]["median_sd"] == pytest.approx(float((2 * sd["in the gap"]).median()))
-    assert scored["in range"]["rmse"] == pytest.approx(
-        metrics_rmse(doubled["in range"], data["in range"][1]))
+    assert scored["in range"]["rmse"] == pytest.approx(rmse(doubled["in range"], data["in range"][1]))
     point = rs.evaluate({r: m[:1] for r, m in reference.items()}, sd, data, 0.1, 0.9)
     assert all(math.isnan(point[region]["sd_ratio"]) for region in rs.REGIONS)
-
-
-def metrics_rmse(means, y):
-    from smp_core.metrics import rmse
-    return rmse(means, y)
 
 
 @pytest.fixture(scope="module")
@@ -350,18 +359,6 @@ def test_design_pool_laws_and_errors():
         rs.design_pool(x[:, 0], "uniform", 10, seed=0)
     with pytest.raises(ValueError, match="size must be at least 1"):
         rs.design_pool(x, "uniform", 0, seed=0)
-
-
-def test_design_label():
-    assert rs.design_label("none", 1e-4, 1e-4, "uniform", "data") == "SMP none, uniform design"
-    assert rs.design_label("none", 1e-4, 1e-4, "uniform", "design") == "SMP none, uniform design"  # no P to take it
-    assert (rs.design_label("fixed-dense", 1.0, 1e-4, "smoothed", "design")
-            == "SMP fixed-dense, ridge 1, smoothed design, P from the design")
-    with pytest.raises(ValueError, match="fisher_from"):
-        rs.design_label("fixed-dense", 1.0, 1e-4, "uniform", "pool")
-    for label in ("SMP fixed-dense, ridge 1, smoothed design, P from the design", "SMP fixed-dense, ridge 1"):
-        assert rs.empirical_counterpart(label) == "SMP fixed-dense, ridge 1"
-    assert rs.empirical_counterpart("SMP none, uniform design") == "SMP none"
 
 
 @pytest.mark.parametrize("change, match", [
