@@ -217,7 +217,7 @@ def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dic
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
                 device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0,
-                preconditioner=None, n_steps: int | None = None):
+                preconditioner=None, n_steps: int | None = None, first_chain: int = 0):
     """One SMP variant from theta_0 = MAP; the empirical Fisher (of the variant's structure) from the
     validation set.
 
@@ -225,7 +225,8 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     (:func:`smp_seed`); tau is :func:`variant_tau`; an EMA variant refactorises its statistic every
     ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it):
     :func:`variant_preconditioner`. ``preconditioner``: one to use instead (that one wrapped by
-    a wrapped preconditioner, say); ``n_steps``: stop before ``cfg["n_steps"]``.
+    a wrapped preconditioner, say); ``n_steps``: stop before ``cfg["n_steps"]``; ``first_chain``: run chains
+    ``first_chain, ...`` of the seed's streams (another stream of the same run, :mod:`smp_book.paper_streams`).
     """
     device = device or default_device()
     net = lenet5().to(device)
@@ -238,7 +239,8 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
                    tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"] if n_steps is None else n_steps,
                    n_chains=cfg["n_chains"], seed=smp_seed(cfg, index, replicate),
                    fisher=Fisher("empirical", *fisher_data), progress=progress,
-                   options={"checkpoint": checkpoint, "checkpoint_every": cfg.get("checkpoint_every")})
+                   options={"checkpoint": checkpoint, "checkpoint_every": cfg.get("checkpoint_every"),
+                            "first_chain": first_chain})
 
 
 def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
