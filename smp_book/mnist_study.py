@@ -43,11 +43,16 @@ def ambiguous_three_figure(evals: dict[str, dict], image: torch.Tensor, index: i
     percentile)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(evals) + 1, figsize=(3 * (len(evals) + 1), 2.8))
+    columns = 3  # legible at the text column's width: three panels a row
+    rows = -(-(len(evals) + 1) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(9, 2.9 * rows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(evals) + 1:]:
+        ax.axis("off")
     axes[0].imshow(image, cmap="gray_r")
     axes[0].set_title(f"test image {index} (label 3)")
     axes[0].axis("off")
-    for ax, (name, ev) in zip(axes[1:], evals.items(), strict=True):
+    for ax, (name, ev) in zip(axes[1:len(evals) + 1], evals.items(), strict=True):
         p = ev["probs"][:, index].numpy()
         lo, hi = np.percentile(p, [10, 90], axis=0)
         # a skewed sample can have its mean outside [q10, q90]: draw the interval as lines, not error bars
@@ -55,7 +60,7 @@ def ambiguous_three_figure(evals: dict[str, dict], image: torch.Tensor, index: i
         ax.vlines(range(10), lo, hi, color="black", linewidth=1)
         ax.set_xticks(range(10))
         ax.set_ylim(0, 1)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(name, fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -74,7 +79,8 @@ def paper_scale_note(scale: str, paper_run=None) -> str:
     device = manifest.get("environment", {}).get("device") or manifest.get("device", "an unrecorded device")
     replicates = manifest["config"].get("smp_replicates", 1)
     return (f"The paper scale ($K$ = {manifest['config']['n_steps']:,}, $S$ = {manifest['config']['n_chains']}, "
-            f"{replicates} replicate(s)), computed on {device} in {manifest.get('wall_time_s', float('nan')):,.0f} s:")
+            f"{replicates} replicate{'' if replicates == 1 else 's'}), computed on {device} "
+            f"in {manifest.get('wall_time_s', float('nan')):,.0f} s:")
 
 
 def compute(ctx) -> None:
