@@ -1,9 +1,12 @@
-"""Tests of the MNIST KFAC chapter's helpers that turn its results into tables and sentences
+"""Tests of the MNIST KFAC chapter's helpers that turn its results into tables, numbers and sentences
 (smp_book.mnist_kfac_study; the runs and the step law are tested in test_mnist_study.py)."""
 
 import math
 
+import numpy as np
 import pandas as pd
+import pytest
+import torch
 
 from smp_book import mnist_kfac_study as mks
 
@@ -36,7 +39,7 @@ def test_comparison_takes_the_kfac_rows_and_the_mnist_chapters_others():
 
 def _sets(z_params, z_logits):
     """A table shaped like step_law_sets: predictions 1 with standard error 0.1 and the observed values that
-    lie z standard errors above them (pooled), the set difference 0.5."""
+    lie z standard errors above them (pooled), the set differences -0.5 and 0.5."""
     rows = []
     for method, zp, zl in zip(["SMP-none", "SMP-fixed-diag"], z_params, z_logits, strict=True):
         for name in ("set 0", "set 1", "pooled"):
@@ -48,13 +51,28 @@ def _sets(z_params, z_logits):
     return pd.DataFrame(rows).set_index(["method", "set"])
 
 
-def test_sets_text_counts_the_observed_values_within_two_standard_errors():
-    text, quoted = mks.sets_text(_sets([0.5, 1.0], [-1.5, 30.0]))
-    assert quoted["pooled_within"] == 3 and quoted["pooled_cells"] == 4
-    assert quoted["difference_min"] == -0.5 and quoted["difference_max"] == 0.5
-    assert "SMP-fixed-diag's logit variance (4.0 times its pooled prediction, 30.0 standard errors)" in text
-    text, quoted = mks.sets_text(_sets([0.5, 1.0], [-1.5, 2.0]))
-    assert quoted["pooled_within"] == 4 and "beyond" not in text
+def test_step_law_numbers_quote_the_step_law_tables():
+    """Four draws per variant: each scales the same scores into its steps (x2 diagonal, x4 KFAC) and its steps into
+    output changes (x4, x2, x0.1); each group holds a fixed share of each; the second draw's label is surprising."""
+    base = pd.DataFrame({"row": [3, 1, 4, 5], "training_label": [0, 1, 2, 1], "log_prob": np.log([0.9, 0.2, 0.99, 0.6]),
+                         "score_sq": [1.0, 2.0, 3.0, 4.0]})
+    frames = [base.assign(variant=v, step_sq=step * base["score_sq"], output_sq=step * out * base["score_sq"])
+              for v, step, out in (("none", 1.0, 4.0), ("fixed-diag", 2.0, 2.0), ("fixed-kfac", 4.0, 0.1))]
+    draws = pd.concat(frames, ignore_index=True)
+    for group, share in (("layer 1", 0.25), ("layer 2", 0.75), ("diag Fisher below ridge", 0.5)):
+        draws = draws.assign(**{f"{c}[{group}]": share * draws[c] for c in ("score_sq", "step_sq", "output_sq")})
+    groups = {"layer 1": torch.arange(2), "layer 2": torch.arange(2, 8), "diag Fisher below ridge": torch.arange(8) < 4}
+    tables = (draws, mks.step_law_by_group(draws, groups), mks.step_law_tails(draws), mks.step_law_surprise(draws),
+              pd.concat({f"SMP-{v}": mks.largest_steps(draws, v) for v in mks.STEP_LAW_VARIANTS}, names=["method"]))
+    numbers = mks.step_law_numbers(*tables, _sets([0.5, 1.0], [-1.5, 30.0]))
+    expected = {"per_unit_ratio": 20.0, "step_ratio": 2.0, "layer_ratio_min": 20.0, "layer_ratio_max": 20.0,
+                "diag_alignment": 0.5, "kfac_alignment": 0.025, "ridge_step_share": 0.5, "ridge_output_share": 0.5,
+                "top_share_min": 0.4, "top_share_max": 0.4,  # the largest of 4 draws: 4 of 1 + 2 + 3 + 4
+                "surprise_share": 0.25, "surprise_held_min": 0.2, "surprise_held_max": 0.2,
+                "sets_difference_min": -0.5, "sets_difference_max": 0.5, "top_overlap": 4, "top_count": 4,
+                "sets_pooled_within": 3, "sets_pooled_cells": 4}
+    assert numbers == pytest.approx(expected)
+    assert mks.step_law_numbers(*tables, _sets([0.5, 1.0], [-1.5, 2.0]))["sets_pooled_within"] == 4
 
 
 def test_shown_writes_missing_cells_as_a_dash():
