@@ -1,11 +1,5 @@
-"""The claims of Section 3.3 that :func:`smp_book.mnist_study.claims` leaves out, judged from the tables
-the MNIST chapter writes: the order of the three diagonal variants, their predictive scores, the
-calibration plot, the ambiguous 3 and the timings.
-
-They are judged from the result files alone, so that the results of any scale, the paper scale's
-included, can be judged without their runs. :mod:`smp_book.mnist_study` does not import this module,
-so the cache keys of its runs (hours at the paper scale) do not depend on it.
-"""
+"""The claims of Section 3.3, judged by stated criteria from the tables the MNIST chapter writes, so that the
+results of any scale, the paper scale's included, can be judged without their runs."""
 
 from __future__ import annotations
 
@@ -16,6 +10,8 @@ import pandas as pd
 
 DIAGONAL = ("SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag")
 FIXED, EMA, PERIODIC = DIAGONAL
+COLUMNS = ["claim", "criterion", "verdict", "evidence"]
+KINDS = (("holds", "hold"), ("partly", "partly"), ("does not hold", "do not hold"))
 
 
 def _verdict(flags: list[bool]) -> str:
@@ -25,41 +21,25 @@ def _verdict(flags: list[bool]) -> str:
 def entropy(probs: pd.Series) -> float:
     """The entropy (nats) of one predictive distribution over the classes (NaN if a probability is)."""
     p = probs.to_numpy(dtype=np.float64)
-    if not np.isfinite(p).all():
-        return float("nan")
-    p = p[p > 0]
-    return float(-(p * np.log(p)).sum())
+    return float(-(p[p > 0] * np.log(p[p > 0])).sum()) if np.isfinite(p).all() else float("nan")
 
 
 def underconfidence_bound(accuracy: float, ece: float) -> float:
-    """A lower bound on the part of the ECE where the confidence is below the accuracy.
-
-    In each bin ``b`` the confidence is at most 1, so the over-confident part
-    ``sum_b w_b (conf_b - acc_b)_+`` is at most ``sum_b w_b (1 - acc_b) = 1 - accuracy``; what the ECE
-    holds beyond that is under-confidence."""
+    """A lower bound on the part of the ECE where the confidence is below the accuracy: the confidence is at
+    most 1, so the over-confident part ``sum_b w_b (conf_b - acc_b)_+`` is at most ``1 - accuracy``."""
     return max(0.0, ece - (1.0 - accuracy))
 
 
 def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.DataFrame,
                    elapsed: pd.DataFrame, timing_note: str | None = None, n_test: int | None = None) -> pd.DataFrame:
-    """One row per claim (``claim``, ``criterion``, ``verdict``, ``evidence``), as in
-    :func:`smp_book.mnist_study.claims`. ``scores``, ``variances`` and ``elapsed`` are the chapter's
-    ``*_mean`` tables (rows ``MAP``, ``SMP-none`` and the diagonal variants); ``ambiguous`` its
-    ``ambiguous_three`` table (mean class probabilities per method for the ambiguous 3, columns
-    ``"0"`` to ``"9"``); ``timing_note``, when the results carry one, is added to the timing claim's
-    evidence (other work shared the machine while some of those seconds were measured). ``n_test``, the
-    number of test images, sets the margin by which an accuracy counts as lower: one binomial standard
-    error of MAP's (none without it). A claim whose numbers are not all finite is "not checked"."""
-    missing = [m for m in ("MAP", "SMP-none", *DIAGONAL) if m not in scores.index or m not in variances.index]
-    if missing:
-        raise ValueError(f"scores and variances need the rows {missing}")
+    """The claims of Section 3.3 that :func:`claims` leaves out, from the chapter's ``*_mean`` and
+    ``ambiguous_three`` tables. With ``n_test`` an accuracy is lower only by more than one binomial standard
+    error of MAP's; a claim whose numbers are not all finite is "not checked"."""
     s, v, rows = scores, variances, []
 
     def add(claim, criterion, numbers, judge, evidence):
         finite = all(np.isfinite(np.asarray(x, dtype=np.float64)).all() for x in numbers)
-        rows.append({"claim": claim, "criterion": criterion,
-                     "verdict": _verdict(judge()) if finite else "not checked (a number is missing)",
-                     "evidence": evidence})
+        rows.append([claim, criterion, _verdict(judge()) if finite else "not checked (a number is missing)", evidence])
 
     mi, logit = s["mutual_info"], v["logits_variance"]
     add("Dispersion is largest for fixed, then EMA, then periodic (MI, logit variance)",
@@ -67,24 +47,19 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
         [mi[list(DIAGONAL)], logit[list(DIAGONAL)]],
         lambda: [mi[FIXED] > mi[EMA] > mi[PERIODIC], logit[FIXED] > logit[EMA] > logit[PERIODIC]],
         "; ".join(f"{m}: MI {mi[m]:.4g}, logit variance {logit[m]:.4g}" for m in DIAGONAL))
-
-    map_accuracy = s.loc["MAP", "accuracy"]
+    map_accuracy, metrics = s.loc["MAP", "accuracy"], ["accuracy", "brier", "nll", "ece"]
     margin = float(np.sqrt(map_accuracy * (1 - map_accuracy) / n_test)) if n_test else 0.0
-    metrics = ["accuracy", "brier", "nll", "ece"]
-
-    def worse(m):
-        return all(s.loc[m, "accuracy"] < s.loc[ref, "accuracy"] - margin
-                   and all(s.loc[m, c] > s.loc[ref, c] for c in metrics[1:]) for ref in ("MAP", "SMP-none"))
-
     add("The diagonal variants predict worse than MAP and SMP-none (accuracy, Brier, NLL, ECE)",
         "for each diagonal variant all four worse than both MAP's and SMP-none's, the accuracy by more than "
         f"{margin:.4f} (one binomial standard error of MAP's; partly: some variants)",
-        [s.loc[["MAP", "SMP-none", *DIAGONAL], metrics]], lambda: [worse(m) for m in DIAGONAL],
+        [s.loc[["MAP", "SMP-none", *DIAGONAL], metrics]],
+        lambda: [all(s.loc[m, "accuracy"] < s.loc[ref, "accuracy"] - margin
+                     and all(s.loc[m, c] > s.loc[ref, c] for c in metrics[1:]) for ref in ("MAP", "SMP-none"))
+                 for m in DIAGONAL],
         "; ".join(f"{m}: accuracy {s.loc[m, 'accuracy']:.4f}, Brier {s.loc[m, 'brier']:.4f}, "
                   f"NLL {s.loc[m, 'nll']:.4f}, ECE {s.loc[m, 'ece']:.4f}" for m in DIAGONAL)
         + f" (MAP: {s.loc['MAP', 'accuracy']:.4f}, {s.loc['MAP', 'brier']:.4f}, {s.loc['MAP', 'nll']:.4f}, "
           f"{s.loc['MAP', 'ece']:.4f})")
-
     ece = s["ece"]
     under = {m: underconfidence_bound(s.loc[m, "accuracy"], ece[m]) for m in (FIXED, EMA)}
     add("Calibration: MAP and SMP-none near the diagonal; fixed and EMA far under-confident; periodic between",
@@ -97,10 +72,7 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
         f"ECE: MAP {ece['MAP']:.4f}, SMP-none {ece['SMP-none']:.4f}, "
         + ", ".join(f"{m} {ece[m]:.4f} (under-confident at least {under[m]:.4f})" for m in (FIXED, EMA))
         + f", {PERIODIC} {ece[PERIODIC]:.4f}")
-
-    probs = ambiguous.rename(columns=str)
-    classes = [str(c) for c in range(10)]
-    shown = ("MAP", "SMP-none", *DIAGONAL)
+    probs, classes, shown = ambiguous.rename(columns=str), [str(c) for c in range(10)], ("MAP", "SMP-none", *DIAGONAL)
     h = {m: entropy(probs.loc[m, classes]) for m in shown}
     add("Ambiguous 3: SMP-none concentrated on 3 like MAP; fixed most diffuse, then EMA, then periodic",
         "SMP-none gives 3 a probability above 0.5 and within 0.05 of MAP's; entropies of the mean "
@@ -110,7 +82,6 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
                  h[FIXED] > h[EMA] > h[PERIODIC] > h["SMP-none"]],
         f"P(3): MAP {probs.loc['MAP', '3']:.3f}, SMP-none {probs.loc['SMP-none', '3']:.3f}; entropy (nats): "
         + ", ".join(f"{m} {h[m]:.3f}" for m in ("SMP-none", *DIAGONAL)))
-
     sec = elapsed.iloc[:, 0]
     add("The diagonal variants take longer than SMP-none, periodic (its recomputations) the longest",
         "each diagonal variant's seconds above SMP-none's, and periodic's the largest (partly: some of these)",
@@ -118,7 +89,7 @@ def further_claims(scores: pd.DataFrame, variances: pd.DataFrame, ambiguous: pd.
         lambda: [sec[m] > sec["SMP-none"] for m in DIAGONAL] + [sec[PERIODIC] == sec[list(DIAGONAL)].max()],
         "seconds: " + ", ".join(f"{m} {sec[m]:.0f}" for m in ("SMP-none", *DIAGONAL))
         + (f" (timing note: {timing_note})" if timing_note else ""))
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=COLUMNS)
 
 
 def from_results(res) -> pd.DataFrame:
@@ -138,25 +109,12 @@ SAME_MAP = ("n_train", "n_val", "split_seed", "map_batch", "map_epochs", "map_lr
 
 
 def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
-    """Per SMP variant, how far the paper-scale mutual information (``run``: the MNIST chapter's results at
-    the paper scale, first replicate) is from the paper's (``paper_scores``, Table ex2_scores), and what
-    the other results say of that gap:
-
-    - ``ratio``: ours over the paper's;
-    - ``largest chain's share``: of our mutual information (near ``1/S``: the bulk of the chains, not
-      one chain's excursion);
-    - where the MAP-seeds chapter's results ``seeds`` are given and comparable (its runs have the data,
-      the MAP training and the number of chains of ``run``: :data:`SAME_MAP`, ``n_chains``; several
-      MAPs, a few replicates each, at a smaller ``K``): ``MAP sd`` and ``stream sd``, the standard
-      deviations of the log mutual information between MAPs and between the random streams of one MAP
-      there, and ``gap in sds``, the log ratio over the standard deviation of the difference of two
-      runs from independent MAPs and streams (``sqrt(2)`` times that of one run: the paper's run and
-      ours are one draw each); ``growth``, our mutual information over the mean of that chapter's runs
-      from the same MAP (by its seed; periodic only if its Fisher uses as many validation images),
-      beside ``linear growth``, what a fixed Fisher and chains that stay where it holds would give, the
-      ratio of the shares ``1 - r_K^2 / r_0^2`` of the limiting variance at the two K
-      (:func:`smp_core.recursion.residual_variance_ratio`).
-    """
+    """Per SMP variant, the paper-scale mutual information (``run``) beside the paper's, their ``ratio`` and our
+    ``largest chain's share``. Where the MAP-seeds chapter's ``seeds`` have the data, MAP training and S of
+    ``run``: ``MAP sd`` and ``stream sd`` of the log MI there, ``gap in sds`` (the log ratio over the sd of the
+    difference of two runs from independent MAPs and streams: the paper's and ours are one draw each) and
+    ``growth`` from the same MAP (periodic only with as many Fisher images) beside ``linear growth``, the
+    ratio of the reached shares ``1 - r_K^2 / r_0^2`` at the two K."""
     from smp_core.recursion import residual_variance_ratio
 
     scores, tails = run.table("scores"), run.table("tails")
@@ -186,90 +144,78 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
 
 
 def both_scales(paper_run, here, scale: str) -> pd.DataFrame:
-    """The verdicts of :func:`all_claims` at the paper scale (``paper_run``) beside those of this scale's
-    results ``here``: columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)`` ("-" where
-    this scale judges no such claim)."""
+    """The verdicts of :func:`all_claims` at the paper scale beside those of ``here`` (columns ``claim``,
+    ``verdict (paper scale)``, ``verdict (<scale>)``; "-" where ``here`` judges no such claim)."""
     return all_claims(paper_run)[["claim", "verdict"]].merge(
         all_claims(here)[["claim", "verdict"]], on="claim", how="left",
         suffixes=(" (paper scale)", f" ({scale})")).fillna("-")
 
 
-def count_verdicts(verdicts) -> str:
-    """``"3 hold, 1 partly, 1 not checked"``: :func:`smp_book.mnist_study.verdict_summary` with the claims
-    it does not count (not checked, or not judged: "-") counted too, so that the counts add up."""
+def verdict_summary(verdicts) -> str:
+    """``"3 hold, 1 partly, 1 does not hold"``: how many verdicts of each kind (absent kinds left out)."""
+    counts = Counter(verdicts)
+    return ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural}" for v, plural in KINDS if counts[v]) or "none"
 
+
+def count_verdicts(verdicts) -> str:
+    """:func:`verdict_summary` with the other verdicts (not checked, or "-": not judged) counted as "not
+    checked", so that the counts add up."""
     verdicts = list(verdicts)
-    rest = sum(v not in ("holds", "partly", "does not hold") for v in verdicts)
+    rest = sum(v not in dict(KINDS) for v in verdicts)
     parts = [verdict_summary(verdicts)] + ([f"{rest} not checked"] if rest else [])
     return ", ".join(p for p in parts if p != "none") or "none"
 
 
-def _sig2(x: float) -> str:
-    """``x`` to two significant figures, without an exponent."""
-    return np.format_float_positional(float(f"{x:.2g}"), trim="-")
+def verdict_counts(verdicts) -> str:
+    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first)."""
+    return ", ".join(f"{v} {n}" for v, n in Counter(verdicts).most_common())
 
 
 def _times(x: float) -> str:
-    return f"{_sig2(x)} times" if np.isfinite(x) else "not comparable with"
+    """``x`` to two significant figures, without an exponent, and "times"."""
+    if not np.isfinite(x):
+        return "not comparable with"
+    return f"{np.format_float_positional(float(f'{x:.2g}'), trim='-')} times"
 
 
 def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
                          scale: str, n_chains: int) -> str:
-    """What the paper-scale results say, in Markdown: how many of the paper's claims hold there and at
-    ``scale``, which verdicts change between the two, and per SMP variant how far its mutual information
-    and logit variance are from the paper's, with what the evidence says about why, and its accuracy
-    beside the MAP's at both.
-
-    ``verdicts`` is :func:`both_scales`' table, ``gaps`` :func:`paper_scale_gaps`' (with the MAP-seeds
-    chapter's results, when its columns are there); ``ours`` and ``paper`` hold per method (``MAP`` and
-    the variants) the columns ``accuracy`` and ``logits_variance``, at the paper scale and in the paper's
-    tables; ``n_chains`` is the chains per run. The words follow fixed thresholds: a gap within two
-    standard deviations is one that another MAP and stream could give (at the MAP-seeds chapter's K); a
-    growth more than twice the linear one is faster than a fixed Fisher gives, which for SMP-fixed-diag
-    says that its chains left the region where the MAP's Fisher holds (less than half: less than it
-    gives); a largest chain's share below ``5 / n_chains`` says that the bulk of the chains carries the
-    mutual information, one from 0.25 that one chain's excursion carries much of it."""
+    """What the paper-scale results say, in Markdown: the verdict counts (``verdicts``: :func:`both_scales`),
+    the verdicts that change, and per SMP variant its accuracy, MI and logit variance (``ours``, ``paper``)
+    against the paper's with what ``gaps`` (:func:`paper_scale_gaps`) says of the gap. Fixed thresholds set
+    the words: a gap within two sds is one that another MAP and stream could give; a growth above twice the
+    linear one is faster than a fixed Fisher gives (for SMP-fixed-diag: its chains left the region where the
+    MAP's Fisher holds), below half less; a largest chain's share below ``5 / n_chains`` says that the bulk
+    of the chains carries the MI, one from 0.25 that much of it is one chain's excursion."""
     at_paper, here = "verdict (paper scale)", f"verdict ({scale})"
-    missing = [c for c in ("claim", at_paper, here) if c not in verdicts.columns]
-    missing += [f"gaps: {c}" for c in ("paper", "paper scale", "ratio") if c not in gaps.columns]
-    for name, table in (("ours", ours), ("paper", paper)):
-        missing += [f"{name}: {c}" for c in ("accuracy", "logits_variance") if c not in table.columns]
-        missing += [f"{name}: row {m}" for m in ("MAP", *gaps.index) if m not in table.index]
-    if missing:
-        raise ValueError(f"paper_scale_findings: missing columns or rows {missing}")
-    lines = [f"Of the {len(verdicts)} claims, at the paper scale {count_verdicts(verdicts[at_paper])}; at the "
-             f"{scale} scale, {count_verdicts(verdicts[here])}."]
     changed = verdicts[verdicts[at_paper] != verdicts[here]]
-    lines.append("The verdicts that change with the scale: " + "; ".join(
-        f"*{row['claim']}* ({row[here]} at the {scale} scale, {row[at_paper]} at the paper scale)"
-        for _, row in changed.iterrows()) + "." if len(changed) else "No verdict changes with the scale.")
+    head = (f"Of the {len(verdicts)} claims, at the paper scale {count_verdicts(verdicts[at_paper])}; at the "
+            f"{scale} scale, {count_verdicts(verdicts[here])}. "
+            + ("The verdicts that change with the scale: " + "; ".join(
+                f"*{c}* ({h} at the {scale} scale, {p} at the paper scale)"
+                for c, p, h in changed[["claim", at_paper, here]].itertuples(index=False)) + "."
+               if len(changed) else "No verdict changes with the scale."))
     bullets = []
-    acc = {"ours": ours["accuracy"].astype(float), "paper": paper["accuracy"].astype(float)}
     for method, row in gaps.iterrows():
+        acc = [float(t.loc[m, "accuracy"]) for t in (ours, paper) for m in (method, "MAP")]
         logit = ours.loc[method, "logits_variance"] / float(paper.loc[method, "logits_variance"])
         coarse = np.isfinite(row["paper"]) and row["paper"] != 0 and float(f"{row['paper']:.1g}") == row["paper"]
-        parts = [f"accuracy {acc['ours'][method]:.4f} against the MAP's {acc['ours']['MAP']:.4f} (the paper: "
-                 f"{acc['paper'][method]:.4f} against {acc['paper']['MAP']:.4f})",
-                 f"mutual information {row['paper scale']:.4g} against the paper's {row['paper']:.4g} "
-                 f"({_times(row['ratio'])} it"
+        parts = [f"accuracy {acc[0]:.4f} against the MAP's {acc[1]:.4f} (the paper: {acc[2]:.4f} against "
+                 f"{acc[3]:.4f})", f"mutual information {row['paper scale']:.4g} against the paper's "
+                 f"{row['paper']:.4g} ({_times(row['ratio'])} it"
                  + (", the paper's number having one significant figure" if coarse else "")
                  + f"), logit variance {_times(logit)} the paper's"]
-        gap = row.get("gap in sds", np.nan)
+        gap, growth, linear = (row.get(c, np.nan) for c in ("gap in sds", "growth", "linear growth"))
         if np.isfinite(gap):
-            parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's "
-                         "(those of the difference of two runs from other MAPs and streams, at the MAP-seeds "
-                         "chapter's K): " + ("within what another MAP and stream could give" if abs(gap) <= 2
-                                             else "more than another MAP and stream gave there"))
-        growth, linear = row.get("growth", np.nan), row.get("linear growth", np.nan)
+            parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's: "
+                         + ("within what another MAP and stream could give" if abs(gap) <= 2
+                            else "more than another MAP and stream gave at the MAP-seeds chapter's K"))
         if np.isfinite(growth) and np.isfinite(linear):
-            faster = ("faster than a fixed Fisher gives: the chains left the region where the MAP's Fisher "
-                      "holds, so at the paper's K the dispersion depends on where they went" if method == FIXED
-                      else "faster than a fixed Fisher gives")
-            parts.append(f"it grew {_sig2(growth)} times from the MAP-seeds chapter's K on the same MAP, where a "
-                         f"fixed Fisher gives {_sig2(linear)} times: "
-                         + (faster if growth > 2 * linear else
-                            "less than a fixed Fisher gives" if growth < linear / 2 else
-                            "about what a fixed Fisher gives"))
+            faster = "faster than a fixed Fisher gives" + (
+                ": the chains left the region where the MAP's Fisher holds" if method == FIXED else "")
+            parts.append(f"it grew {_times(growth)} from the MAP-seeds chapter's K on the same MAP, a fixed Fisher "
+                         f"{_times(linear)}: " + (faster if growth > 2 * linear else "less than a fixed Fisher gives"
+                                                  if growth < linear / 2 else "about what a fixed Fisher gives"))
         share = row.get("largest chain's share", np.nan)
         if np.isfinite(share):
             parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
@@ -277,18 +223,14 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
                             "a sizeable share for one chain" if share < 0.25 else
                             "so much of it is one chain's excursion"))
         bullets.append(f"- {method}: " + "; ".join(parts) + ".")
-    return "\n".join([" ".join(lines), "", *bullets])
+    return "\n".join([head, "", *bullets])
 
 
 def claims(scores: pd.DataFrame, variances: pd.DataFrame,
            replicates: list[tuple[pd.DataFrame, pd.DataFrame]] | None = None) -> pd.DataFrame:
-    """The conclusions of Section 3.3.4, judged by stated criteria on our numbers.
-
-    ``scores`` and ``variances`` are the tables the verdicts are judged on (with replicates, their
-    means). ``replicates``, a list of ``(scores, variances)`` of single runs, adds a column
-    ``replicates`` that counts the verdicts each run alone gets (e.g. ``holds 2, does not hold 1``):
-    how much a verdict depends on the random stream.
-    """
+    """The conclusions of Section 3.3.4, judged by stated criteria on ``scores`` and ``variances`` (with
+    replicates, their means). ``replicates``, ``(scores, variances)`` of single runs, adds the column
+    ``replicates``: the verdicts each run alone gets (:func:`verdict_counts`)."""
     table = _claims(scores, variances)
     if replicates:
         per_run = [_claims(s, v)["verdict"].tolist() for s, v in replicates]
@@ -296,54 +238,28 @@ def claims(scores: pd.DataFrame, variances: pd.DataFrame,
     return table
 
 
-def verdict_counts(verdicts) -> str:
-    """``["holds", "does not hold", "holds"]`` -> ``"holds 2, does not hold 1"`` (most frequent first;
-    a tie in the order the verdicts first appear, i.e. of the replicates)."""
-    return ", ".join(f"{v} {n}" for v, n in Counter(verdicts).most_common())
-
-
-def _claims(scores: pd.DataFrame, variances: pd.DataFrame) -> pd.DataFrame:
-    s, v = scores, variances
-    rows = []
-
-    def add(claim, criterion, verdict, evidence):
-        rows.append({"claim": claim, "criterion": criterion, "verdict": verdict, "evidence": evidence})
-
+def _claims(s: pd.DataFrame, v: pd.DataFrame) -> pd.DataFrame:
     acc_gap = abs(s.loc["SMP-none", "accuracy"] - s.loc["MAP", "accuracy"])
     nll_gap = abs(s.loc["SMP-none", "nll"] - s.loc["MAP", "nll"])
-    add("SMP-none predicts like MAP (same accuracy, Brier, NLL, ECE)",
-        "accuracy within 0.002 and NLL within 0.005 of MAP",
-        "holds" if acc_gap <= 0.002 and nll_gap <= 0.005 else ("partly" if acc_gap <= 0.005 else "does not hold"),
-        f"accuracy {s.loc['SMP-none', 'accuracy']:.4f} vs {s.loc['MAP', 'accuracy']:.4f}; NLL "
-        f"{s.loc['SMP-none', 'nll']:.4f} vs {s.loc['MAP', 'nll']:.4f}")
-    mi = s.loc["SMP-none", "mutual_info"]
-    add("SMP-none collapses to a point estimate (tiny MI and epistemic std)",
-        "MI < 0.005 and epistemic std < 0.005",
-        "holds" if mi < 0.005 and s.loc["SMP-none", "epistemic_std"] < 0.005 else "does not hold",
-        f"MI {mi:.5f}, epistemic std {s.loc['SMP-none', 'epistemic_std']:.5f}")
-    diag = DIAGONAL
-    over = [s.loc[d, "mutual_info"] > 10 * max(mi, 1e-6) and s.loc[d, "nll"] > s.loc["MAP", "nll"] for d in diag]
-    add("The diagonal variants over-disperse: much larger MI and worse NLL than MAP and SMP-none",
-        "for each diagonal variant MI > 10x SMP-none's and NLL > MAP's (partly: some of them)",
-        "holds" if all(over) else ("partly" if any(over) else "does not hold"),
-        "; ".join(f"{d}: MI {s.loc[d, 'mutual_info']:.4f}, NLL {s.loc[d, 'nll']:.4f}" for d in diag))
-    least = min(diag, key=lambda d: s.loc[d, "mutual_info"])
-    add("Periodic recomputation over-disperses least among the diagonal variants",
-        "SMP-periodic-diag has the smallest MI of the three",
-        "holds" if least == "SMP-periodic-diag" else "does not hold",
-        f"smallest MI: {least}")
-    big = [v.loc[d, "params_variance"] < 1e-3 and v.loc[d, "logits_variance"] > 1.0 for d in diag]
-    add("Diagonal variants: tiny parameter variance (< 1e-3) but large logit variance (> 1)",
-        "both, for each diagonal variant (partly: some)",
-        "holds" if all(big) else ("partly" if any(big) else "does not hold"),
-        "; ".join(f"{d}: params {v.loc[d, 'params_variance']:.2e}, logits {v.loc[d, 'logits_variance']:.3f}"
-                  for d in diag))
-    return pd.DataFrame(rows)
-
-
-def verdict_summary(verdicts) -> str:
-    """``"3 hold, 1 partly, 1 does not hold"``: how many verdicts of each kind, in that order (kinds
-    that do not occur left out)."""
-    counts = Counter(verdicts)
-    kinds = (("holds", "hold"), ("partly", "partly"), ("does not hold", "do not hold"))
-    return ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural}" for v, plural in kinds if counts[v]) or "none"
+    mi, std = s.loc["SMP-none", "mutual_info"], s.loc["SMP-none", "epistemic_std"]
+    over = [s.loc[d, "mutual_info"] > 10 * max(mi, 1e-6) and s.loc[d, "nll"] > s.loc["MAP", "nll"] for d in DIAGONAL]
+    least = min(DIAGONAL, key=lambda d: s.loc[d, "mutual_info"])
+    big = [v.loc[d, "params_variance"] < 1e-3 and v.loc[d, "logits_variance"] > 1.0 for d in DIAGONAL]
+    return pd.DataFrame([
+        ["SMP-none predicts like MAP (same accuracy, Brier, NLL, ECE)",
+         "accuracy within 0.002 and NLL within 0.005 of MAP",
+         "holds" if acc_gap <= 0.002 and nll_gap <= 0.005 else ("partly" if acc_gap <= 0.005 else "does not hold"),
+         f"accuracy {s.loc['SMP-none', 'accuracy']:.4f} vs {s.loc['MAP', 'accuracy']:.4f}; NLL "
+         f"{s.loc['SMP-none', 'nll']:.4f} vs {s.loc['MAP', 'nll']:.4f}"],
+        ["SMP-none collapses to a point estimate (tiny MI and epistemic std)", "MI < 0.005 and epistemic std < 0.005",
+         _verdict([mi < 0.005 and std < 0.005]), f"MI {mi:.5f}, epistemic std {std:.5f}"],
+        ["The diagonal variants over-disperse: much larger MI and worse NLL than MAP and SMP-none",
+         "for each diagonal variant MI > 10x SMP-none's and NLL > MAP's (partly: some of them)", _verdict(over),
+         "; ".join(f"{d}: MI {s.loc[d, 'mutual_info']:.4f}, NLL {s.loc[d, 'nll']:.4f}" for d in DIAGONAL)],
+        ["Periodic recomputation over-disperses least among the diagonal variants",
+         "SMP-periodic-diag has the smallest MI of the three", _verdict([least == PERIODIC]),
+         f"smallest MI: {least}"],
+        ["Diagonal variants: tiny parameter variance (< 1e-3) but large logit variance (> 1)",
+         "both, for each diagonal variant (partly: some)", _verdict(big),
+         "; ".join(f"{d}: params {v.loc[d, 'params_variance']:.2e}, logits {v.loc[d, 'logits_variance']:.3f}"
+                   for d in DIAGONAL)]], columns=COLUMNS)

@@ -109,12 +109,6 @@ def test_entropy_of_a_uniform_and_of_a_point():
     assert mc.entropy(pd.Series([1.0] + [0.0] * 9)) == 0.0
 
 
-def test_missing_rows_are_named():
-    with pytest.raises(ValueError, match="SMP-ema-diag"):
-        mc.further_claims(paper_table("ex2_scores").drop("SMP-ema-diag"), paper_table("ex2_variances"), AS_PAPER,
-                          paper_table("ex2_elapsed"))
-
-
 def test_from_results_reads_the_chapters_tables(tmp_path):
     layout = {"index": 1, "header": 1}
     tables = {"scores_mean": paper_table("ex2_scores"), "variances_mean": paper_table("ex2_variances"),
@@ -231,10 +225,6 @@ def test_paper_scale_findings_name_the_changes_and_turn_with_the_evidence():
     assert "2.5 standard deviations above the paper's" in far and "more than another MAP" in far
     assert "about what a fixed Fisher gives" in far and "one chain's excursion" in far
     assert "No verdict changes with the scale." in far
-    with pytest.raises(ValueError, match="paper: row SMP-fixed-diag"):
-        mc.paper_scale_findings(verdicts, _gaps(), ours, paper.drop(index=FIXED), "laptop", 100)
-    with pytest.raises(ValueError, match="verdict \\(ci\\)"):
-        mc.paper_scale_findings(verdicts, _gaps(), ours, paper, "ci", 100)
     coarse = mc.paper_scale_findings(verdicts, _gaps(paper=0.0002, ratio=np.nan), ours, paper, "laptop", 100)
     assert "(not comparable with it, the paper's number having one significant figure)" in coarse
     few = findings(verdicts, **{"gap in sds": 0.5, "growth": 2.0, "linear growth": 6.1,
