@@ -143,17 +143,24 @@ def test_short_nuts_run(toy200, map200, nuts200):
     assert 0.7 < d.mean_accept_prob <= 1.0
     assert 1 <= d.max_tree_depth_reached <= d.max_tree_depth
     assert 0 <= d.num_max_tree_depth_hits <= 150
-    for key, value in d.summary().items():
+    summary = d.summary()
+    for key, value in summary.items():
         assert np.isfinite(value), key
+    assert list(summary) == [
+        "num_divergences", "num_warmup_divergences", "mean_accept_prob", "step_size", "max_tree_depth",
+        "max_tree_depth_reached", "num_max_tree_depth_hits", "mean_num_steps", "min_ess_params", "median_ess_params",
+        "max_rhat_params", "min_ess_params_raw", "num_relabelled", "min_ess_logits", "median_ess_logits",
+        "max_rhat_logits", "warmup_time_s", "sampling_time_s", "wall_time_s"]  # the columns of the tables
     assert d.ess_params.shape == d.rhat_params.shape == (20,)
     assert d.ess_logits.shape == d.rhat_logits.shape == (200,)
-    assert d.min_ess_params > 1 and d.wall_time_s > 0
+    assert summary["min_ess_params"] == np.nanmin(d.ess_params) > 1 and d.wall_time_s > 0
+    assert summary["num_relabelled"] == np.sum(res.labels != 0)
     assert set(res.extra_fields) >= {"diverging", "accept_prob", "num_steps", "tree_depth"}
     # Relabelling changes no draw's predictions.
     np.testing.assert_allclose(predict_logits(res.samples, x[:20]), predict_logits(res.raw_samples, x[:20]),
                                atol=1e-9)
     # The NUTS-mean point estimate predicts well on the training data and passes the check.
-    acc_mean = np.mean((predict_logits(res.mean, x)[0] > 0) == (y > 0.5))
+    acc_mean = np.mean((predict_logits(res.samples.mean(axis=0), x)[0] > 0) == (y > 0.5))
     assert acc_mean > 0.8
     metrics = check_nuts_mean(res.samples, x, y)
     assert metrics["accuracy_ensemble"] > 0.8
