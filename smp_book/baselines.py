@@ -86,7 +86,7 @@ class _Laplace:
 @dataclass(frozen=True, eq=False)
 class TorchLaplace(_Laplace):
     """A laplace-torch ``Laplace`` object ``la`` under one prior precision (``la`` is shared, not refitted,
-    by :meth:`with_prior_precision`)."""
+    by ``with_prior_precision``)."""
 
     la: Any
     structure: str
@@ -191,7 +191,7 @@ def fit_laplace(model: nn.Module, likelihood, theta_map: torch.Tensor, x: torch.
                 prior_precision: float, structure: str = "dense", input_shape: tuple[int, ...] | None = None,
                 batch_size: int | None = None) -> TorchLaplace | BlockLaplace:
     """The Laplace approximation ``N(theta_MAP, (GGN + alpha I)^-1)`` at ``theta_map`` ``(d,)``, the GGN summed over
-    the training set ``(x, y)`` and kept in ``structure`` (one of :data:`LAPLACE_STRUCTURES`), ``alpha > 0``.
+    the training set ``(x, y)`` and kept in ``structure`` (one of ``LAPLACE_STRUCTURES``), ``alpha > 0``.
 
     ``likelihood``: ``"bernoulli"`` (to laplace-torch as two classes with logits ``(0, g)``), ``"categorical"``,
     ``"gaussian"`` or a likelihood object. ``diag``, ``kfac``, ``dense``: laplace-torch's ``Laplace(...,
