@@ -11,7 +11,7 @@ the committed run they differ by the MAP's refit too.
 
     python -m smp_book.paper_streams --variant fixed-diag --stream 1 --threads 1
 
-Each run saves a checkpoint every ``checkpoint_every`` steps under ``--work`` (outside the work tree by
+Each run saves a checkpoint every ``--checkpoint-every`` steps under ``--work`` (outside the work tree by
 default, so that a fresh checkout keeps it) and resumes from it; once done it writes
 ``results/paper/mnist_streams/<variant>/stream_<j>/`` (the MNIST chapter's tables for that run and a
 manifest: code revision, settings with tau, seeds, chains, machine, wall time and the load average when
@@ -43,12 +43,14 @@ def committed_run(root: Path = RESULTS) -> dict:
 
 
 def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULTS,
-               progress: bool = True) -> Path:
+               progress: bool = True, checkpoint_every: int = 10_000) -> Path:
     """Stream ``stream`` (chains ``100 stream`` onwards) of ``variant`` at the paper scale; returns its folder."""
     if variant not in MNIST_VARIANTS:
         raise ValueError(f"variant: unknown MNIST variant {variant!r}; known: {', '.join(MNIST_VARIANTS)}")
     if not isinstance(stream, int) or stream < 1:
         raise ValueError(f"stream: a positive integer is needed (stream 0 is the committed run), got {stream!r}")
+    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every: a positive integer is needed, got {checkpoint_every!r}")
     manifest, cfg = committed_run(root), study_config("mnist", "paper")
     if (why := stale_reason(root / "paper" / "mnist", cfg)) is not None:
         raise ValueError(f"the committed paper-scale run cannot be extended: {why}")
@@ -87,6 +89,7 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
         raise ValueError(f"the committed run's seed of {variant} is {seed}, not the chapter's "
                          f"{mnist_runs.smp_seed(cfg, index)}")
     work.mkdir(parents=True, exist_ok=True)
+    cfg = {**cfg, "checkpoint_every": checkpoint_every}  # where to resume from; the draws do not depend on it
     first = cfg["n_chains"] * stream
     res = mnist_runs.run_variant(cfg, variant, theta_map, data, index, torch.device("cpu"), progress=progress,
                                  checkpoint=work / f"{variant}-stream{stream}.checkpoint.pt", first_chain=first)
@@ -119,10 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream", type=int, required=True, help="chains 100 STREAM to 100 STREAM + 99")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and the MAP cache")
+    parser.add_argument("--checkpoint-every", type=int, default=10_000, help="steps between checkpoints")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    run_stream(args.variant, args.stream, args.work)
+    run_stream(args.variant, args.stream, args.work, checkpoint_every=args.checkpoint_every)
 
 
 if __name__ == "__main__":
