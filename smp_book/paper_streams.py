@@ -10,6 +10,7 @@ committed one (same validation loss). Streams of that MAP differ by the SMP rand
 the committed run they differ by the MAP's refit too.
 
     python -m smp_book.paper_streams --variant fixed-diag --stream 1 --threads 1
+    python -m smp_book.paper_streams --map-scores  # the saved MAP's own row, once
 
 Each run saves a checkpoint every ``--checkpoint-every`` steps under ``--work`` (outside the work tree by
 default, so that a fresh checkout keeps it) and resumes from it; once done it writes
@@ -116,16 +117,38 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
     return out
 
 
+def map_scores(root: Path = RESULTS) -> Path:
+    """The scores of the streams' saved MAP on the test set (``mnist_streams/map_scores.csv``, the MAP row of every
+    stream beyond the first, which :mod:`smp_book.register` pairs with the stream's SMP rows)."""
+    saved = root / "paper" / "mnist_streams" / "map.pt"
+    if not saved.exists():
+        raise FileNotFoundError(f"{saved}: no saved MAP yet (the first stream run saves it)")
+    data, _ = mnist_runs.load_data(study_config("mnist", "paper"))
+    fit = torch.load(saved, weights_only=False)
+    tables = mnist_runs.tables({"MAP": mnist_runs.evaluate(fit["theta"][None], data, device=torch.device("cpu"))},
+                               {"MAP": 0.0})
+    out = saved.with_name("map_scores.csv")
+    tables["scores"].to_csv(out)
+    print(f"wrote {out}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", required=True, choices=MNIST_VARIANTS)
-    parser.add_argument("--stream", type=int, required=True, help="chains 100 STREAM to 100 STREAM + 99")
+    parser.add_argument("--variant", choices=MNIST_VARIANTS)
+    parser.add_argument("--stream", type=int, help="chains 100 STREAM to 100 STREAM + 99")
+    parser.add_argument("--map-scores", action="store_true", help="only score the saved MAP on the test set")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and the MAP cache")
     parser.add_argument("--checkpoint-every", type=int, default=10_000, help="steps between checkpoints")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.map_scores:
+        map_scores()
+        return
+    if args.variant is None or args.stream is None:
+        parser.error("--variant and --stream are needed (or --map-scores)")
     run_stream(args.variant, args.stream, args.work, checkpoint_every=args.checkpoint_every)
 
 
