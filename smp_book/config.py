@@ -311,8 +311,9 @@ def get_config(study: str, scale: str) -> dict[str, Any]:
 # The parameters a chapter takes besides ``scale`` (papermill's -p and -y), and the setting each one sets.
 PARAMETERS: dict[str, dict[str, str]] = {
     "toy": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "replicates", "seed": "seed"},
-    "mnist": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "smp_replicates",
-              "seed": "seed", "map_seed": "select_map_from_seeds"},
+    "mnist": {"tau": "tau", "variants": "variants", "n_chains": "n_chains", "n_steps": "n_steps",
+              "replicates": "smp_replicates", "seed": "seed", "map_seed": "select_map_from_seeds",
+              "fisher_images": "n_fisher_periodic"},
 }
 _NOTEBOOK_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "open"}
 
@@ -337,6 +338,17 @@ def with_parameters(study: str, config: dict[str, Any], params: dict[str, Any] |
                 if isinstance(tau, bool) or not isinstance(tau, int | float) or not math.isfinite(tau) or tau <= 0:
                     raise ValueError(f"tau: the tau of {variant!r} must be a positive finite number, got {tau!r}")
                 config["tau"][plain] = float(tau)
+        elif name == "variants":
+            known = list(config.get("variants", config["tau"]))
+            names = [str(v).removeprefix("SMP-") for v in value] if isinstance(value, list | tuple) else None
+            if not names or any(v not in known for v in names) or len(set(names)) < len(names):
+                raise ValueError(f"variants: a list of distinct variants among {', '.join(known)} is needed, "
+                                 f"got {value!r}")
+            config["variants"], config["tau"] = names, {v: config["tau"][v] for v in names}
+        elif name == "fisher_images" and not (isinstance(value, int) and not isinstance(value, bool)
+                                              and 1 <= value <= config["n_val"]):
+            raise ValueError(f"fisher_images: an integer from 1 to the {config['n_val']:,} validation images is "
+                             f"needed, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if "seed" in name else 1):
             raise ValueError(f"{name}: a {'non-negative' if 'seed' in name else 'positive'} integer is needed, "
                              f"got {value!r}")

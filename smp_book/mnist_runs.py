@@ -196,6 +196,12 @@ def variant_tau(cfg: dict[str, Any], variant: str) -> float:
     return taus[variant]
 
 
+def variant_index(cfg: dict[str, Any], variant: str) -> int:
+    """The number of ``variant`` in its seed (:func:`smp_seed`): its place among the paper's four, so that a
+    chapter run on some of them draws the same numbers for each, else its place in :func:`study_variants`."""
+    return MNIST_VARIANTS.index(variant) if variant in MNIST_VARIANTS else study_variants(cfg).index(variant)
+
+
 def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
     """The seed of SMP variant number ``index`` (its place in :func:`study_variants`) in one replicate.
 
@@ -266,8 +272,8 @@ def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, dev
     per_replicate, diverged, divergence, figure_evals = [], {}, [], None
     for r in range(cfg["smp_replicates"]):
         evals, elapsed = {"MAP": map_eval}, {"MAP": 0.0}
-        for i, variant in enumerate(variants):
-            key = run_key(cfg, variant, r, path)
+        for variant in variants:
+            i, key = variant_index(cfg, variant), run_key(cfg, variant, r, path)
             checkpoint = Path(cache_root) / folder / f"{config_key(key)}.checkpoint.pt" if use_cache else None
 
             def compute(variant=variant, i=i, r=r, checkpoint=checkpoint):

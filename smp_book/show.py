@@ -10,6 +10,8 @@ import pandas as pd
 
 from .results import ROOT, Results
 
+FIXED, PERIODIC = "SMP-fixed-diag", "SMP-periodic-diag"
+
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one
@@ -187,20 +189,20 @@ def _scale_words(study: str, scale: str) -> str:
     return f"{scale} scale" + (" (the paper's sizes)" if same and scale != "paper" else "")
 
 
-def at_a_glance(summary: Results) -> str:
-    """The front page's table, as Markdown: per chapter of the paper, what it reproduces, at which scale its
-    claims are judged and how many hold, hold in part or do not (from the summary's claims table)."""
-    claims = summary.table("claims")
+def at_a_glance(claims: pd.DataFrame) -> str:
+    """The front page's table, as Markdown: per chapter of the paper, what it reproduces, the scale its claims
+    are judged at and how many of each verdict the register gives (``claims``: :func:`smp_book.register.table`)."""
+    from .register import WORDS
+
     rows = []
     for chapter, (page, what) in CHAPTERS.items():
-        mine = claims[claims["chapter"].str.split(",").str[0] == chapter]  # a claim's first chapter judges it
+        mine = claims[claims["chapter"] == chapter]
         counts = mine["verdict"].value_counts()
-        others = len(mine) - counts.reindex(["holds", "partly", "does not hold"], fill_value=0).sum()
+        scales = mine["scale"].str.split(",").str[0].unique()
         rows.append({"chapter": f"{{doc}}`{page}`", "what is reproduced": what,
-                     "judged at": ", ".join(_scale_words(chapter, s) for s in mine["scale"].unique()),
-                     "claims hold": counts.get("holds", 0), "partly": counts.get("partly", 0),
-                     "do not": counts.get("does not hold", 0), **({"other": others} if others else {})})
-    return pd.DataFrame(rows).fillna(0).to_markdown(index=False)
+                     "judged at": ", ".join(_scale_words(chapter, s) for s in scales),
+                     **{w: int(counts.get(w, 0)) for w in WORDS}})
+    return pd.DataFrame(rows).to_markdown(index=False)
 
 
 def settings_table(config: dict) -> pd.DataFrame:
@@ -226,3 +228,103 @@ def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | No
             mine = mine + std[c].reindex(ours.index).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
         cols[(c, "ours")] = mine
     return pd.DataFrame(cols, index=ours.index)
+
+
+# The settings that make the MAP-seeds chapter's runs comparable with a paper-scale run: the same data and
+# MAP training (then a MAP of the same seed is the same MAP) and the same number of chains.
+SAME_MAP = ("n_train", "n_val", "split_seed", "map_batch", "map_epochs", "map_lr", "map_weight_decay")
+
+
+def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
+    """Per SMP variant, the paper-scale mutual information (``run``) beside the paper's, their ``ratio`` and our
+    ``largest chain's share``. Where the MAP-seeds chapter's ``seeds`` have the data, MAP training and S of
+    ``run``: ``MAP sd`` and ``stream sd`` of the log MI there, ``gap in sds`` (the log ratio over the sd of the
+    difference of two runs from independent MAPs and streams: the paper's and ours are one draw each) and
+    ``growth`` from the same MAP (periodic only with as many Fisher images) beside ``linear growth``, the
+    ratio of the reached shares ``1 - r_K^2 / r_0^2`` at the two K."""
+    from smp_core.recursion import residual_variance_ratio
+
+    scores, tails = run.table("scores"), run.table("tails")
+    methods = [m for m in scores.index if m != "MAP" and m in paper_scores.index]
+    ours, theirs = scores.loc[methods, "mutual_info"], paper_scores.loc[methods, "mutual_info"].astype(float)
+    table = pd.DataFrame({"paper": theirs, "paper scale": ours, "ratio": ours / theirs.where(theirs != 0),
+                          "largest chain's share": tails.loc[methods, "mi_largest_chain_share"]})
+    comparable = (seeds is not None and all(seeds.has(t) for t in ("map_or_stream", "per_run", "maps"))
+                  and all(seeds.config.get(k) == run.config.get(k) for k in (*SAME_MAP, "n_chains")))
+    if comparable:
+        spread = seeds.table("map_or_stream")
+        for column, name in (("MAP sd", "sd_map"), ("stream sd", "sd_stream")):
+            table[column] = [spread[name].get(f"log {m}", np.nan) for m in methods]
+        table["gap in sds"] = np.log(table["ratio"]) / (np.sqrt(2) * np.hypot(table["MAP sd"], table["stream sd"]))
+        maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
+        same = maps.index[maps["seed"] == run.values.get("map_seed")]
+        if len(same) == 1:
+            runs = per_run.xs(same[0], level="map")
+            same_fisher = seeds.config.get("n_fisher_periodic") == run.config.get("n_fisher_periodic")
+            table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns and (m != PERIODIC or same_fisher)
+                               else np.nan for m in methods]
+            n, k_here, k_paper = run.config["n_train"], seeds.config["n_steps"], run.config["n_steps"]
+            table["linear growth"] = ((1 - residual_variance_ratio(n, k_paper))
+                                      / (1 - residual_variance_ratio(n, k_here)))
+    table.index.name = "method"
+    return table
+
+
+
+
+def _times(x: float) -> str:
+    """``x`` to two significant figures, without an exponent, and "times"."""
+    if not np.isfinite(x):
+        return "not comparable with"
+    return f"{np.format_float_positional(float(f'{x:.2g}'), trim='-')} times"
+
+
+def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
+                         scale: str, n_chains: int) -> str:
+    """What the paper-scale results say, in Markdown: the verdict counts (``verdicts``:
+    columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)``),
+    the verdicts that change, and per SMP variant its accuracy, MI and logit variance (``ours``, ``paper``)
+    against the paper's with what ``gaps`` (:func:`paper_scale_gaps`) says of the gap. Fixed thresholds set
+    the words: a gap within two sds is one that another MAP and stream could give; a growth above twice the
+    linear one is faster than a fixed Fisher gives (for SMP-fixed-diag: its chains left the region where the
+    MAP's Fisher holds), below half less; a largest chain's share below ``5 / n_chains`` says that the bulk
+    of the chains carries the MI, one from 0.25 that much of it is one chain's excursion."""
+    from .register import count
+
+    at_paper, here = "verdict (paper scale)", f"verdict ({scale})"
+    changed = verdicts[verdicts[at_paper] != verdicts[here]]
+    head = (f"Of the {len(verdicts)} claims, at the paper scale {count(verdicts[at_paper])}; at the "
+            f"{scale} scale, {count(verdicts[here])}. "
+            + ("The verdicts that change with the scale: " + "; ".join(
+                f"*{c}* ({h} at the {scale} scale, {p} at the paper scale)"
+                for c, p, h in changed[["claim", at_paper, here]].itertuples(index=False)) + "."
+               if len(changed) else "No verdict changes with the scale."))
+    bullets = []
+    for method, row in gaps.iterrows():
+        acc = [float(t.loc[m, "accuracy"]) for t in (ours, paper) for m in (method, "MAP")]
+        logit = ours.loc[method, "logits_variance"] / float(paper.loc[method, "logits_variance"])
+        coarse = np.isfinite(row["paper"]) and row["paper"] != 0 and float(f"{row['paper']:.1g}") == row["paper"]
+        parts = [f"accuracy {acc[0]:.4f} against the MAP's {acc[1]:.4f} (the paper: {acc[2]:.4f} against "
+                 f"{acc[3]:.4f})", f"mutual information {row['paper scale']:.4g} against the paper's "
+                 f"{row['paper']:.4g} ({_times(row['ratio'])} it"
+                 + (", the paper's number having one significant figure" if coarse else "")
+                 + f"), logit variance {_times(logit)} the paper's"]
+        gap, growth, linear = (row.get(c, np.nan) for c in ("gap in sds", "growth", "linear growth"))
+        if np.isfinite(gap):
+            parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's: "
+                         + ("within what another MAP and stream could give" if abs(gap) <= 2
+                            else "more than another MAP and stream gave at the MAP-seeds chapter's K"))
+        if np.isfinite(growth) and np.isfinite(linear):
+            faster = "faster than a fixed Fisher gives" + (
+                ": the chains left the region where the MAP's Fisher holds" if method == FIXED else "")
+            parts.append(f"it grew {_times(growth)} from the MAP-seeds chapter's K on the same MAP, a fixed Fisher "
+                         f"{_times(linear)}: " + (faster if growth > 2 * linear else "less than a fixed Fisher gives"
+                                                  if growth < linear / 2 else "about what a fixed Fisher gives"))
+        share = row.get("largest chain's share", np.nan)
+        if np.isfinite(share):
+            parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
+                         + ("so the bulk of the chains carries it" if share < 5 / n_chains else
+                            "a sizeable share for one chain" if share < 0.25 else
+                            "so much of it is one chain's excursion"))
+        bullets.append(f"- {method}: " + "; ".join(parts) + ".")
+    return "\n".join([head, "", *bullets])

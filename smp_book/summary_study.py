@@ -1,5 +1,5 @@
-"""The summary chapter: every table of the paper beside ours with a figure, one verdict per claim of the
-paper's Section 3 from all the evidence that tests it, and the findings of the chapters beyond the paper.
+"""The summary chapter: every table of the paper beside ours with a figure, and the findings of the chapters
+beyond the paper (the verdicts on the paper's claims are the register's: :mod:`smp_book.register`).
 
 Nothing is computed anew: :func:`compute` reads the other studies' results (``ctx.read``).
 """
@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import pandas as pd
 
-from .mnist_claims import all_claims
 from .paper import paper_table
 
 SOURCES = ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_baselines", "mnist_seeds",
            "mnist_growth", "mnist_kfac", "mnist_tail", "regression")
-PERIODIC = "SMP-periodic-diag"
-PERIODIC_CLAIM = "Periodic recomputation over-disperses least"
 
 
 def config(scale: str) -> dict[str, str]:
@@ -32,99 +29,14 @@ def _table_figure(ctx, source, prefix: str, name: str, digits: int) -> None:
     ctx.figure(f"{prefix}_{name}", plots.beside_paper(mean, std, paper, f"Table {prefix}_{name}: paper and ours"))
 
 
-def _periodic_least(ctx, mnist_claims: pd.DataFrame) -> dict[str, str]:
-    """The claim 'periodic recomputation over-disperses least among the diagonal variants', judged once
-    from the MNIST chapter (one MAP, its replicates), the MAP seeds (every MAP) and the growth in K."""
-    row = mnist_claims[mnist_claims["claim"].str.startswith(PERIODIC_CLAIM)]
-    if len(row) != 1:
-        raise ValueError(f"the MNIST chapter's claims hold {len(row)} rows starting {PERIODIC_CLAIM!r}, not one: "
-                         "was the claim reworded?")
-    sources, evidence = [], []
-    if len(row):
-        holds = row["verdict"].iloc[0] == "holds"
-        sources.append(holds)
-        evidence.append(f"MNIST chapter (one MAP): {row['verdict'].iloc[0]} ({row['evidence'].iloc[0]})")
-    seeds = ctx.read("mnist_seeds")
-    if seeds.has("least_dispersed"):
-        per_map = seeds.table("least_dispersed")
-        n = int((per_map["least"] == PERIODIC).sum())
-        sources.append(n == len(per_map))
-        evidence.append(f"MAP seeds: periodic least from {n} of {len(per_map)} MAPs")
-    growth = ctx.read("mnist_growth")
-    if growth.has("least_dispersed"):
-        least = growth.table("least_dispersed")
-        last = least.index[-1]
-        resolved = least.loc[last, "lead_z"] >= 2
-        if resolved:
-            sources.append(least.loc[last, "least"] == PERIODIC)
-        evidence.append(f"growth in K (fewer chains): at K = {last:,} the least is {least.loc[last, 'least']} "
-                        f"(lead {least.loc[last, 'lead_z']:.1f} se{'' if resolved else ', not resolved'})")
-    n_hold = sum(sources)
-    verdict = ("not checked" if not sources else "holds" if n_hold == len(sources)
-               else "partly" if n_hold else "does not hold")
-    return {"verdict": verdict, "evidence": "; ".join(evidence),
-            "criterion": "SMP-periodic-diag has the smallest MI among the diagonal variants in the MNIST chapter "
-                         "(replicate means), from every MAP of the MAP-seeds chapter and at the largest K of the "
-                         "growth chapter where its lead is resolved (2 se); partly: in some of these"}
-
-
-def claims(ctx, toy, mnist, mnist_here=None) -> pd.DataFrame:
-    """One row per claim of Section 3: its section, the claim, the criterion, the verdict, the evidence, the
-    scale of the run that judged it and the chapter that shows it. ``mnist`` judges the MNIST claims (the
-    paper scale's results where they exist); ``mnist_here``, when given, is this scale's MNIST chapter, whose
-    verdict each MNIST row's evidence adds."""
-    toy_claims = toy.table("claims").assign(section="3.2 toy", chapter="toy", scale=toy.manifest.get("scale"))
-    mnist_claims = all_claims(mnist).assign(section="3.3 MNIST", chapter="mnist",
-                                                      scale=mnist.manifest.get("scale"))
-    combined = _periodic_least(ctx, mnist_claims)
-    periodic = mnist_claims["claim"].str.startswith(PERIODIC_CLAIM)
-    for key, value in combined.items():
-        mnist_claims.loc[periodic, key] = value
-    mnist_claims.loc[periodic, "chapter"] = "mnist, mnist_seeds, mnist_growth"
-    if mnist_here is not None:
-        here = all_claims(mnist_here).set_index("claim")["verdict"]
-        mnist_claims["evidence"] = [
-            f"{e}; at the {mnist_here.manifest.get('scale')} scale: {here.get(c, 'not judged')}"
-            for c, e in zip(mnist_claims["claim"], mnist_claims["evidence"], strict=True)]
-    nuts = toy.table("scores_mean")
-    acc_gap = abs(nuts.loc["NUTS-mean", "accuracy"] - nuts.loc["NUTS", "accuracy"])
-    brier_gap = abs(nuts.loc["NUTS-mean", "brier"] - nuts.loc["NUTS", "brier"])
-    zero = mnist.values.get("fisher_zero_fraction", mnist.manifest.get("fisher_zero_fraction"))
-    r_ratio, n_steps = toy.values.get("r_ratio"), toy.config["n_steps"]
-    toy_scale, mnist_scale = toy.manifest.get("scale"), mnist.manifest.get("scale")
-    extra = pd.DataFrame([
-        {"section": "3.2 toy", "chapter": "toy", "scale": toy_scale,
-         "claim": "NUTS-mean predicts almost exactly like NUTS (accuracy, Brier)",
-         "criterion": "accuracy within 0.005 and Brier within 0.005",
-         "verdict": "holds" if acc_gap < 0.005 and brier_gap < 0.005 else "does not hold",
-         "evidence": f"accuracy {nuts.loc['NUTS-mean', 'accuracy']:.4f} vs {nuts.loc['NUTS', 'accuracy']:.4f}; "
-                     f"Brier {nuts.loc['NUTS-mean', 'brier']:.4f} vs {nuts.loc['NUTS', 'brier']:.4f}"},
-        {"section": "3.2 toy", "chapter": "toy", "scale": toy_scale,
-         "claim": "r_K^2 / r_0^2 is about 9 % (N = 500, K = 5000)",
-         "criterion": "the formula of Section 3.2.3 at the toy's N and K",
-         "verdict": ("not checked (K differs at this scale)" if n_steps != 5000
-                     else "holds" if abs(r_ratio - 0.09) < 0.005 else "does not hold"),
-         "evidence": f"{r_ratio:.2%} at K = {n_steps:,}"},
-        {"section": "3.3 MNIST", "chapter": "mnist", "scale": mnist_scale,
-         "claim": "More than half of the diagonal empirical Fisher entries are exact zeros",
-         "criterion": "fraction of zeros > 0.5 at the MAP, validation set",
-         "verdict": ("not checked" if zero is None else "holds" if zero > 0.5 else "does not hold"),
-         "evidence": "-" if zero is None else f"{zero:.1%}"},
-    ])
-    columns = ["section", "claim", "verdict", "criterion", "evidence", "scale", "chapter"]
-    table = pd.concat([toy_claims, extra, mnist_claims], ignore_index=True)[columns]
-    return table.sort_values("section", kind="stable", ignore_index=True)
-
-
 def _copy(ctx, source, name: str, as_name: str) -> None:
     if source.has(name):
         ctx.table(as_name, source.table(name))
 
 
 def compute(ctx) -> None:
-    """Every table of the paper beside ours and one verdict per claim. The MNIST tables and claims come
-    from the paper scale's MNIST chapter where its results are there and current (the paper's K and S),
-    the MNIST rows' evidence adding this scale's verdict; else from this scale's."""
+    """Every table of the paper beside ours. The MNIST tables come from the paper scale's MNIST chapter where
+    its results are there and current (the paper's K and S); else from this scale's."""
     toy, mnist_here = ctx.read("toy"), ctx.read("mnist")
     paper = ctx.read_other_scale("mnist", "paper") if ctx.scale != "paper" else None
     mnist = paper or mnist_here
@@ -132,13 +44,7 @@ def compute(ctx) -> None:
         _table_figure(ctx, toy, "ex1", name, digits)
     for name, digits in (("scores", 4), ("variances", 6), ("elapsed", 1)):
         _table_figure(ctx, mnist, "ex2", name, digits)
-    verdicts = ctx.table("claims", claims(ctx, toy, mnist, mnist_here if paper else None), index=False)
     ctx.value("mnist_scale", mnist.manifest.get("scale", ctx.scale))
-    counts = verdicts["verdict"].value_counts()
-    for verdict in ("holds", "partly", "does not hold"):
-        ctx.value(verdict.replace(" ", "_"), int(counts.get(verdict, 0)))
-    ctx.value("claims", len(verdicts))
-    ctx.value("not_checked", int(verdicts["verdict"].str.startswith("not checked").sum()))
     ctx.value("toy_replicates", toy.config["replicates"])
     ctx.value("mnist_steps", mnist.config["n_steps"])
     ctx.value("mnist_replicates", mnist.config["smp_replicates"])

@@ -17,7 +17,7 @@ from smp_core.tail import tail_variance
 
 
 def test_claims_on_the_papers_tables():
-    verdicts = ms.claims(paper_table("ex2_scores"), paper_table("ex2_variances")).set_index("claim")["verdict"]
+    verdicts = mc.claims(paper_table("ex2_scores"), paper_table("ex2_variances")).set_index("claim")["verdict"]
     assert (verdicts == "holds").all(), verdicts
 
 
@@ -25,12 +25,12 @@ def test_claims_count_the_verdicts_of_single_runs():
     scores, variances = paper_table("ex2_scores"), paper_table("ex2_variances")
     worse = scores.copy()
     worse.loc["SMP-periodic-diag", "mutual_info"] = 10.0  # no longer the least over-dispersed
-    table = ms.claims(scores, variances, [(scores, variances), (worse, variances), (scores, variances)])
+    table = mc.claims(scores, variances, [(scores, variances), (worse, variances), (scores, variances)])
     counts = table.set_index("claim")["replicates"]
     assert counts.filter(like="Periodic recomputation").item() == "holds 2, does not hold 1"
     assert counts.filter(like="SMP-none predicts like MAP").item() == "holds 3"
     assert list(table.columns) == ["claim", "criterion", "verdict", "evidence", "replicates"]
-    assert "replicates" not in ms.claims(scores, variances).columns
+    assert "replicates" not in mc.claims(scores, variances).columns
     assert mc.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
 
 
@@ -568,13 +568,13 @@ def test_compute_writes_the_chapters_results_and_they_are_read_back(tmp_path, mo
     assert res.folder == tmp_path / "ci" / "mnist" and res.manifest["device"] == "cpu"
     assert set(res.manifest["seeds"]["smp"]) == {"replicate_0", "replicate_1"}
     for name in ("map_history", "scores", "scores_mean", "scores_std", "scores_replicates", "variances_mean",
-                 "elapsed_mean", "tails_replicates", "diverged", "claims", "ambiguous_three"):
+                 "elapsed_mean", "tails_replicates", "diverged", "ambiguous_three"):
         assert res.has(name), name
     assert list(res.table("scores_mean").index) == mr.method_names()
     assert list(res.table("scores_replicates").index.names) == ["replicate", "method"]
     assert len(res.table("map_history")) == cfg["map_epochs"]
     assert set(res.manifest["figures"]) == {"calibration_all", "ambiguous_three"}
-    assert res.values["n_steps"] == 20 and res.values["n_claims"] == len(res.table("claims"))
+    assert res.values["n_steps"] == 20 and not res.has("claims")  # the register judges the claims
     assert res.values["dim"] == 47_154
     # the chapter reads what is there: no second computation
     monkeypatch.setattr(ms, "compute", lambda ctx: pytest.fail("the results were computed again"))
@@ -612,12 +612,6 @@ def test_paper_scale_results_only_from_a_complete_paper_folder(tmp_path):
     assert mr.paper_scale_results(folder) is None
     write(tables={})  # no table of scores
     assert mr.paper_scale_results(folder) is None
-
-
-def test_verdict_summary():
-    assert ms.verdict_summary(["holds", "does not hold", "holds", "partly"]) == "2 hold, 1 partly, 1 does not hold"
-    assert ms.verdict_summary(["does not hold"]) == "1 does not hold"
-    assert ms.verdict_summary([]) == "none"
 
 
 def test_chapter_map_takes_the_lowest_validation_loss_of_its_seeds(tmp_path):

@@ -327,3 +327,22 @@ def test_no_study_imports_another():
             if isinstance(node, ast.ImportFrom) and node.level == 1:
                 names = {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
                 assert not (names & studies - {path.stem}) or path.stem not in studies, (path.stem, names & studies)
+
+
+def test_the_mnist_chapter_runs_some_variants_with_their_own_seeds_and_fisher_images():
+    """``variants`` keeps each variant's seed (its place among the paper's four), ``fisher_images`` sets the periodic
+    Fisher's validation images; bad values are refused, naming the parameter."""
+    from smp_book import mnist_runs
+
+    cfg = pipeline.study_config("mnist", "laptop", {"variants": ["SMP-periodic-diag"], "fisher_images": 1000})
+    assert cfg["variants"] == ["periodic-diag"] and cfg["tau"] == {"periodic-diag": 0.05}
+    assert cfg["n_fisher_periodic"] == 1000
+    full = pipeline.study_config("mnist", "laptop")
+    assert mnist_runs.smp_seed(cfg, mnist_runs.variant_index(cfg, "periodic-diag")) == mnist_runs.smp_seed(full, 3)
+    for params, match in (({"variants": ["SMP-dense"]}, "variants: a list of distinct"),
+                          ({"variants": ["none", "none"]}, "variants: a list of distinct"),
+                          ({"variants": "none"}, "variants: a list of distinct"),
+                          ({"fisher_images": 0}, "fisher_images: an integer from 1"),
+                          ({"fisher_images": 6001}, "fisher_images: an integer from 1")):
+        with pytest.raises(ValueError, match=match):
+            pipeline.study_config("mnist", "laptop", params)

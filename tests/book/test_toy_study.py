@@ -1,4 +1,4 @@
-"""The claim criteria, applied to the paper's own numbers, must find the conclusions the paper draws."""
+"""The toy study's tables and seeds."""
 
 import pandas as pd
 import pytest
@@ -6,21 +6,6 @@ import pytest
 from smp_book import show, toy
 from smp_book import toy_study as ts
 from smp_book.paper import paper_table
-
-
-def test_claims_on_the_papers_tables():
-    scores, variances, elapsed = paper_table("ex1_scores"), paper_table("ex1_variances"), paper_table("ex1_elapsed")
-    std = scores * 0
-    verdicts = ts.claims(scores, std, variances, elapsed).set_index("claim")["verdict"]
-    assert len(verdicts) == 7
-    # the paper's reading of its own table
-    assert verdicts.filter(like="best compromise").item() in ("holds", "partly")
-    assert verdicts.filter(like="collapse to an almost deterministic").item() == "holds"
-    assert verdicts.filter(like="Dense preconditioners").item() == "holds"
-    assert verdicts.filter(like="SMP-none is diffuse").item() == "holds"
-    assert verdicts.filter(like="SMP-none collapses").item() == "holds"
-    assert verdicts.filter(like="SMP-ema-block: smaller").item() == "holds"
-    assert verdicts.filter(like="faster than NUTS").item() == "holds"
 
 
 def test_beside_paper_and_method_names():
