@@ -310,7 +310,8 @@ def get_config(study: str, scale: str) -> dict[str, Any]:
 
 # The parameters a chapter takes besides ``scale`` (papermill's -p and -y), and the setting each one sets.
 PARAMETERS: dict[str, dict[str, str]] = {
-    "toy": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "replicates", "seed": "seed"},
+    "toy": {"tau": "tau", "n_chains": "n_chains", "n_steps": "n_steps", "replicates": "replicates", "seed": "seed",
+            "nuts_start": "nuts_start"},
     "mnist": {"tau": "tau", "variants": "variants", "n_chains": "n_chains", "n_steps": "n_steps",
               "replicates": "smp_replicates", "seed": "seed", "map_seed": "select_map_from_seeds",
               "fisher_images": "n_fisher_periodic"},
@@ -345,6 +346,10 @@ def with_parameters(study: str, config: dict[str, Any], params: dict[str, Any] |
                 raise ValueError(f"variants: a list of distinct variants among {', '.join(known)} is needed, "
                                  f"got {value!r}")
             config["variants"], config["tau"] = names, {v: config["tau"][v] for v in names}
+        elif name == "nuts_start" and value not in ("map", "uniform"):
+            raise ValueError(f"nuts_start: 'map' (ours) or 'uniform' (Turing's default) is needed, got {value!r}")
+        elif name == "nuts_start":
+            config["nuts_start"] = value
         elif name == "fisher_images" and not (isinstance(value, int) and not isinstance(value, bool)
                                               and 1 <= value <= config["n_val"]):
             raise ValueError(f"fisher_images: an integer from 1 to the {config['n_val']:,} validation images is "

@@ -163,7 +163,8 @@ def toy_preconditioner(cfg: dict[str, Any], variant: str):
 
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
                   seed_offset: int = 0) -> dict[str, Any]:
-    """One whole pipeline: new data, NUTS from a MAP start, NUTS-mean, every SMP variant, evaluation.
+    """One whole pipeline: new data, NUTS (from a MAP, or ``cfg["nuts_start"] = "uniform"``), NUTS-mean, every SMP
+    variant, evaluation.
 
     Each variant runs with the seed of :func:`variant_seed` (a paper variant draws the toy chapter's
     chains whatever list it is run in): a study of other variants on the same replicates (the same
@@ -189,9 +190,12 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     gx, gy, grid = make_grid(cfg["grid_per_axis"])
     shape = tuple(gx.shape)
 
+    # NUTS starts at a MAP (ours), or uniform on [-2, 2]^20 (Turing's default, the paper's: nuts_start "uniform")
+    init = (np.random.default_rng(seeds["nuts"]).uniform(-2.0, 2.0, 20) if cfg.get("nuts_start") == "uniform"
+            else None)
     nuts = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
                     num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
-                    x_eval=x_test.numpy())
+                    x_eval=x_test.numpy(), init=init)
     sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy(), raise_error=False)
     if not nuts_mean_passes(sanity):
         warnings.warn(f"toy replicate {replicate}: NUTS-mean predicts much worse than the NUTS ensemble ({sanity}); "
