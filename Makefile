@@ -41,10 +41,11 @@ book: venv mathjax
 
 ## make reproduce: recompute every chapter at SCALE (progress on the terminal; resumable), write the
 ## reproduction report beside the committed results, replace results/SCALE/ once complete, build the book
-## (which shows results/laptop/).
+## (which shows results/laptop/). SEED_OFFSET=N: the chapters with a seed (toy, MNIST) on other random streams,
+## without the caches, judged against the committed spread; a report only (results/SCALE/reproduction-seed-N/).
 reproduce: venv mathjax
 	$(BIN)/python -m smp_book.mnist data
-	$(BIN)/python -m smp_book.reproduce --scale $(SCALE)
+	$(BIN)/python -m smp_book.reproduce --scale $(SCALE) $(if $(SEED_OFFSET),--seed-offset $(SEED_OFFSET))
 	$(MAKE) book
 
 ## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), then the book

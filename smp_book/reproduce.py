@@ -1,5 +1,8 @@
 """Recompute every chapter (``make reproduce``) into ``build/reproduce/<scale>/`` and judge each cell of each
 table against the committed one; once every study is complete, the new results replace ``results/<scale>/``.
+With ``--seed-offset N`` the chapters that take a seed (the toy's data, NUTS and SMP; MNIST's MAP and SMP) run
+with their seed moved by ``N`` and without the caches: other random streams, judged against the committed
+spread, and a report in ``results/<scale>/reproduction-seed-<N>/`` that never replaces the results.
 
 Numbers equal to a relative 1e-6 are ``equal``; with replicates (``X_mean`` beside ``X_std`` and
 ``X_replicates``) a cell is ``within`` or ``outside`` its spread by Welch's test at level :data:`ALPHA` (one
@@ -18,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .config import SCALES
-from .pipeline import RESULTS, STUDIES, results
+from .config import PARAMETERS, SCALES, get_config
+from .pipeline import RESULTS, STUDIES, compute, results
 from .results import Results
 
 ALPHA = 0.01
@@ -109,25 +112,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("build/reproduce"), help="where the new results go")
     parser.add_argument("--no-cache", action="store_true", help="recompute the cached runs too")
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (1 per free core when shared)")
+    parser.add_argument("--seed-offset", type=int, default=0, help="other random streams (the chapters with a seed)")
     args = parser.parse_args(argv)
-    studies = [s for s in args.only.split(",") if s] or list(STUDIES)
+    seeded = [s for s in STUDIES if "seed" in PARAMETERS.get(s, {})]
+    studies = [s for s in args.only.split(",") if s] or (seeded if args.seed_offset else list(STUDIES))
     if unknown := [s for s in studies if s not in STUDIES]:
         parser.error(f"--only: unknown studies {unknown}; known: {', '.join(STUDIES)}")
+    if args.seed_offset and (args.seed_offset < 0 or set(studies) - set(seeded)):
+        parser.error(f"--seed-offset: a positive offset, for the chapters with a seed only ({', '.join(seeded)})")
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads: must be at least 1, got {args.threads}")
     if args.threads is not None:
         __import__("torch").set_num_threads(args.threads)
     for i, study in enumerate(studies, 1):
         print(f"[{i}/{len(studies)}] {study} at scale {args.scale}", file=sys.stderr, flush=True)
-        results(study, args.scale, root=args.work, use_cache=not args.no_cache, progress=True)
+        if args.seed_offset:  # into <work>/<scale>/<study>, where the report looks
+            seed = {"seed": get_config(study, args.scale)["seed"] + args.seed_offset}
+            shutil.rmtree(args.work / args.scale / study, ignore_errors=True)
+            (args.work / args.scale).mkdir(parents=True, exist_ok=True)
+            compute(study, args.scale, seed, root=args.work, use_cache=False, progress=True).folder.rename(
+                args.work / args.scale / study)
+        else:
+            results(study, args.scale, root=args.work, use_cache=not args.no_cache, progress=True)
     cells, counts = report(RESULTS, args.work, args.scale)
-    folder = args.work / args.scale / "reproduction"
+    name = f"reproduction-seed-{args.seed_offset}" if args.seed_offset else "reproduction"
+    folder = (RESULTS if args.seed_offset else args.work) / args.scale / name
     folder.mkdir(parents=True, exist_ok=True)
     cells.to_csv(folder / "cells.csv", index=False)
     counts.to_csv(folder / "counts.csv")
     print(counts.to_string(), f"\nreport in {folder}", file=sys.stderr)
-    if len(studies) < len(STUDIES):
-        print("a partial run (--only): results/ left as it was", file=sys.stderr)
+    if args.seed_offset or len(studies) < len(STUDIES):
+        print("other seeds or a partial run: results/ left as it was", file=sys.stderr)
         return 0
     target, old = RESULTS / args.scale, RESULTS / f".{args.scale}.old"
     shutil.rmtree(old, ignore_errors=True)
@@ -140,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def read_report(scale: str, root: str | Path = RESULTS) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    """The reproduction report saved with ``results/<scale>/``: ``(cells, counts)``, or None."""
-    folder = Path(root) / scale / "reproduction"
+def read_report(scale: str, root: str | Path = RESULTS, name: str = "reproduction"
+                ) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """The reproduction report ``name`` saved with ``results/<scale>/``: ``(cells, counts)``, or None."""
+    folder = Path(root) / scale / name
     if not (folder / "counts.csv").exists():
         return None
     counts = pd.read_csv(folder / "counts.csv", index_col="study").drop(columns="results_id", errors="ignore")
@@ -151,3 +167,10 @@ def read_report(scale: str, root: str | Path = RESULTS) -> tuple[pd.DataFrame, p
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.DataFrame, pd.DataFrame]]:
+    """The reports of the reruns on other random streams (``--seed-offset``), by offset."""
+    found = {int(f.name.rsplit("-", 1)[1]): read_report(scale, root, f.name)
+             for f in sorted((Path(root) / scale).glob("reproduction-seed-*"))}
+    return {offset: report for offset, report in found.items() if report is not None}

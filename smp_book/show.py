@@ -328,3 +328,58 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
                             "so much of it is one chain's excursion"))
         bullets.append(f"- {method}: " + "; ".join(parts) + ".")
     return "\n".join([head, "", *bullets])
+
+
+# The MNIST chapter's run on periodic-diag alone (its parameters variants and fisher_images), at the laptop scale.
+FISHER_IMAGES = (500, 1000, 6000)
+FISHER_SHOWN = {"mutual_info": "scores", "epistemic_std": "scores", "logits_variance": "variances",
+                "accuracy": "scores", "nll": "scores", "ece": "scores"}
+
+
+def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame | None:
+    """SMP-periodic-diag at the laptop scale with its Fisher recomputed on 500, 1,000 and 6,000 validation images,
+    mean ± sd over its replicates (the same MAP and random streams: only the Fisher's images differ), beside the
+    paper's (6,000 images, K = 10^6) and the paper-scale run's; ``None`` before any such run is committed."""
+    from .paper import paper_table
+    from .pipeline import RESULTS, folder_of, results
+
+    rows = {}
+    for n in FISHER_IMAGES:
+        params = {"variants": [PERIODIC], "fisher_images": n}
+        if (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
+            res = results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
+            mean = res.table("scores_mean").join(res.table("variances_mean")).loc[PERIODIC]
+            std = res.table("scores_std").join(res.table("variances_std")).loc[PERIODIC]
+            rows[f"{n:,}"] = {c: f"{mean[c]:.4g} ± {std[c]:.2g}" for c in FISHER_SHOWN}
+    if not rows:
+        return None
+    if paper_run is not None:
+        ours = paper_run.table("scores").join(paper_run.table("variances")).loc[PERIODIC]
+        images = paper_run.config.get("n_fisher_periodic") or paper_run.config["n_val"]
+        rows[f"{images:,}, K = 10^6 (ours)"] = {c: f"{ours[c]:.4g}" for c in FISHER_SHOWN}
+    theirs = paper_table("ex2_scores").join(paper_table("ex2_variances")).loc[PERIODIC]
+    rows["6,000, K = 10^6 (the paper)"] = {c: f"{theirs[c]:.4g}" for c in FISHER_SHOWN}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("images")
+
+
+TURING_REPLICATES = 15  # the toy chapter's run with the paper's NUTS start (nuts_start "uniform")
+TURING_SHOWN = (("NUTS", "accuracy"), ("NUTS-mean", "accuracy"), ("SMP-none", "mutual_info"),
+                ("SMP-fixed-dense", "accuracy"), ("SMP-ema-block", "mutual_info"))
+
+
+def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The toy chapter's run with NUTS started as the paper did (uniform on [-2, 2]), replicate by replicate: the
+    numbers its gaps turn on, the paper's row first; and per number, how many replicates land near the paper's
+    (an accuracy within 0.01, 50 of its 5,000 test points; a mutual information within 25 %): the paper's run is
+    one draw, and the share says how ordinary it is under that start."""
+    from .paper import paper_table
+
+    scores, paper = run.table("scores_replicates"), paper_table("ex1_scores")
+    table = pd.DataFrame({f"{m} {c}": scores[c].xs(m, level="method") for m, c in TURING_SHOWN})
+    table.index = [f"replicate {r}" for r in table.index]
+    theirs = pd.Series({f"{m} {c}": float(paper.loc[m, c]) for m, c in TURING_SHOWN})
+    tolerance = pd.Series({f"{m} {c}": 0.01 if c == "accuracy" else 0.25 * theirs[f"{m} {c}"] for m, c in TURING_SHOWN})
+    near = (table - theirs).abs() <= tolerance
+    shares = pd.DataFrame({"the paper": theirs, "replicates near it": near.sum().astype(int).astype(str)
+                           + f" of {len(table)}", "ours: min": table.min(), "ours: max": table.max()})
+    return pd.concat([theirs.to_frame("the paper").T, table]), shares

@@ -154,6 +154,24 @@ def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monke
     assert not (work / "ci").exists()
 
 
+def test_a_seed_offset_reruns_the_seeded_chapters_apart_and_keeps_the_results(fake, tmp_path, monkeypatch):
+    from smp_book import config
+
+    committed, work = tmp_path / "results", tmp_path / "work"
+    monkeypatch.setattr(reproduce, "RESULTS", committed)
+    monkeypatch.setitem(config.PARAMETERS, "fake", {"seed": "n"})  # the fake study's seed is its setting n
+    monkeypatch.setattr(reproduce, "get_config", lambda study, scale: {"seed": 3})
+    pipeline.results("fake", "ci", root=committed)
+    assert reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "4"]) == 0
+    assert Results(committed / "ci" / "fake").config["n"] == 3  # a report only: the results stay
+    assert Results(work / "ci" / "fake").config["n"] == 7
+    cells, counts = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    assert "equal" not in counts.columns or counts.loc["fake", "equal"] < len(cells)  # other draws
+    assert counts.loc["fake", "within"] > 0
+    with pytest.raises(SystemExit):
+        reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "-1"])
+
+
 def test_timings_come_from_the_manifests(fake, tmp_path):
     pipeline.results("fake", "ci", root=tmp_path)
     table = timings("ci", root=tmp_path)
@@ -256,11 +274,11 @@ def test_a_parameter_the_chapter_does_not_define_refuses_the_run():
     from smp_book.config import parameters
 
     namespace = {"scale": "ci", "tau": {}, "n_chains": None, "n_steps": None, "replicates": None, "seed": None,
-                 "In": [], "get_ipython": print, "_": None, "pd": pd}
+                 "nuts_start": None, "In": [], "get_ipython": print, "_": None, "pd": pd}
     assert parameters(namespace, "toy") == {"tau": {}, "n_chains": None, "n_steps": None, "replicates": None,
-                                            "seed": None}
+                                            "seed": None, "nuts_start": None}
     with pytest.raises(ValueError, match="unknown parameter.s. taus: this chapter takes n_chains, n_steps, "
-                                         "replicates, scale, seed, tau"):
+                                         "nuts_start, replicates, scale, seed, tau"):
         parameters({**namespace, "taus": 0.5}, "toy")
     with pytest.raises(ValueError, match="unknown parameter.s. tau: this chapter takes scale"):
         parameters({"scale": "ci", "tau": {}}, "summary")
