@@ -175,7 +175,6 @@ def compute(ctx) -> None:
     """The MAP-seeds chapter's results (:mod:`smp_book.pipeline`)."""
     from smp_core import metrics
 
-    from .mnist_claims import claims
     from .mnist_runs import TRIM, default_device, load_data, smp_path
 
     cfg, device = ctx.config, default_device()
@@ -193,10 +192,6 @@ def compute(ctx) -> None:
     ctx.table("diverged", study["diverged"])
     least = ctx.table("least_dispersed", least_dispersed_per_map(per_map))
     ctx.figure("least_dispersed", least_dispersed_figure(least, cfg["seed"]))
-    verdicts = claims(summary["scores_mean"], summary["variances_mean"],
-                      [(t["scores"], t["variances"]) for t in per_map]).rename(columns={"replicates": "per MAP"})
-    ctx.table("claims", verdicts, index=False)
-    differ = verdicts[verdicts["per MAP"].str.contains(",")]
 
     per_run = ctx.table("per_run", dispersion_per_run(runs))
     ctx.figure("periodic_ratio_per_run", ratio_figure([(r, per_run[r]) for r in ("log periodic/fixed",
@@ -227,9 +222,7 @@ def compute(ctx) -> None:
         "n_periodic_least_maps": int((least["least"] == PERIODIC).sum()), "least_counts": _counts(least["least"]),
         "map_accuracy_min": maps["accuracy"].min(), "map_accuracy_max": maps["accuracy"].max(),
         "map_nll_min": maps["nll"].min(), "map_nll_max": maps["nll"].max(),
-        "map0_nll_rank": int(maps["nll"].rank().loc[0]), "n_claims": len(verdicts), "n_claims_differ": len(differ),
-        "claims_differ": "; ".join(f"{c} ({p})" for c, p in zip(differ["claim"], differ["per MAP"], strict=True))
-        or "none",
+        "map0_nll_rank": int(maps["nll"].rank().loc[0]),
         "runs_periodic_below_fixed": int(below.sum()), "periodic_below_fixed_per_map": ", ".join(
             f"MAP {m} {int(k)} of {n_reps}" for m, k in below.groupby(level="map").sum().items()),
         "df_map": n_maps - 1, "df_stream": n_maps * (n_reps - 1),

@@ -204,7 +204,7 @@ def table(
         }
         if run is not None:
             here = cache.setdefault(("run", run.folder), evidence(run, root))
-            row["this run"] = _judge(c, here)[0] if c["study"] == run.study else "-"
+            row["this run"] = _judge(c, here)[0]
         rows.append(row)
     return pd.DataFrame(rows).set_index("id")
 

@@ -69,7 +69,7 @@ def test_compute_writes_the_chapters_tables_values_and_figures(tmp_path, monkeyp
     folder.mkdir()
     ctx = Context("mnist_seeds", "ci", cfg, folder, tmp_path, use_cache=False)
     mss.compute(ctx)
-    for name in ("maps", "diverged", "scores_mean", "scores_std", "scores_replicates", "least_dispersed", "claims",
+    for name in ("maps", "diverged", "scores_mean", "scores_std", "scores_replicates", "least_dispersed",
                  "per_run", "least_per_run", "map_or_stream", "mi_largest_chain_share", "per_run_trimmed",
                  "map_or_stream_trimmed"):
         assert (folder / f"{name}.csv").exists(), name

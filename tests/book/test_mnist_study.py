@@ -5,33 +5,13 @@ import pandas as pd
 import pytest
 import torch
 
-from smp_book import mnist_claims as mc
 from smp_book import mnist_growth_study as mgs
 from smp_book import mnist_kfac_study as mks
 from smp_book import mnist_runs as mr
 from smp_book import mnist_seeds_study as mss
 from smp_book import mnist_study as ms
-from smp_book.paper import paper_table
 from smp_core import metrics
 from smp_core.tail import tail_variance
-
-
-def test_claims_on_the_papers_tables():
-    verdicts = mc.claims(paper_table("ex2_scores"), paper_table("ex2_variances")).set_index("claim")["verdict"]
-    assert (verdicts == "holds").all(), verdicts
-
-
-def test_claims_count_the_verdicts_of_single_runs():
-    scores, variances = paper_table("ex2_scores"), paper_table("ex2_variances")
-    worse = scores.copy()
-    worse.loc["SMP-periodic-diag", "mutual_info"] = 10.0  # no longer the least over-dispersed
-    table = mc.claims(scores, variances, [(scores, variances), (worse, variances), (scores, variances)])
-    counts = table.set_index("claim")["replicates"]
-    assert counts.filter(like="Periodic recomputation").item() == "holds 2, does not hold 1"
-    assert counts.filter(like="SMP-none predicts like MAP").item() == "holds 3"
-    assert list(table.columns) == ["claim", "criterion", "verdict", "evidence", "replicates"]
-    assert "replicates" not in mc.claims(scores, variances).columns
-    assert mc.verdict_counts(["partly", "holds", "partly"]) == "partly 2, holds 1"
 
 
 def test_summarise_gives_the_map_row_no_spread():
