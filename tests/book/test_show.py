@@ -121,3 +121,25 @@ def test_the_readme_gives_the_front_pages_counts():
     for chapter, name in (("toy", "the toy chapter"), ("mnist", "the MNIST chapter")):
         counts = register.count(claims.loc[claims["chapter"] == chapter, "verdict"])
         assert readme[readme.index(name):].split("): ", 1)[1].startswith(counts), (chapter, counts)
+
+
+def test_the_paper_nuts_start_is_shown_replicate_by_replicate_with_its_share_near_the_paper(tmp_path):
+    from smp_book.paper import paper_table
+
+    paper = paper_table("ex1_scores")
+    rows = []
+    for r, (none_mi, dense_acc) in enumerate([(0.17, 0.92), (0.05, 0.61), (0.20, 0.915)]):
+        for method in paper.index:
+            changes = {"SMP-none": {"mutual_info": none_mi}, "SMP-fixed-dense": {"accuracy": dense_acc}}
+            row = {**paper.loc[method].to_dict(), **changes.get(method, {})}
+            rows.append({"replicate": r, "method": method, **row})
+    pd.DataFrame(rows).to_csv(tmp_path / "scores_replicates.csv", index=False)
+    (tmp_path / "manifest.json").write_text(json.dumps({"config": {}, "tables": {
+        "scores_replicates": {"index": 2, "header": 1}}}))
+    table, near = show.nuts_start_replicates(Results(tmp_path))
+    assert list(table.index) == ["the paper", "replicate 0", "replicate 1", "replicate 2"]
+    assert table.loc["replicate 1", "SMP-fixed-dense accuracy"] == 0.61
+    # SMP-none's MI within 25 % of 0.1709 in replicates 0 and 2 (0.20 is 17 % above); accuracy within 0.01
+    assert near.loc["SMP-none mutual_info", "replicates near it"] == "2 of 3"
+    assert near.loc["SMP-fixed-dense accuracy", "replicates near it"] == "2 of 3"
+    assert near.loc["NUTS accuracy", "replicates near it"] == "3 of 3"
