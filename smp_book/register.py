@@ -29,13 +29,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from .config import MNIST_VARIANTS
 from .results import RESULTS, Results
 
 REGISTER = Path(__file__).with_name("claims.toml")
 WORDS = ("holds", "partly", "does not hold", "not resolved", "not judged")
 FIELDS = ("id", "section", "chapter", "study", "scale", "claim", "criterion", "thresholds")
 Z = 2.0
-DIAGONAL = ("SMP-fixed-diag", "SMP-ema-diag", "SMP-periodic-diag")
+DIAGONAL = tuple(f"SMP-{v}" for v in MNIST_VARIANTS if v != "none")  # as mnist_runs.DIAGONAL_METHODS
 FIXED, EMA, PERIODIC = DIAGONAL
 
 
@@ -100,7 +101,7 @@ class Evidence:
         return [float(fn(r)) for r in self.runs if all(m in r["scores"].index for m in methods)]
 
     def describe(self, label: str, fn, *methods: str, digits: int = 4) -> str:
-        """``label mean ± sd (n runs)`` of ``fn`` over the runs that have ``methods``."""
+        """``label mean ± sd`` of ``fn`` over the runs that have ``methods`` (no sd from one run)."""
         x = np.asarray(self.margins(fn, *methods))
         if x.size == 0:
             return f"{label} -"
@@ -150,10 +151,10 @@ JUDGES = {}
 
 
 def judge(claim_id: str):
+    """Register the decorated function as the judge of ``claim_id``: ``ev -> (conditions or None, evidence)``."""
     def register(fn):
         JUDGES[claim_id] = fn
         return fn
-
     return register
 
 
@@ -171,14 +172,14 @@ def load(path: Path = REGISTER) -> list[dict]:
     return claims
 
 
-def table(
-    chapter: str | None = None, run: Results | None = None, root: Path = RESULTS, path: Path = REGISTER
-) -> pd.DataFrame:
+def table(chapter: str | None = None, run: Results | None = None, root: Path = RESULTS,
+          path: Path = REGISTER) -> pd.DataFrame:
     """Every claim of the register (or those ``chapter`` shows): section, claim, verdict, criterion, evidence,
     the scale that judged it and the chapter; a claim whose results are not there is "not judged". With
     ``run``, the results of a chapter run at another scale or with other parameters, a column ``this run``
     gives the verdicts the same criteria give there, for comparison: the register's verdict stays its scale's."""
     rows, cache = [], {}
+    here = evidence(run, root) if run is not None else None
     for c in load(path):
         if chapter is not None and c["chapter"] != chapter:
             continue
@@ -188,24 +189,12 @@ def table(
                 cache[key] = evidence(Results(Path(root) / c["scale"] / c["study"]), root)
             word, text = _judge(c, cache[key])
             n = len(cache[key].runs)
-            kind = ("stream" if key == ("mnist", "paper") else "replicate") + ("s" if n != 1 else "")
-            scale = f"{c['scale']}, {n} {kind}"
+            scale = f"{c['scale']}, {n} " + ("stream" if key == ("mnist", "paper") else "replicate") + "s" * (n != 1)
         except FileNotFoundError as e:
             word, text, scale = "not judged", f"no results: {e}", c["scale"]
-        row = {
-            "id": c["id"],
-            "section": c["section"],
-            "claim": c["claim"],
-            "verdict": word,
-            "criterion": c["criterion"],
-            "evidence": text,
-            "scale": scale,
-            "chapter": c["chapter"],
-        }
-        if run is not None:
-            here = cache.setdefault(("run", run.folder), evidence(run, root))
-            row["this run"] = _judge(c, here)[0]
-        rows.append(row)
+        rows.append({"id": c["id"], "section": c["section"], "claim": c["claim"], "verdict": word,
+                     "criterion": c["criterion"], "evidence": text, "scale": scale, "chapter": c["chapter"],
+                     **({"this run": _judge(c, here)[0]} if here is not None else {})})
     return pd.DataFrame(rows).set_index("id")
 
 

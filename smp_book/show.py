@@ -8,9 +8,8 @@ import re
 import numpy as np
 import pandas as pd
 
+from .register import FIXED, PERIODIC
 from .results import ROOT, Results
-
-FIXED, PERIODIC = "SMP-fixed-diag", "SMP-periodic-diag"
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:

@@ -161,6 +161,12 @@ def toy_preconditioner(cfg: dict[str, Any], variant: str):
                                     ema_init=cfg["ema_init"])
 
 
+def nuts_init(seeds: dict[str, int], start: str) -> np.ndarray | None:
+    """Where a replicate's NUTS chain starts: ``None`` for ``"map"`` (ours: :func:`smp_book.nuts.run_nuts` finds a
+    MAP), or for ``"uniform"`` a draw uniform on ``[-2, 2]^20`` (Turing's default, the paper's) from the NUTS seed."""
+    return np.random.default_rng(seeds["nuts"]).uniform(-2.0, 2.0, 20) if start == "uniform" else None
+
+
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
                   seed_offset: int = 0) -> dict[str, Any]:
     """One whole pipeline: new data, NUTS (from a MAP, or ``cfg["nuts_start"] = "uniform"``), NUTS-mean, every SMP
@@ -190,9 +196,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     gx, gy, grid = make_grid(cfg["grid_per_axis"])
     shape = tuple(gx.shape)
 
-    # NUTS starts at a MAP (ours), or uniform on [-2, 2]^20 (Turing's default, the paper's: nuts_start "uniform")
-    init = (np.random.default_rng(seeds["nuts"]).uniform(-2.0, 2.0, 20) if cfg.get("nuts_start") == "uniform"
-            else None)
+    init = nuts_init(seeds, cfg.get("nuts_start", "map"))
     nuts = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
                     num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
                     x_eval=x_test.numpy(), init=init)

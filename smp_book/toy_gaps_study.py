@@ -86,8 +86,7 @@ def run_replicate(cfg: dict[str, Any], replicate: int, progress: bool = True) ->
         key = tuple(sorted(_nuts_settings(change).items()))
         if key not in chains:
             kw = _nuts_settings(change)
-            init = (np.random.default_rng(seeds["nuts"]).uniform(-2.0, 2.0, 20) if kw["nuts_start"] == "uniform"
-                    else None)  # None: the MAP start of the toy chapter
+            init = toy.nuts_init(seeds, kw["nuts_start"])
             chains[key] = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
                                    num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
                                    x_eval=x_test.numpy(), init=init, dense_mass=kw["dense_mass"])
