@@ -18,10 +18,10 @@ BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchm
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml smp_book/pyproject.toml smp_book/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[book,dev]"
+	$(BIN)/python -m pip install -q -c smp_book/constraints.txt -e ".[fast]" -e "./smp_book[dev]"
 	@touch $(STAMP)
 
 ## make book: `jupyter-book build book` (sources in book/, output in _build/html). Jupyter Book runs each notebook

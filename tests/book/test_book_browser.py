@@ -9,7 +9,7 @@ browser, it also checks that the built pages are exactly
 those of the table of contents. A full-page screenshot of each page goes to ``_build/screenshots/``.
 
 Set-up (Debian): ``apt-get install -y chromium chromium-driver`` (``make browser-deps``) and
-``pip install -e ".[dev]"`` (selenium); build the book first (``make book``, i.e. ``jupyter-book build
+``pip install -e "./smp_book[dev]"`` (selenium); build the book first (``make book``, i.e. ``jupyter-book build
 book``). Without any of them the tests are skipped with a message. Environment: ``SMP_CHROMIUM`` (the
 browser), ``SMP_CHROMEDRIVER`` (its driver), ``SMP_BOOK_HTML`` (the built site).
 """
@@ -149,7 +149,8 @@ def test_built_pages_are_the_table_of_contents():
 def driver():
     if not (HTML / "index.html").is_file():
         pytest.skip(f"no built book at {HTML}: run `make book` (jupyter-book build book) first")
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed: pip install -e '.[dev]'")
+    webdriver = pytest.importorskip("selenium.webdriver",
+                                    reason="selenium is not installed: pip install -e './smp_book[dev]'")
     browser = executable("SMP_CHROMIUM", "chromium", "chromium-browser", "google-chrome")
     chromedriver = executable("SMP_CHROMEDRIVER", "chromedriver")
     for name, path in (("chromium", browser), ("chromedriver", chromedriver)):
