@@ -2,9 +2,9 @@
 
 SMP's chains are independent and chain ``i`` draws from its own random stream of ``(seed, i)``
 (:mod:`smp_core.streams`), so ``S`` chains split over ``W`` processes give the samples of one
-process running all ``S``: bit for bit for ``none`` and ``diag`` in float64, to rounding for the
-structures whose batched linear algebra rounds by the batch's size (``dense``, ``kfac``; see
-:func:`smp_core.recursion.run_smp`). Start it with ``torchrun`` (one machine or several, with its
+process running all ``S``: bit for bit or to rounding, as :mod:`smp_core.streams` lists (bit for
+bit for ``none`` and ``diag`` on the ``nn.Sequential`` networks that ``smp_core`` batches by hand).
+Start it with ``torchrun`` (one machine or several, with its
 rendezvous)::
 
     torchrun --nproc_per_node=2 my_run.py          # my_run.py calls run_smp_sharded(...)
