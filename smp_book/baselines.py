@@ -193,8 +193,8 @@ def fit_laplace(model: nn.Module, likelihood, theta_map: torch.Tensor, x: torch.
     """The Laplace approximation ``N(theta_MAP, (GGN + alpha I)^-1)`` at ``theta_map`` ``(d,)``, the GGN summed over
     the training set ``(x, y)`` and kept in ``structure`` (one of ``LAPLACE_STRUCTURES``), ``alpha > 0``.
 
-    ``likelihood``: ``"bernoulli"`` (to laplace-torch as two classes with logits ``(0, g)``), ``"categorical"``,
-    ``"gaussian"`` or a likelihood object. ``diag``, ``kfac``, ``dense``: laplace-torch's ``Laplace(...,
+    ``likelihood``: ``"bernoulli"`` (to laplace-torch as two classes with logits ``(0, g)``), ``"categorical"``
+    or a likelihood object (``smp_core.Gaussian(sigma)``). ``diag``, ``kfac``, ``dense``: laplace-torch's ``Laplace(...,
     subset_of_weights="all")`` fitted in batches of ``batch_size`` (default 16 for ``diag``, whose GGN holds every
     input's Jacobian: 1.1 GB on LeNet-5; else 500); ``block``: :func:`smp_core.fisher.estimate_fisher`'s model Fisher.
     """

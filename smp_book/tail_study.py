@@ -21,6 +21,7 @@ logit space.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 import warnings
@@ -54,7 +55,10 @@ def sampler_names(tail_from) -> list[str]:
 
 def _logits(theta: torch.Tensor, x_test: torch.Tensor) -> torch.Tensor:
     """``(S, n)`` test logits of the toy MLP; NaN rows (diverged chains) give NaN rows."""
-    return predict(as_chain_model(toy_mlp()), theta.float(), x_test)[..., 0]
+    alive = torch.isfinite(theta).all(1)
+    logits = torch.full((theta.shape[0], x_test.shape[0]), math.nan)
+    logits[alive] = predict(as_chain_model(toy_mlp()), theta[alive].float(), x_test)[..., 0]
+    return logits
 
 
 def _scores(theta: torch.Tensor, logits: torch.Tensor, y_test: torch.Tensor, n_bins: int) -> dict[str, float]:

@@ -32,7 +32,15 @@ from torch import nn
 from torch.func import functional_call
 
 from .likelihoods import check_output_dim, check_responses
-from .models import ChainModel, MLPChainModel, SequentialChainModel, _conv_output_size, _im2col, check_deterministic
+from .models import (
+    ChainModel,
+    MLPChainModel,
+    SequentialChainModel,
+    _conv_output_size,
+    _im2col,
+    _output_dim,
+    check_deterministic,
+)
 from .preconditioners import KroneckerLayer, Stat, Structure, statistic_dtype_of
 
 
@@ -167,6 +175,8 @@ def estimate_fisher(
         raise ValueError(f"x has {n} rows but y has {y.shape[0]}")
     if not torch.isfinite(x).all():
         raise ValueError("the Fisher data x contains NaN or infinite values")
+    if isinstance(getattr(model, "module", None), nn.Module):
+        _output_dim(model.module, tuple(x.shape[1:]), "the Fisher data x")  # a clear error when x does not fit
     _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     if structure.name == "kfac":
         return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,

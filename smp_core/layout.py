@@ -40,6 +40,8 @@ class ParamLayout:
 
     @classmethod
     def from_module(cls, module: nn.Module) -> ParamLayout:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         entries, offset = [], 0
         for name, param in module.named_parameters():
             if not param.requires_grad:

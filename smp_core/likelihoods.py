@@ -160,9 +160,14 @@ class Gaussian:
     name = "gaussian"
 
     def __init__(self, sigma: float = 1.0):
-        if not sigma > 0:
-            raise ValueError(f"the Gaussian noise standard deviation must be positive, got {sigma}")
-        self.sigma = float(sigma)
+        try:  # a number, a numpy scalar or a 0-d tensor; never a bool or a string
+            value = math.nan if isinstance(sigma, bool | str) else float(sigma)
+        except (TypeError, ValueError, RuntimeError):
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"sigma, the Gaussian noise standard deviation, must be a finite number > 0, "
+                             f"got {sigma!r}")
+        self.sigma = value
 
     def sample(self, out: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """``Y = g + sigma Z`` with standard normals ``Z``, shape ``(B, m)``."""
@@ -248,10 +253,13 @@ def check_responses(likelihood, y: torch.Tensor, out_dim: int) -> None:
 
 
 def get_likelihood(name: str | Bernoulli | Categorical | Gaussian, **kwargs):
-    """A likelihood object from its name (``"bernoulli"``, ``"categorical"``, ``"gaussian"``)."""
+    """A likelihood object from its name (``"bernoulli"``, ``"categorical"``, ``"gaussian"`` with ``sigma=``)."""
     if not isinstance(name, str):
         return name
     table = {"bernoulli": Bernoulli, "categorical": Categorical, "gaussian": Gaussian}
     if name.lower() not in table:
         raise ValueError(f"unknown likelihood {name!r}; choose one of {sorted(table)}")
+    if name.lower() == "gaussian" and "sigma" not in kwargs:
+        raise ValueError("likelihood 'gaussian' needs its noise standard deviation: pass smp_core.Gaussian(sigma) "
+                         "(the name alone would silently mean sigma = 1)")
     return table[name.lower()](**kwargs)

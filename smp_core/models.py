@@ -69,7 +69,7 @@ def lenet5(dropout: float = 0.0) -> nn.Sequential:
     (its length and order) is the same as without it; ``dropout = 0`` gives the paper's network, with
     no dropout layers at all.
     """
-    if not 0.0 <= dropout < 1.0:
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout}")
 
     def drop() -> list[nn.Module]:
@@ -140,22 +140,42 @@ def check_deterministic(model) -> None:
                          "use the batch's statistics: call module.eval() before SMP, the Fisher or predictions")
 
 
-def predict(model: ChainModel, theta: torch.Tensor, x: torch.Tensor, batch_size: int = 8192) -> torch.Tensor:
+def predict(model: nn.Module | ChainModel, theta: torch.Tensor, x: torch.Tensor, batch_size: int = 8192
+            ) -> torch.Tensor:
     """Network outputs of every sample at shared inputs: ``(S, n, m)`` for ``theta`` ``(S, d)``, ``x`` ``(n, ...)``.
 
-    Runs the user's module itself (one ``functional_call`` per sample and input batch), so it
-    works for every module and uses its ordinary batched kernels.
+    ``model``: the ``nn.Module`` the samples are of, or its :class:`ChainModel`. Runs the user's module
+    itself (one ``functional_call`` per sample and input batch), so it works for every module and uses
+    its ordinary batched kernels. Rows of ``theta`` with NaN or infinite entries (chains that diverged, as
+    :attr:`~smp_core.recursion.SMPResult.theta` holds them) are left out with a warning, as
+    :meth:`~smp_core.recursion.SMPResult.samples` does.
     """
-    theta = _check_theta(theta, model.layout.dim)
-    check_deterministic(model)
-    module = model.module
+    if isinstance(model, nn.Module) and not hasattr(model, "layout"):
+        module, layout = model, ParamLayout.from_module(model)
+    elif hasattr(model, "layout") and isinstance(getattr(model, "module", None), nn.Module):
+        module, layout = model.module, model.layout
+    else:
+        raise TypeError(f"model must be a torch.nn.Module or a smp_core ChainModel, got {type(model).__name__}")
+    if not isinstance(x, torch.Tensor) or x.ndim < 1 or x.shape[0] == 0:
+        raise ValueError(f"x must be a tensor of inputs (n, *input_shape) with n >= 1, got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
+    theta = _check_theta(theta, layout.dim)
+    finite = torch.isfinite(theta).all(1)
+    if not finite.all():
+        warnings.warn(f"{int((~finite).sum())} of {theta.shape[0]} rows of theta hold NaN or infinite values (chains "
+                      "that diverged) and are left out", stacklevel=2)
+        theta = theta[finite]
+    check_deterministic(module)
+    out_dim = _output_dim(module, tuple(x.shape[1:]), "x")  # a clear error when the module cannot take x's rows
     out = []
     with torch.no_grad():
         for row in theta:
-            params = model.layout.unflatten(row)
+            params = layout.unflatten(row)
             parts = [functional_call(module, params, (xb,)) for xb in x.split(batch_size)]
             out.append(torch.cat(parts).reshape(x.shape[0], -1))
-    return torch.stack(out)
+    return torch.stack(out) if out else theta.new_empty(0, x.shape[0], out_dim)
 
 
 def _check_theta(theta: torch.Tensor, dim: int) -> torch.Tensor:
@@ -182,15 +202,17 @@ def _check_out(out: torch.Tensor, rows: int, dim: int) -> torch.Tensor:
     return out
 
 
-def _output_dim(module: nn.Module, input_shape: tuple[int, ...]) -> int:
+def _output_dim(module: nn.Module, input_shape: tuple[int, ...], source: str = "x_train") -> int:
     """The number of outputs of one input of shape ``input_shape``; a ``ValueError`` naming that shape
     when the module cannot take it (instead of torch's message from deep inside the module)."""
     param = next(module.parameters())
+    buffers = {name: b.clone() for name, b in module.named_buffers()}  # a probe must not change the user's module
     try:
         with torch.no_grad():
-            out = module(torch.zeros(1, *input_shape, dtype=param.dtype, device=param.device))
+            out = functional_call(module, buffers, (torch.zeros(1, *input_shape, dtype=param.dtype,
+                                                                device=param.device),))
     except (RuntimeError, ValueError, IndexError) as error:
-        raise ValueError(f"the module cannot take inputs of shape {tuple(input_shape)} (one input, as x_train's "
+        raise ValueError(f"the module cannot take inputs of shape {tuple(input_shape)} (one input, as {source}'s "
                          f"rows have it): {error}") from error
     return int(out[0].numel())
 
@@ -726,6 +748,10 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
         return module  # already a chain model
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    if input_shape is not None and (not isinstance(input_shape, tuple | list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in input_shape)):
+        raise ValueError(f"input_shape must be a tuple of positive integers (one input's shape, no batch "
+                         f"dimension), got {input_shape!r}")
     frozen = any(not p.requires_grad for p in module.parameters())
     if mlp_supported(module) and not frozen:
         return MLPChainModel(module)

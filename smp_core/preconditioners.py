@@ -108,6 +108,8 @@ class Structure:
     layers: tuple[KroneckerLayer, ...] = field(default=())
 
     def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
+            raise ValueError(f"dim, the number of parameters d, must be a whole number >= 1, got {self.dim!r}")
         if self.name not in STRUCTURES:
             raise ValueError(f"unknown preconditioner structure {self.name!r}; choose one of {STRUCTURES}")
         if self.name == "block":
@@ -750,13 +752,15 @@ def _checked(structure: Structure | str, strategy: str, *, ridge=1e-4, beta=0.98
              ema_refresh=1, statistic_dtype=None) -> Preconditioner:
     """A :class:`Preconditioner` with every setting checked (a ``ValueError`` names the bad one), even
     the settings its strategy does not use."""
+    if not isinstance(structure, str | Structure):
+        raise TypeError(f"structure must be one of {STRUCTURES} (or a bound Structure), got {structure!r}")
     name = structure if isinstance(structure, str) else structure.name
     if name not in STRUCTURES:
         raise ValueError(f"unknown preconditioner structure {name!r}; choose one of {STRUCTURES}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
     try:
-        ridge_value = float(ridge)  # a numpy scalar or a 0-d tensor too
+        ridge_value = float("nan") if isinstance(ridge, str) else float(ridge)  # a numpy scalar or 0-d tensor too
     except (TypeError, ValueError, RuntimeError):
         ridge_value = float("nan")
     if isinstance(ridge, bool) or not (math.isfinite(ridge_value) and ridge_value >= 0):
@@ -903,6 +907,8 @@ def parse_preconditioner_name(name: str) -> tuple[str | None, str]:
     """``(strategy, structure)`` of a variant name of the paper's tables (``"none"`` -> ``(None, "none")``,
     ``"SMP-ema-block"`` -> ``("ema", "block")``), checked without building anything: a ``ValueError`` names
     what is wrong, as :func:`build_preconditioner` would."""
+    if not isinstance(name, str):
+        raise TypeError(f"a preconditioner's name must be a string such as 'fixed-diag', got {type(name).__name__}")
     name = name.removeprefix("SMP-")
     if name == "none":
         return None, "none"

@@ -164,8 +164,7 @@ class RunOptions:
         for name in ("trace_every", "checkpoint_every"):
             if getattr(self, name) is not None:
                 _as_count(name, getattr(self, name), 1)
-        if not (self.cuda_graph is None or isinstance(self.cuda_graph, bool)):
-            raise TypeError(f"cuda_graph must be True, False or None, got {self.cuda_graph!r}")
+        _check_cuda_graph(self.cuda_graph)
         if self.checkpoint is not None and not isinstance(self.checkpoint, str | os.PathLike):
             raise TypeError(f"checkpoint must be a path, got {type(self.checkpoint).__name__}")
         return dataclasses.replace(
@@ -181,8 +180,7 @@ def residual_variance_ratio(n_obs: int, n_steps: int) -> float:
     (it ignores ``tau``, the preconditioner and the score covariance). ``sum_{i>K} (N+i)^{-2}``
     is the trigamma function at ``N + K + 1``. The toy example (N = 500, K = 5000): about 9 %.
     """
-    if n_obs < 0 or n_steps < 0:
-        raise ValueError("N and K must be non-negative")
+    n_obs, n_steps = _as_count("n_obs (N)", n_obs, 0), _as_count("n_steps (K)", n_steps, 0)
     return trigamma(n_obs + n_steps + 1) / trigamma(n_obs + 1)
 
 
@@ -193,6 +191,11 @@ def _as_count(name: str, value, minimum: int) -> int:
             or value < minimum:
         raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _check_cuda_graph(cuda_graph) -> None:
+    if not (cuda_graph is None or isinstance(cuda_graph, bool)):
+        raise TypeError(f"cuda_graph must be True, False or None, got {cuda_graph!r}")
 
 
 def _check_divergence_settings(check_every, divergence_threshold) -> int:
@@ -272,7 +275,8 @@ class SMP:
     Args:
         model: any ``torch.nn.Module`` (or a :class:`~smp_core.models.ChainModel`); parameters with
             ``requires_grad=False`` are frozen (not sampled). One input's shape is read from ``x_train``.
-        likelihood: ``"bernoulli"``, ``"categorical"``, ``"gaussian"`` or a likelihood object.
+        likelihood: ``"bernoulli"``, ``"categorical"`` or a likelihood object (``smp_core.Gaussian(sigma)``
+            for a regression: its noise is never taken by default).
         x_train: ``(n, *input_shape)`` inputs (a tensor or an array) that the covariates are resampled
             from: the ``N`` training inputs (the paper's empirical design) or any other pool, such as a
             wider design (beyond the paper; pass ``n_obs`` and a :class:`Fisher` with the data's inputs).
@@ -301,12 +305,19 @@ class SMP:
             raise TypeError("preconditioner must be a name such as 'fixed-diag' or a smp_core Preconditioner, got "
                             f"{type(preconditioner).__name__}")
         x_train = as_tensor_input("x_train", x_train)
-        if x_train.ndim < 2 and not isinstance(model, nn.Module):
-            raise ValueError("x_train must have shape (N, *input_shape)")
+        if x_train.ndim < 2:
+            raise ValueError(f"x_train must have shape (N, *one input's shape), one row per input, got shape "
+                             f"{tuple(x_train.shape)} (for N scalar inputs, x_train[:, None])")
         fx = x_train if fisher.x is None else as_tensor_input("the Fisher's x", fisher.x)
         fy = None if fisher.y is None else as_tensor_input("the Fisher's y", fisher.y)
+        if fx.shape[1:] != x_train.shape[1:]:
+            raise ValueError(f"fisher: the Fisher's inputs have shape {tuple(fx.shape)}, but the model takes inputs "
+                             f"of shape {tuple(x_train.shape[1:])} as x_train's rows have it")
+        if fy is not None and (fy.ndim == 0 or fy.shape[0] != fx.shape[0]):
+            raise ValueError(f"fisher: the Fisher's y has shape {tuple(fy.shape)}, one label per input of its "
+                             f"{fx.shape[0]} inputs is needed")
         check_deterministic(model)  # before wrapping: a training-mode batch norm fails on the probe input
-        net = as_chain_model(model, tuple(x_train.shape[1:]) if x_train.ndim >= 2 else None)
+        net = as_chain_model(model, tuple(x_train.shape[1:]))
         lik = get_likelihood(likelihood)
         if not has_noise(lik):
             raise TypeError(f"the likelihood {type(lik).__name__} has no noise_width / noise_from_uniforms / "
@@ -393,8 +404,13 @@ class SMP:
         ``theta_k`` every so many steps. ``cuda_graph``: the path (:class:`RunOptions`). ``on_check``:
         called with the state after each check.
         """
+        self.check_state(state)
         until = _as_count("until (the step to advance to)", until, state.step)
         check_every = _check_divergence_settings(check_every, divergence_threshold)
+        trace_every = None if trace_every is None else _as_count("trace_every", trace_every, 1)
+        _check_cuda_graph(cuda_graph)
+        if on_check is not None and not callable(on_check):
+            raise TypeError(f"on_check must be a function of the state, got {type(on_check).__name__}")
         self._on(state.theta.device, state.theta.dtype)
         net, lik, precond, x_train = self.net, self.likelihood, self.precond, self.x_train
         curvature = self.curvature if precond.needs_curvature else None
@@ -436,6 +452,23 @@ class SMP:
                 if on_check is not None:
                     on_check(state)
         return state
+
+    def check_state(self, state: SMPState) -> None:
+        """A ``TypeError`` or ``ValueError`` unless ``state`` fits this sampler: an :class:`SMPState` whose
+        chains have this model's ``d`` parameters and whose preconditioner state has this structure's size."""
+        if not isinstance(state, SMPState):
+            raise TypeError(f"state must be an SMPState from this sampler's init(), got {type(state).__name__}")
+        theta, dim = state.theta, self.net.layout.dim
+        chains = theta.shape[0] if theta.ndim == 2 else -1
+        if theta.ndim != 2 or theta.shape[1] != dim or state.theta0.shape != theta.shape \
+                or state.diverged_step.shape != (chains,) or state.streams.n_chains != chains:
+            raise ValueError(f"state does not come from this sampler: its theta has shape {tuple(theta.shape)} and "
+                             f"{state.streams.n_chains} random streams, this model has d = {dim} parameters")
+        stat = [m for m in state.precond.stat if isinstance(m, torch.Tensor)]
+        if sum(m[0].numel() for m in stat) != self.precond._bound().stat_numel() \
+                or any(m.shape[0] not in (1, chains) for m in stat):
+            raise ValueError(f"state does not come from this sampler: its preconditioner state does not fit the "
+                             f"{self.precond.name} preconditioner of this model")
 
     def _check(self, state: SMPState, divergence_threshold: float) -> bool:
         """Freeze the chains that diverged by ``state.step``; whether any chain is frozen."""
@@ -537,7 +570,8 @@ def run_smp(
     config = {
         "preconditioner": precond.name, "tau": sampler.tau, "n_steps": n_steps, "n_chains": n_chains, "seed": seed,
         "first_chain": options.first_chain, "n_obs": sampler.n_obs, "fisher": sampler.fisher, "likelihood": lik.name,
-        "d": net.layout.dim, **precond.hyper, "check_every": options.check_every,
+        **({"sigma": lik.sigma} if hasattr(lik, "sigma") else {}), "d": net.layout.dim, **precond.hyper,
+        "check_every": options.check_every,
         "divergence_threshold": options.divergence_threshold, "trace_every": options.trace_every,
     }
     if sampler.path(device, theta0.dtype, options.cuda_graph) == "blocks":

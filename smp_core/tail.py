@@ -158,6 +158,8 @@ def add_gaussian_tail(result: SMPResult, model: nn.Module | ChainModel, likeliho
 
     ``model``, ``likelihood`` and ``x_train`` must be those of the run. Diverged chains stay NaN.
     """
+    if not isinstance(result, SMPResult):
+        raise TypeError(f"result must be the SMPResult of run_smp, got {type(result).__name__}")
     cfg = result.config
     return gaussian_tail(model, likelihood, x_train, result.theta, result.preconditioner, result.precond_state,
                          tau=cfg["tau"], k_from=cfg["n_steps"], k_to=k_to, n_obs=cfg["n_obs"], n_scores=n_scores,

@@ -142,7 +142,7 @@ def test_same_generator_same_draws_as_laplace_torch():
     x, y, net, mean, _, _ = _linear_posterior()
     before = [p.detach().clone() for p in net.parameters()]
     for structure in ("diag", "kfac", "dense"):
-        lp = baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, y, prior_precision=1.0,
+        lp = baselines.fit_laplace(net, get_likelihood("gaussian", sigma=1.0), mean, x, y, prior_precision=1.0,
                                    structure=structure)
         a = lp.sample(5, torch.Generator().manual_seed(9))
         torch.testing.assert_close(a, lp.sample(5, torch.Generator().manual_seed(9)), rtol=0, atol=0)
@@ -195,12 +195,12 @@ def test_linearised_logits_have_laplace_torchs_glm_predictive(structure):
 def test_bad_prior_precision(prior):
     x, y, net, mean, _, _ = _linear_posterior()
     with pytest.raises(ValueError, match="prior_precision"):
-        baselines.fit_laplace(net, get_likelihood("gaussian"), mean, x, y, prior_precision=prior)
+        baselines.fit_laplace(net, get_likelihood("gaussian", sigma=1.0), mean, x, y, prior_precision=prior)
 
 
 def test_bad_inputs_name_the_problem(monkeypatch):
     x, y, net, mean, _, _ = _linear_posterior()
-    lik = get_likelihood("gaussian")
+    lik = get_likelihood("gaussian", sigma=1.0)
     with pytest.raises(ValueError, match="unknown Laplace structure"):
         baselines.fit_laplace(net, lik, mean, x, y, prior_precision=1.0, structure="full")
     with pytest.raises(ValueError, match=r"theta_map must have shape \(4,\)"):

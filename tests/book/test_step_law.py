@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from smp_book.step_law import draw_steps, predicted_variances, top_share
-from smp_core import run_smp
+from smp_core import Gaussian, run_smp
 from smp_core.layout import ParamLayout
 from smp_core.models import toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
@@ -53,7 +53,7 @@ def test_traces_of_a_linear_gaussian_step():
     """Linear model, sigma = 1: s = [x, 1] e with e ~ N(0, 1), so E ss^T = F exactly and
     E ||u||^2 = tr(P^{-1} F P^{-1}), E (x_e^T u)^2 = tr(Phi_e^T Phi_e / n P^{-1} F P^{-1})."""
     net, x, fisher = _linear_problem()
-    res, p = _fixed(net, "gaussian", x, "dense")
+    res, p = _fixed(net, Gaussian(1.0), x, "dense")
     assert torch.allclose(p - 0.05 * torch.eye(4, dtype=p.dtype), fisher, atol=1e-10)  # P = F + lambda I
     p_inv = torch.linalg.inv(p)
     cov = p_inv @ fisher @ p_inv
@@ -61,7 +61,7 @@ def test_traces_of_a_linear_gaussian_step():
     phi = torch.cat([x_eval, torch.ones(25, 1, dtype=torch.float64)], 1)
     eval_moment = phi.T @ phi / 25
     theta = _flat(net)
-    draws = draw_steps(net, "gaussian", x, theta, res.preconditioner, res.precond_state, n_draws=4000,
+    draws = draw_steps(net, Gaussian(1.0), x, theta, res.preconditioner, res.precond_state, n_draws=4000,
                        groups={"weight": slice(0, 3), "bias": torch.tensor([False, False, False, True])},
                        x_eval=x_eval, seed=1, batch=300, jvp_batch=64)
     assert len(draws) == 4000 and draws["row"].between(0, 39).all()
@@ -115,14 +115,14 @@ def test_predicted_variances_match_a_run():
     both standard errors."""
     net, x, _ = _linear_problem()
     n_steps, tau, chains = 30, 0.8, 3000
-    run = run_smp(net, "gaussian", x, tau=tau, n_steps=n_steps, n_chains=chains,
+    run = run_smp(net, Gaussian(1.0), x, tau=tau, n_steps=n_steps, n_chains=chains,
                   seed=7, progress=False, preconditioner=preconditioner_from_name("fixed-dense", ridge=0.05))
     theta = _flat(net)
     x_eval = torch.randn(20, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     phi = torch.cat([x_eval, torch.ones(20, 1, dtype=torch.float64)], 1)
     per_chain = {"params_variance": (run.theta - theta).square().mean(1),  # (S,)
                  "logits_variance": ((run.theta - theta) @ phi.T).square().mean(1)}  # the model is linear
-    draws = draw_steps(net, "gaussian", x, theta, run.preconditioner, run.precond_state, n_draws=4000, seed=8,
+    draws = draw_steps(net, Gaussian(1.0), x, theta, run.preconditioner, run.precond_state, n_draws=4000, seed=8,
                        batch=500, x_eval=x_eval)
     pred = predicted_variances(draws, n_obs=40, n_steps=n_steps, tau=tau, dim=4)
     v = tail_variance(40, 0, n_steps, tau)
@@ -139,11 +139,11 @@ def test_predicted_variances_match_a_run():
 
 def test_draws_are_reproducible_and_group_columns_named():
     net, x, _ = _linear_problem()
-    res, _ = _fixed(net, "gaussian", x, "diag")
+    res, _ = _fixed(net, Gaussian(1.0), x, "diag")
     theta = _flat(net)
-    a = draw_steps(net, "gaussian", x, theta, res.preconditioner, res.precond_state, n_draws=7, seed=3, batch=3,
+    a = draw_steps(net, Gaussian(1.0), x, theta, res.preconditioner, res.precond_state, n_draws=7, seed=3, batch=3,
                    groups={"w": slice(0, 3)}, x_eval=x[:5])
-    b = draw_steps(net, "gaussian", x, theta, res.preconditioner, res.precond_state, n_draws=7, seed=3, batch=3,
+    b = draw_steps(net, Gaussian(1.0), x, theta, res.preconditioner, res.precond_state, n_draws=7, seed=3, batch=3,
                    groups={"w": slice(0, 3)}, x_eval=x[:5])
     assert a.equals(b)
     assert list(a.columns) == ["row", "log_prob", "score_sq", "step_sq", "output_sq", "score_sq[w]", "step_sq[w]",
@@ -155,9 +155,9 @@ def test_draws_are_reproducible_and_group_columns_named():
 
 def test_bad_input_is_named():
     net, x, _ = _linear_problem()
-    res, _ = _fixed(net, "gaussian", x, "diag")
+    res, _ = _fixed(net, Gaussian(1.0), x, "diag")
     theta = _flat(net)
-    args = (net, "gaussian", x)
+    args = (net, Gaussian(1.0), x)
     state = (res.preconditioner, res.precond_state)
     with pytest.raises(ValueError, match="flat parameter vector"):
         draw_steps(*args, theta[None], *state, n_draws=2)
@@ -183,13 +183,13 @@ def test_a_state_with_one_p_per_chain_is_refused():
     """An EMA run's state has one P per chain: applying it to a batch of scores would pair chain i's P
     with score i, so it is refused, and one chain's state is accepted."""
     net, x, _ = _linear_problem()
-    run = run_smp(net, "gaussian", x, preconditioner="ema-diag", tau=0.1, n_steps=3, n_chains=5, seed=0,
+    run = run_smp(net, Gaussian(1.0), x, preconditioner="ema-diag", tau=0.1, n_steps=3, n_chains=5, seed=0,
                   progress=False)
     with pytest.raises(ValueError, match="one P per chain"):
-        draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, run.precond_state, n_draws=5, batch=5)
+        draw_steps(net, Gaussian(1.0), x, _flat(net), run.preconditioner, run.precond_state, n_draws=5, batch=5)
     one = run.precond_state.of_chain(2)
     assert all(torch.equal(a, b[2:3]) for a, b in zip(one.stat, run.precond_state.stat, strict=True))
-    draws = draw_steps(net, "gaussian", x, _flat(net), run.preconditioner, one, n_draws=6, batch=4)
+    draws = draw_steps(net, Gaussian(1.0), x, _flat(net), run.preconditioner, one, n_draws=6, batch=4)
     assert len(draws) == 6
 
 

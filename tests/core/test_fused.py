@@ -278,7 +278,7 @@ def test_bad_input_gets_a_clear_error():
     _, ctx = fused.forward(theta, x)
     with pytest.raises(ValueError, match=r"cotangent must have shape \(4, 2\)"):
         fused.vjp(ctx, torch.zeros(4, 3, dtype=torch.float64))
-    gaussian, bernoulli = get_likelihood("gaussian"), get_likelihood("bernoulli")
+    gaussian, bernoulli = get_likelihood("gaussian", sigma=1.0), get_likelihood("bernoulli")
     with pytest.raises(ValueError, match=r"shape \(4, 2\)"):
         fused.step_(theta, x, gaussian, torch.zeros(4, dtype=torch.float64), IDENTITY_RULE, (), 0.1)
     with pytest.raises(ValueError, match="needs one output"):

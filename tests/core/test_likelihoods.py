@@ -110,7 +110,7 @@ def test_samples_from_noise_follow_the_model(generator):
 def test_likelihood_errors():
     with pytest.raises(ValueError, match="unknown likelihood"):
         get_likelihood("poisson")
-    with pytest.raises(ValueError, match="positive"):
+    with pytest.raises(ValueError, match="finite number > 0"):
         Gaussian(0.0)
     with pytest.raises(ValueError, match="class labels"):
         Categorical().log_prob(torch.zeros(2, 3), torch.tensor([0, 3]))

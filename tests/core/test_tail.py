@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from smp_core import run_smp
+from smp_core import Gaussian, run_smp
 from smp_core.models import toy_mlp
 from smp_core.preconditioners import preconditioner_from_name
 from smp_core.recursion import residual_variance_ratio
@@ -69,14 +69,14 @@ def test_tail_variance_rejects_bad_input(kwargs, message):
 
 
 def _none_run(net, x, n_chains=8, n_steps=5, seed=0):
-    return run_smp(net, "gaussian", x, preconditioner="none", tau=1.0, n_steps=n_steps, n_chains=n_chains,
+    return run_smp(net, Gaussian(1.0), x, preconditioner="none", tau=1.0, n_steps=n_steps, n_chains=n_chains,
                    seed=seed, progress=False)
 
 
 def test_gaussian_tail_rejects_bad_input():
     net, x, _ = _linear_problem()
     res = _none_run(net, x)
-    args = (net, "gaussian", x)
+    args = (net, Gaussian(1.0), x)
     with pytest.raises(ValueError, match="shape"):
         gaussian_tail(*args, res.theta[0], res.preconditioner, res.precond_state, tau=1.0, k_from=5)
     with pytest.raises(ValueError, match="n_scores"):
@@ -84,7 +84,7 @@ def test_gaussian_tail_rejects_bad_input():
     with pytest.raises(ValueError, match="NaN"):
         bad = x.clone()
         bad[0, 0] = float("nan")
-        gaussian_tail(net, "gaussian", bad, res.theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5)
+        gaussian_tail(net, Gaussian(1.0), bad, res.theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5)
     with pytest.raises(ValueError, match="all chains diverged"):
         gaussian_tail(*args, torch.full_like(res.theta, float("nan")), res.preconditioner, res.precond_state,
                       tau=1.0, k_from=5)
@@ -97,9 +97,9 @@ def test_gaussian_tail_keeps_diverged_chains_out_and_is_reproducible():
     res = _none_run(net, x)
     theta = res.theta.clone()
     theta[2] = float("nan")
-    first = gaussian_tail(net, "gaussian", x, theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5,
+    first = gaussian_tail(net, Gaussian(1.0), x, theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5,
                           n_scores=20, seed=3)
-    again = gaussian_tail(net, "gaussian", x, theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5,
+    again = gaussian_tail(net, Gaussian(1.0), x, theta, res.preconditioner, res.precond_state, tau=1.0, k_from=5,
                           n_scores=20, seed=3)
     assert torch.isnan(first[2]).all()
     keep = torch.arange(theta.shape[0]) != 2
@@ -119,9 +119,9 @@ def test_tail_covariance_is_v_p_inv_f_p_inv(variant, n_scores):
     """Cov(tail) = v P^-1 F P^-1 for any number of scores M (M = 3: far from normal, same covariance)."""
     net, x, fisher = _linear_problem()
     n_chains, k0 = 4000, 20
-    res = run_smp(net, "gaussian", x, tau=0.5, n_steps=k0, n_chains=n_chains, seed=1,
+    res = run_smp(net, Gaussian(1.0), x, tau=0.5, n_steps=k0, n_chains=n_chains, seed=1,
                   progress=False, preconditioner=preconditioner_from_name(variant, ridge=0.05, period=10))
-    tail = add_gaussian_tail(res, net, "gaussian", x, k_to=None, n_scores=n_scores, seed=2) - res.theta
+    tail = add_gaussian_tail(res, net, Gaussian(1.0), x, k_to=None, n_scores=n_scores, seed=2) - res.theta
     p_inv = torch.linalg.inv(res.preconditioner.dense_matrix(res.precond_state).to(fisher.dtype))  # (C, d, d)
     expected = tail_variance(N_TRAIN, k0, None, 0.5) * (p_inv @ fisher @ p_inv).mean(0)
     assert (tail.mean(0) / (tail.std(0) / math.sqrt(n_chains))).abs().max() < Z_LIMIT  # mean zero, per coordinate
@@ -136,7 +136,7 @@ def test_hybrid_has_the_recursions_covariance_at_k():
     net, x, fisher = _linear_problem()
     n_chains, k0, k1 = 4000, 10, 400
     res = _none_run(net, x, n_chains=n_chains, n_steps=k0, seed=4)
-    hybrid = add_gaussian_tail(res, net, "gaussian", x, k_to=k1, n_scores=50, seed=5)
+    hybrid = add_gaussian_tail(res, net, Gaussian(1.0), x, k_to=k1, n_scores=50, seed=5)
     theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     z = _covariance_z(hybrid - theta0, tail_variance(N_TRAIN, 0, k1) * fisher)
     assert z.abs().max() < Z_LIMIT, z
