@@ -90,6 +90,9 @@ def growth_against_linear(table: pd.DataFrame, column: str) -> pd.Series:
     return (table[column] / table.loc[first, column]) / (table["reached_share"] / table.loc[first, "reached_share"])
 
 
+RESOLVED_Z = 2.0  # a lead of fewer standard errors than this is not resolved (as the register judges)
+
+
 def least_dispersed(growth: pd.DataFrame, column: str = "mutual_info") -> pd.DataFrame:
     """Per K, the diagonal variant (every one but SMP-none) with the smallest ``column`` and the z-score of its
     lead over the runner-up (their difference over the root sum of the squared jackknife standard errors)."""
@@ -165,14 +168,17 @@ def growth_figure(growth: pd.DataFrame, n_chains: int):
 
 
 def periodic_verdict(least: pd.DataFrame) -> str:
-    """From :func:`least_dispersed`: since which K periodic is least to the end of the grid, or who is at the end."""
+    """From :func:`least_dispersed`: since which K periodic is least to the end of the grid, or who is at the end,
+    with the lead at the end in standard errors of the chains; a lead under :data:`RESOLVED_Z` is not resolved."""
     last, z = least.index[-1], least["lead_z"].iloc[-1]
+    spread = f"{z:.1f} standard errors of the chains" + ("" if z >= RESOLVED_Z else
+                                                          f": within {RESOLVED_Z:g}, not resolved by this run")
     since = [k for k in least.index if (least.loc[k:, "least"] == "SMP-periodic-diag").all()]
     if since:
         return (f"SMP-periodic-diag has the smallest mutual information of the diagonal variants from K = "
-                f"{since[0]:,} to the end of the grid (lead at K = {last:,}: {z:.1f} standard errors).")
+                f"{since[0]:,} to the end of the grid (lead at K = {last:,}: {spread}).")
     return (f"SMP-periodic-diag does not have the smallest mutual information at K = {last:,} "
-            f"({least.loc[last, 'least']} has, by {z:.1f} standard errors).")
+            f"({least.loc[last, 'least']} has, by {spread}).")
 
 
 def compute(ctx) -> None:

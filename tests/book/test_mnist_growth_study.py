@@ -31,7 +31,11 @@ def test_periodic_verdict():
                    (400, "SMP-periodic-diag", "SMP-fixed-diag", 2.5)])
     assert mgs.periodic_verdict(held) == ("SMP-periodic-diag has the smallest mutual information of the diagonal "
                                           "variants from K = 200 to the end of the grid (lead at K = 400: 2.5 "
-                                          "standard errors).")
+                                          "standard errors of the chains).")
+    near = _least([(100, "SMP-fixed-diag", "SMP-periodic-diag", 3.0),
+                   (200, "SMP-periodic-diag", "SMP-fixed-diag", 1.2)])
+    assert mgs.periodic_verdict(near).endswith("(lead at K = 200: 1.2 standard errors of the chains: within 2, not "
+                                               "resolved by this run).")
     lost = _least([(100, "SMP-periodic-diag", "SMP-fixed-diag", 0.5), (200, "SMP-fixed-diag", "SMP-ema-diag", 3.0)])
     assert mgs.periodic_verdict(lost).startswith("SMP-periodic-diag does not have the smallest mutual information "
                                                  "at K = 200 (SMP-fixed-diag has, by 3.0")
