@@ -27,6 +27,8 @@ same recorded layer inputs and output gradients (:func:`kronecker_fisher`).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -38,7 +40,6 @@ from .models import (
     SequentialChainModel,
     _conv_output_size,
     _im2col,
-    _output_dim,
     check_deterministic,
 )
 from .preconditioners import KroneckerLayer, Stat, Structure, statistic_dtype_of
@@ -175,8 +176,10 @@ def estimate_fisher(
         raise ValueError(f"x has {n} rows but y has {y.shape[0]}")
     if not torch.isfinite(x).all():
         raise ValueError("the Fisher data x contains NaN or infinite values")
-    if isinstance(getattr(model, "module", None), nn.Module):
-        _output_dim(model.module, tuple(x.shape[1:]), "the Fisher data x")  # a clear error when x does not fit
+    expected = getattr(model, "input_shape", None)  # the chain models take an input flat or shaped
+    if expected is not None and math.prod(x.shape[1:]) != math.prod(expected):
+        raise ValueError(f"the Fisher data x has inputs of shape {tuple(x.shape[1:])}, the model takes inputs of "
+                         f"shape {tuple(expected)}")
     _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
     if structure.name == "kfac":
         return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,

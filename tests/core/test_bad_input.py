@@ -153,7 +153,7 @@ CASES = [
     # the Fisher
     ("estimate_fisher x", lambda: estimate_fisher(as_chain_model(_net()), "bernoulli", torch.zeros(2, 21),
                                                   torch.randn(5, 7)), ValueError,
-     r"cannot take inputs of shape \(7,\) \(one input, as the Fisher data x's rows have it\)"),
+     r"the Fisher data x has inputs of shape \(7,\), the model takes inputs of shape \(3,\)"),
     ("estimate_fisher structure", lambda: estimate_fisher(as_chain_model(_net()), "bernoulli", torch.zeros(2, 21), X,
                                                           structure="kron"), ValueError,
      "unknown preconditioner structure 'kron'"),

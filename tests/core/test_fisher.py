@@ -410,7 +410,8 @@ def test_kfac_factors_of_a_convolution_by_brute_force(kind, generator):
         (_Twice(), (3,), "called once"),
         (nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)), (3,), "outside Linear and Conv2d"),
         (nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(8, 2)), (2, 4, 4), "groups"),
-        (nn.Sequential(nn.Linear(3, 2)), (4, 3), "called once"),  # rows that are not the examples
+        # rows that are not the examples: the hand-batched MLP takes inputs of 3 values
+        (nn.Sequential(nn.Linear(3, 2)), (4, 3), r"inputs of shape \(4, 3\), the model takes inputs of shape \(3,\)"),
         (nn.Sequential(_DoubledLinear(3, 4), nn.Tanh(), nn.Linear(4, 2)), (3,), "subclass"),
     ],
 )
