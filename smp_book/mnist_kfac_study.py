@@ -366,6 +366,19 @@ def chain_check_text(chains: pd.DataFrame) -> str:
             f"table the two agree within a factor {np.maximum(others, 1 / others).max():.3g}.")
 
 
+def answer(findings: pd.DataFrame, replicates: int) -> str:
+    """The chapter's answer from :func:`findings`-like rows (one per strategy), with what its evidence is: the
+    means of ``replicates`` runs, and no spread over runs when there is one."""
+    n_less = int((findings["kfac less dispersed (smaller MI)"] == "yes").sum())
+    n_lower = int((findings["kfac lower NLL"] == "yes").sum())
+    evidence = ("in one run, whose spread over runs is not measured" if replicates == 1
+                else f"in the means of {replicates} runs")
+    return (("It does" if n_less == len(findings) else "Partly" if n_less else "It does not")
+            + f", {evidence}: with {n_less} of the {len(findings)} temporal strategies the KFAC run is less "
+            f"dispersed (smaller mutual information) than the diagonal one, and with {n_lower} its test NLL is "
+            "smaller.")
+
+
 def compute(ctx) -> None:
     """The MNIST KFAC chapter's results (:mod:`smp_book.pipeline`)."""
     from . import plots
@@ -423,8 +436,6 @@ def compute(ctx) -> None:
     time_ratio = pd.Series({s: seconds[f"SMP-{s}-kfac"] / seconds[f"SMP-{s}-diag"] for s in KFAC_STRATEGIES})
     top_shares = mnist.table("tails_replicates")["largest_chain_share"].xs("SMP-fixed-diag", level="method")
     everywhere = at_ridge.loc["all"]
-    n_less = int((findings["kfac less dispersed (smaller MI)"] == "yes").sum())
-    n_lower = int((findings["kfac lower NLL"] == "yes").sum())
     values = {key: cfg[key] for key in ("n_train", "n_val", "n_chains", "n_steps", "ridge", "period", "ema_refresh",
                                         "step_law_draws", "step_law_eval")}
     values.update({f"tau_{variant.split('-')[0]}": tau for variant, tau in cfg["tau"].items()})
@@ -444,10 +455,7 @@ def compute(ctx) -> None:
                   time_ratio_min=time_ratio.min(), time_ratio_max=time_ratio.max(),
                   diverged_chains=int(divergence["diverged"].sum()),
                   largest_move=divergence["largest_move_of_a_kept_chain"].max(),
-                  answer=("It does" if n_less == len(findings) else "Partly" if n_less else "It does not")
-                  + f": with {n_less} of the {len(findings)} temporal strategies the KFAC run is less dispersed "
-                  f"(smaller mutual information) than the diagonal one, and with {n_lower} it predicts better "
-                  "(smaller NLL).",
+                  answer=answer(findings, cfg["smp_replicates"]),
                   fixed_kfac_lv_over_none=lv["SMP-fixed-kfac"] / lv["SMP-none"],
                   fixed_diag_lv_over_none=lv["SMP-fixed-diag"] / lv["SMP-none"],
                   fixed_kfac_pv_over_diag=pv["SMP-fixed-kfac"] / pv["SMP-fixed-diag"],

@@ -107,3 +107,13 @@ def test_chain_check_text_compares_the_largest_chain_with_the_next():
     text = mks.chain_check_text(chains.set_index(["method", "rank"]))
     assert "75% of the logit variance" in text and "4.0 to 8.0 times as far" in text
     assert f"a ratio of {110 / 2.7:.2f}" in text and f"within a factor {1 / 0.8 * 1.1:.3g}" in text
+
+
+def test_the_answer_says_what_its_evidence_is():
+    rows = pd.DataFrame({"kfac less dispersed (smaller MI)": ["yes", "yes", "no"],
+                         "kfac lower NLL": ["yes", "no", "no"]}, index=["fixed", "ema", "periodic"])
+    one = mks.answer(rows, 1)
+    assert one.startswith("Partly, in one run, whose spread over runs is not measured: with 2 of the 3 ")
+    assert one.endswith("and with 1 its test NLL is smaller.")
+    assert mks.answer(rows.assign(**{"kfac less dispersed (smaller MI)": "yes"}), 3).startswith(
+        "It does, in the means of 3 runs: with 3 of the 3")
