@@ -3,7 +3,7 @@
 ``tau`` scales every step (``gamma_k = tau / (N + k)``), so the spread of the chains grows with it, and a
 ``tau`` too large for the preconditioner makes chains diverge. With ``P`` the Fisher and ``tau = 1`` a
 linear-Gaussian model is sampled exactly (the usage chapter checks it); for a network nothing fixes it, and
-the default ``tau = 1`` can be several times too wide. :func:`choose_tau` runs a short SMP at each ``tau`` of
+the default ``tau = 1`` is no more than a start. :func:`choose_tau` runs a short SMP at each ``tau`` of
 a grid and scores the predictive mixture of its chains by the negative log-likelihood of held-out data.
 """
 
