@@ -52,7 +52,7 @@ from smp_core.fused import fused_unavailable
 from smp_core.likelihoods import Categorical
 from smp_core.memory import retain_freed_memory
 from smp_core.models import SequentialChainModel
-from smp_core.preconditioners import Structure
+from smp_core.preconditioners import Diagonal
 
 PAPER_SMP_NONE_SECONDS = 4130.18  # Table ex2_elapsed, 6 CPU threads (Julia)
 MODE_NAMES = {"compiled": "compiled kernel (CPU default)", "batched": "batched torch, one by one",
@@ -143,7 +143,7 @@ def bench_fisher(xv, yv, device, n_chains, n_examples):
     model = as_chain_model(net, (1, 28, 28))
     theta = model.layout.flatten(net) + 0.01 * torch.randn(n_chains, model.layout.dim, device=device)
     x, y = xv[:n_examples].to(device), yv[:n_examples].to(device)
-    lik, diag = Categorical(), Structure("diag", model.layout.dim)
+    lik, diag = Categorical(), Diagonal(model.layout.dim)
     paths = {
         # every chain paired with every example of a batch, one backward pass (theta copied per example);
         # with one chain estimate_fisher takes the by-layers path instead, so this row needs several

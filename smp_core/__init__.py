@@ -4,7 +4,7 @@ The reference implementation of *Score-Based Martingale Posteriors for Deep Neur
 (Zhumekenov, Jasra, Maama, Tempone). Start with :func:`run_smp`, or drive :class:`SMP` step by step.
 """
 
-from . import metrics, preconditioners
+from . import fused, metrics, preconditioners  # noqa: F401 - importing fused registers its compiled kernel
 from .fisher import estimate_fisher, fisher_vectors
 from .layout import ParamLayout
 from .likelihoods import Bernoulli, Categorical, Gaussian, get_likelihood

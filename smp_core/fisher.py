@@ -42,7 +42,16 @@ from .models import (
     _im2col,
     check_deterministic,
 )
-from .preconditioners import KroneckerLayer, Stat, Structure, statistic_dtype_of
+from .preconditioners import (
+    KFAC,
+    Diagonal,
+    KroneckerLayer,
+    Stat,
+    Structure,
+    make_structure,
+    statistic_dtype_of,
+    structure_type,
+)
 
 
 def fisher_vectors(
@@ -92,7 +101,7 @@ def _fisher_example_by_example(model, likelihood, theta, x, y, kind, structure: 
         xi = x[i : i + 1].expand(n_chains, *x.shape[1:])
         yi = None if y is None else y[i : i + 1].expand(n_chains)
         v = fisher_vectors(model, likelihood, theta, xi, yi, kind).to(dtype)  # (C, r, d)
-        if structure.name == "diag" and total is not None:
+        if isinstance(structure, Diagonal) and total is not None:
             for c in range(v.shape[1]):
                 total[0].addcmul_(v[:, c], v[:, c])
             continue
@@ -181,7 +190,7 @@ def estimate_fisher(
         raise ValueError(f"the Fisher data x has inputs of shape {tuple(x.shape[1:])}, the model takes inputs of "
                          f"shape {tuple(expected)}")
     _check_model_and_labels(model, likelihood, y if kind == "empirical" else None)
-    if structure.name == "kfac":
+    if isinstance(structure, KFAC):
         return kronecker_fisher(model, likelihood, theta, x, y, kind=kind, structure=structure,
                                 max_elements=max_elements, dtype=dtype)
     dtype = theta.dtype if dtype is None else dtype
@@ -189,7 +198,8 @@ def estimate_fisher(
     per_row = dim * (model.out_dim if kind == "model" else 1)
     batch = max(1, min(n, max_rows // n_chains, max_elements // max(1, n_chains * per_row)))
     example_by_example = _path(n_chains, batch, n, theta.device) == "one example at a time"
-    if kind == "empirical" and structure.name == "diag" and y is not None and (example_by_example or n_chains == 1):
+    diagonal = isinstance(structure, Diagonal)
+    if kind == "empirical" and diagonal and y is not None and (example_by_example or n_chains == 1):
         stat = diagonal_empirical_fisher_by_layers(model, likelihood, theta, x, y, max_elements=max_elements)
         if stat is not None:
             return tuple(t.to(dtype) for t in stat)
@@ -288,9 +298,8 @@ def kronecker_layers(model: ChainModel) -> tuple[KroneckerLayer, ...]:
 def structure_for(model: ChainModel, name: str) -> Structure:
     """The :class:`~smp_core.preconditioners.Structure` called ``name`` (``"none"``, ``"diag"``, ``"block"``,
     ``"dense"``, ``"kfac"``) for a model: its parameter blocks or Kronecker layers filled in."""
-    blocks = model.layout.block_slices if name == "block" else ()
-    layers = kronecker_layers(model) if name == "kfac" else ()
-    return Structure(name, model.layout.dim, blocks, layers)
+    layers = kronecker_layers(model) if structure_type(name) is KFAC else ()  # (raises for a model without them)
+    return make_structure(name, model.layout.dim, blocks=model.layout.block_slices, layers=layers)
 
 
 def _recorded_forward(module: nn.Module, layers, params: dict[str, torch.Tensor],

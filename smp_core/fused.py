@@ -39,7 +39,14 @@ import torch
 from torch import nn
 
 from .likelihoods import Bernoulli, Categorical, Gaussian
-from .models import SequentialChainModel, _check_out, _check_rows, _pair, sequential_supported
+from .models import (
+    SequentialChainModel,
+    _check_out,
+    _check_rows,
+    _pair,
+    register_sequential_backend,
+    sequential_supported,
+)
 from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_sequential.cpp"
@@ -142,6 +149,34 @@ def fused_supported(module: nn.Module) -> bool:
             continue
         return False
     return True
+
+
+@register_sequential_backend
+def compiled_backend(module: nn.Sequential, input_shape: tuple[int, ...]) -> SequentialChainModel | None:
+    """:class:`FusedSequentialChainModel` for a module of the layers it knows on the CPU, built on first use;
+    ``None`` for another module, a module on a GPU (the batched model needs no build there), or where the
+    kernel cannot be built (with a warning, once, unless turned off by ``SMP_CORE_FUSED=0``)."""
+    first = next(module.parameters(), None)
+    if not fused_supported(module) or (first is not None and first.device.type != "cpu"):
+        return None
+    reason = fused_unavailable()
+    if reason is not None:
+        _warn_once(f"the compiled CPU kernel of smp_core.fused is not used: {reason}; the batched torch "
+                   "model runs instead (slower on a CPU, the same numbers up to rounding)")
+        return None
+    try:
+        return FusedSequentialChainModel(module, input_shape)
+    except ValueError:  # a layout the kernel does not take (e.g. a Linear on a 4-D input)
+        return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED and "SMP_CORE_FUSED=0" not in message:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=4)
 
 
 class FusedSequentialChainModel(SequentialChainModel):

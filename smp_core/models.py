@@ -20,12 +20,16 @@ Three implementations, chosen by :func:`as_chain_model`:
   with a hand-derived backward pass (autograd only for the less common parameter-free layers).
 * :class:`FunctionalChainModel`: any other module, through ``torch.func.functional_call``
   and ``torch.func.vmap``, differentiated by autograd.
+
+A faster model for an ``nn.Sequential`` registers itself in :data:`SEQUENTIAL_BACKENDS` (the compiled
+CPU kernel of :mod:`smp_core.fused` does, when imported), so this module imports none of them.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -765,27 +769,23 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
             raise ValueError(f"input_shape is needed for a {type(first).__name__} (the shape of one input, "
                              "without the batch dimension, e.g. (1, 28, 28))")
     if sequential_supported(module) and not frozen:
-        from .fused import FusedSequentialChainModel, fused_supported, fused_unavailable
-
-        first = next(module.parameters(), None)
-        # the kernel is for CPU parameters (a module on a GPU takes the batched model, without a build)
-        if fused_supported(module) and (first is None or first.device.type == "cpu"):
-            reason = fused_unavailable()
-            if reason is None:
-                try:
-                    return FusedSequentialChainModel(module, input_shape)
-                except ValueError:  # a layout the kernel does not take (e.g. a Linear on a 4-D input)
-                    return SequentialChainModel(module, input_shape)
-            _warn_once(f"the compiled CPU kernel of smp_core.fused is not used: {reason}; the batched torch "
-                       "model runs instead (slower on a CPU, the same numbers up to rounding)")
+        for backend in SEQUENTIAL_BACKENDS:
+            model = backend(module, input_shape)
+            if model is not None:
+                return model
         return SequentialChainModel(module, input_shape)
     return FunctionalChainModel(module, input_shape)
 
 
-_WARNED: set[str] = set()
+SEQUENTIAL_BACKENDS: list[Callable[[nn.Sequential, tuple[int, ...]], ChainModel | None]] = []
+"""Faster chain models for an ``nn.Sequential`` that :class:`SequentialChainModel` supports, tried in order by
+:func:`as_chain_model`: each takes the module and one input's shape and returns its chain model, or ``None``
+where it does not apply. :mod:`smp_core.fused` registers its compiled CPU kernel here when it is imported
+(``import smp_core`` imports it), so that this module never imports it."""
 
 
-def _warn_once(message: str) -> None:
-    if message not in _WARNED and "SMP_CORE_FUSED=0" not in message:
-        _WARNED.add(message)
-        warnings.warn(message, stacklevel=3)
+def register_sequential_backend(backend: Callable[[nn.Sequential, tuple[int, ...]], ChainModel | None]):
+    """Add ``backend`` to :data:`SEQUENTIAL_BACKENDS` (once); returns it, so it can decorate."""
+    if backend not in SEQUENTIAL_BACKENDS:
+        SEQUENTIAL_BACKENDS.append(backend)
+    return backend

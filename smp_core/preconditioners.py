@@ -2,9 +2,10 @@
 
 Section 3.1.1 of the paper separates two independent choices, and so does this module:
 
-* the **structure** (:class:`Structure`): which entries of the Fisher estimate are kept:
-  ``none`` (P = I), ``diag``, ``block`` (one block per layer weight and per layer bias),
-  ``dense``, or, beyond the paper, ``kfac`` (one block per ``Linear`` / ``Conv2d`` layer, weight
+* the **structure**, one class of the :class:`Structure` protocol each: which entries of the Fisher
+  estimate are kept: ``none`` (:class:`Identity`, P = I), ``diag`` (:class:`Diagonal`), ``block``
+  (:class:`Blocks`, one block per layer weight and per layer bias), ``dense`` (:class:`Dense`), or,
+  beyond the paper, ``kfac`` (:class:`KFAC`, one block per ``Linear`` / ``Conv2d`` layer, weight
   and bias together, approximated by a Kronecker product ``G (x) A`` of the second moments of the
   layer's output gradients ``G`` and of its inputs ``A``; Martens and Grosse 2015, Grosse and
   Martens 2016);
@@ -32,15 +33,14 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
 Stat = tuple[torch.Tensor, ...]
 Curvature = Callable[[torch.Tensor], Stat]
 
-STRUCTURES = ("none", "diag", "block", "dense", "kfac")
 STRATEGIES = ("fixed", "ema", "periodic")
 
 
@@ -95,67 +95,43 @@ class KroneckerLayer:
 
 @dataclass(frozen=True)
 class Structure:
-    """Which entries of the Fisher estimate a preconditioner keeps, and how it solves with them.
+    """Which entries of the Fisher estimate a preconditioner keeps, and how it solves with them: one class
+    per structure (:class:`Identity`, :class:`Diagonal`, :class:`Blocks`, :class:`Dense`, :class:`KFAC`),
+    each implementing this protocol. :func:`make_structure` builds one by its name, and
+    :func:`smp_core.fisher.structure_for` for a model (its blocks or Kronecker layers filled in).
 
-    ``blocks`` (for ``block``) are slices of the flat parameter vector, e.g.
-    ``ParamLayout.block_slices``; ``layers`` (for ``kfac``) the :class:`KroneckerLayer` of every
-    layer (:func:`smp_core.fisher.kronecker_layers` finds them for a model).
+    Class attributes say what the strategies may do with a structure, so that no code switches on names:
+    ``name`` (as in the paper's variant names), ``constant`` (``P = I`` whatever the data: no Fisher, no
+    update), ``elementwise`` (``P^{-1}`` acts entry by entry: an :class:`ElementwiseRule` steps) and
+    ``matrices`` (the statistic holds matrices: ``statistic_dtype`` and ``ema_refresh`` apply).
     """
 
-    name: str
+    name: ClassVar[str]
+    constant: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
+    matrices: ClassVar[bool] = True
     dim: int
-    blocks: tuple[slice, ...] = field(default=())
-    layers: tuple[KroneckerLayer, ...] = field(default=())
+
+    def __new__(cls, *args, **kwargs):
+        if cls is Structure:
+            raise TypeError("Structure is the protocol of the structure classes; build one with "
+                            "smp_core.preconditioners.make_structure(name, dim, blocks=..., layers=...), a class "
+                            "such as Diagonal(dim), or smp_core.fisher.structure_for(model, name)")
+        return super().__new__(cls)
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 1:
             raise ValueError(f"dim, the number of parameters d, must be a whole number >= 1, got {self.dim!r}")
-        if self.name not in STRUCTURES:
-            raise ValueError(f"unknown preconditioner structure {self.name!r}; choose one of {STRUCTURES}")
-        if self.name == "block":
-            if not self.blocks:
-                raise ValueError("a block structure needs the parameter blocks (e.g. ParamLayout.block_slices)")
-            covered = sorted((b.start, b.stop) for b in self.blocks)
-            position = 0
-            for start, stop in covered:
-                if start != position:
-                    raise ValueError("the blocks must tile the parameter vector without gaps or overlaps")
-                position = stop
-            if position != self.dim:
-                raise ValueError(f"the blocks cover {position} parameters, the model has {self.dim}")
-        if self.name == "kfac":
-            if not self.layers:
-                raise ValueError("a kfac structure needs the layers (smp_core.fisher.kronecker_layers(model))")
-            pieces = []
-            for layer in self.layers:
-                if layer.weight.stop - layer.weight.start != layer.n_out * layer.n_in:
-                    raise ValueError(f"a kfac layer's weight slice {layer.weight} does not hold "
-                                     f"{layer.n_out} x {layer.n_in} entries")
-                if layer.bias is not None and layer.bias.stop - layer.bias.start != layer.n_out:
-                    raise ValueError(f"a kfac layer's bias slice {layer.bias} does not hold {layer.n_out} entries")
-                pieces += [layer.weight] + ([layer.bias] if layer.bias is not None else [])
-            position = 0
-            for start, stop in sorted((b.start, b.stop) for b in pieces):
-                if start != position:
-                    raise ValueError("the kfac layers must cover the parameter vector without gaps or overlaps "
-                                     "(every parameter in a Linear or Conv2d layer)")
-                position = stop
-            if position != self.dim:
-                raise ValueError(f"the kfac layers cover {position} parameters, the model has {self.dim}")
 
     def stat_numel(self) -> int:
         """Numbers in one chain's Fisher statistic (what a per-chain EMA or periodic strategy stores
         per chain): ``0`` (none), ``d`` (diag), ``sum n_b^2`` (block), ``d^2`` (dense) and
         ``sum p_l^2 + o_l^2`` (kfac)."""
-        if self.name == "none":
-            return 0
-        if self.name == "diag":
-            return self.dim
-        if self.name == "dense":
-            return self.dim**2
-        if self.name == "kfac":
-            return sum(layer.n_cols**2 + layer.n_out**2 for layer in self.layers)
-        return sum((b.stop - b.start) ** 2 for b in self.blocks)
+        return sum(math.prod(shape) for shape in self.stat_shapes())
+
+    def stat_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of each tensor of one chain's statistic (without the leading batch dimension)."""
+        raise NotImplementedError
 
     # --- statistics -------------------------------------------------------------------------
 
@@ -163,122 +139,30 @@ class Structure:
         """Sum of ``v v^T`` over the middle axis of ``vectors`` ``(C, n, d)``, restricted to the structure."""
         if vectors.ndim != 3 or vectors.shape[-1] != self.dim:
             raise ValueError(f"vectors must have shape (C, n, {self.dim}), got {tuple(vectors.shape)}")
-        if self.name == "none":
-            return ()
-        if self.name == "diag":
-            return ((vectors * vectors).sum(1),)
-        if self.name == "dense":
-            return (vectors.transpose(1, 2) @ vectors,)
-        if self.name == "kfac":
-            raise ValueError("the kfac factors come from the layers' inputs and output gradients, not from "
-                             "score vectors: use smp_core.fisher.estimate_fisher (kronecker_fisher)")
-        return tuple(vectors[..., b].transpose(1, 2) @ vectors[..., b] for b in self.blocks)
+        return self._outer_sum(vectors)
+
+    def _outer_sum(self, vectors: torch.Tensor) -> Stat:
+        raise NotImplementedError
 
     def ema_update_(self, stat: Stat, v: torch.Tensor, beta: float) -> Stat:
         """In place: ``stat <- beta stat + (1 - beta) v v^T`` per row of ``v`` ``(S, d)``, restricted to the
-        structure (one fused kernel per tensor, no temporaries). ``stat`` must have ``C = S``.
-
-        ``kfac`` cannot keep that sum as one Kronecker product per layer. It keeps
-        ``e (G^ (x) A^)``, where ``e`` is the EMA of the layer's ``|M|_F^2``, with ``M`` the layer's
-        piece of ``v`` as a matrix, so that ``tr P`` follows the EMA of ``|s|^2`` as ``block`` does.
-        ``A^`` and ``G^`` are the EMAs of the unit-trace factors ``M^T M / |M|^2`` and
-        ``M M^T / |M|^2``."""
-        if self.name == "diag":
-            stat[0].mul_(beta).addcmul_(v, v, value=1 - beta)
-        elif self.name == "dense":
-            stat[0].baddbmm_(v.unsqueeze(-1), v.unsqueeze(-2), beta=beta, alpha=1 - beta)
-        elif self.name == "block":
-            for b, m in zip(self.blocks, stat, strict=True):
-                vb = v[:, b]
-                m.baddbmm_(vb.unsqueeze(-1), vb.unsqueeze(-2), beta=beta, alpha=1 - beta)
-        elif self.name == "kfac":
-            # Per layer the score is a matrix M = [grad W, grad b], and the EMA of M M^T (x)-wise is kept
-            # as P = e (G^ (x) A^): e = EMA of |M|_F^2 (the trace, as ema-block's), A^ and G^ EMAs of the
-            # unit-trace factors M^T M / |M|^2 and M M^T / |M|^2. For one example of a linear layer,
-            # M = g [a, 1]^T and e G^ (x) A^ = (g g^T) (x) (a a^T), the example's own block. The pair is
-            # stored as (A, G) = (A^, e G^), G (x) A unchanged: tr A = 1 and tr G = e, rebalanced first
-            # (any split of a starting pair, e.g. the Fisher's factors, gives the same P).
-            tiny = torch.finfo(v.dtype).tiny
-            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
-                m = layer.matrix(v)
-                norm = torch.linalg.matrix_norm(m)[:, None, None]
-                unit = m / norm.clamp_min(tiny)  # |unit|_F = 1 (0 for a zero score: no direction)
-                trace_a = a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
-                trace_g = g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
-                scale = trace_g * trace_a  # e = tr(G (x) A)
-                a.div_(trace_a).mul_(beta).add_(unit.transpose(1, 2) @ unit, alpha=1 - beta)
-                g.div_(trace_g).mul_(beta).add_(unit @ unit.transpose(1, 2), alpha=1 - beta)
-                # a zero score adds no direction: renormalise the directions to unit trace again
-                a.div_(a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
-                g.div_(g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
-                g.mul_(scale.mul_(beta).add_(norm.square(), alpha=1 - beta))
-        return stat
+        structure (one fused kernel per tensor, no temporaries). ``stat`` must have ``C = S``."""
+        raise NotImplementedError
 
     def identity(self, batch: int = 1, dtype=torch.float32, device=None) -> Stat:
         """The statistic of the identity matrix (a neutral starting value)."""
-        if self.name == "none":
-            return ()
-        if self.name == "diag":
-            return (torch.ones(batch, self.dim, dtype=dtype, device=device),)
-        if self.name == "dense":
-            sizes = [self.dim]
-        elif self.name == "kfac":
-            sizes = [n for layer in self.layers for n in (layer.n_cols, layer.n_out)]
-        else:
-            sizes = [b.stop - b.start for b in self.blocks]
-        return tuple(torch.eye(n, dtype=dtype, device=device).expand(batch, n, n).clone() for n in sizes)
+        return tuple(torch.eye(shape[0], dtype=dtype, device=device).expand(batch, *shape).clone()
+                     for shape in self.stat_shapes())
 
     def to_dense(self, stat: Stat) -> torch.Tensor:
         """The ``(C, d, d)`` matrix a statistic stands for (for tests and inspection)."""
-        if self.name == "none":
-            return torch.eye(self.dim).unsqueeze(0)
-        if self.name == "diag":
-            return torch.diag_embed(stat[0])
-        if self.name == "dense":
-            return stat[0]
-        batch = stat[0].shape[0]
-        out = stat[0].new_zeros(batch, self.dim, self.dim)
-        if self.name == "kfac":
-            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
-                idx = layer.positions().to(out.device)
-                out[:, idx[:, None], idx[None, :]] = _kronecker(g, a)
-            return out
-        for b, m in zip(self.blocks, stat, strict=True):
-            out[:, b, b] = m
-        return out
+        raise NotImplementedError
 
     # --- solving ----------------------------------------------------------------------------
 
     def factorize(self, stat: Stat, ridge: float) -> Stat:
-        """A factor of ``P = stat + ridge I`` that :meth:`apply` uses for repeated solves.
-
-        ``diag``: ``1 / (diag + ridge)``; ``dense`` and ``block``: the explicit inverse from a
-        Cholesky factorisation (P is symmetric positive definite for ``ridge > 0``); ``kfac``: per
-        layer the eigenvectors ``U_A``, ``U_G`` of both factors and ``1 / (lambda_G lambda_A^T +
-        ridge)``, so that ``(G (x) A + ridge I)^{-1}`` is applied exactly (the ridge is not split
-        between the factors, as KFAC's usual damping ``(G + sqrt(ridge) I) (x) (A + sqrt(ridge) I)`` does).
-        """
-        if self.name == "none":
-            return ()
-        if self.name == "diag":
-            return (1.0 / (stat[0] + ridge),)
-        if self.name == "kfac":
-            factor: list[torch.Tensor] = []
-            for a, g in zip(stat[0::2], stat[1::2], strict=True):
-                # a chain that already diverged has non-finite factors: it gets NaN (which the recursion
-                # detects and reports for that chain) instead of failing the decomposition for the batch
-                bad = ~(torch.isfinite(a).all((-2, -1)) & torch.isfinite(g).all((-2, -1)))
-                if bool(bad.any()):
-                    a = torch.where(bad[:, None, None], torch.eye(a.shape[-1], dtype=a.dtype, device=a.device), a)
-                    g = torch.where(bad[:, None, None], torch.eye(g.shape[-1], dtype=g.dtype, device=g.device), g)
-                eig_a, u_a, failed_a = _eigh_per_chain(a)
-                eig_g, u_g, failed_g = _eigh_per_chain(g)
-                bad = bad | failed_a | failed_g
-                # both factors are positive semi-definite; rounding may leave tiny negative eigenvalues
-                scale = 1.0 / (eig_g.clamp_min(0)[:, :, None] * eig_a.clamp_min(0)[:, None, :] + ridge)
-                factor += [u_a, u_g, scale.masked_fill(bad[:, None, None], float("nan"))]
-            return tuple(factor)
-        return tuple(_spd_inverse(m, ridge) for m in stat)
+        """A factor of ``P = stat + ridge I`` that :meth:`apply` uses for repeated solves."""
+        raise NotImplementedError
 
     def apply(self, factor: Stat, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``P^{-1} v`` for ``v`` of shape ``(S, d)`` from a :meth:`factorize` factor (C = 1 or S).
@@ -286,43 +170,312 @@ class Structure:
         ``out``: an optional ``(S, d)`` buffer for the ``diag`` result (no fresh allocation per
         step); the other structures return ``v`` itself (``none``) or a new tensor.
         """
-        if self.name == "none":
-            return v
-        if self.name == "diag":
-            return torch.mul(v, factor[0], out=out)
-        if self.name == "dense":
-            return _batched_matvec(factor[0], v)
-        if self.name == "kfac":
-            result = torch.empty_like(v)
-            for layer, u_a, u_g, scale in zip(self.layers, factor[0::3], factor[1::3], factor[2::3], strict=True):
-                _kronecker_apply(layer, u_a, u_g, scale, v, result)
-            return result
-        return torch.cat([_batched_matvec(m, v[:, b]) for b, m in zip(self.blocks, factor, strict=True)], dim=1)
+        raise NotImplementedError
 
     def solve(self, stat: Stat, ridge: float, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``(stat + ridge I)^{-1} v`` directly (Cholesky solve; used when P changes every step).
+        """``(stat + ridge I)^{-1} v`` directly (Cholesky solve; used when P changes every step); ``out`` as
+        in :meth:`apply`."""
+        raise NotImplementedError
 
-        ``out`` as in :meth:`apply`.
-        """
-        if self.name == "none":
-            return v
-        if self.name == "diag":
-            if out is None or stat[0].shape != v.shape:
-                return v / (stat[0] + ridge)
-            return torch.div(v, torch.add(stat[0], ridge, out=out), out=out)
-        if self.name == "dense":
-            return _spd_solve(stat[0], ridge, v)
-        if self.name == "kfac":
-            result = torch.empty_like(v)
-            for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
-                if layer.n_out * layer.n_cols <= _SMALL_KRONECKER:  # the block itself, one Cholesky solve
-                    block = _kronecker(g, a)
-                    solved = _spd_solve(block, ridge, layer.matrix(v).reshape(v.shape[0], -1))
-                    layer.scatter_(result, solved.reshape(v.shape[0], layer.n_out, layer.n_cols))
-                else:  # two eigendecompositions of the factors
-                    _kronecker_apply(layer, *self.factorize((a, g), ridge), v, result)
-            return result
+    @classmethod
+    def of(cls, dim: int, *, blocks: tuple[slice, ...] = (), layers: tuple[KroneckerLayer, ...] = ()) -> Structure:
+        """This structure for ``dim`` parameters, taking what it uses of ``blocks`` and ``layers``
+        (:func:`make_structure`)."""
+        return cls(dim)
+
+    @classmethod
+    def elementwise_rule(cls, strategy: str, beta: float, ridge: float) -> ElementwiseRule | None:
+        """The :class:`ElementwiseRule` of this structure under ``strategy``, or ``None`` (no such rule)."""
+        return None
+
+
+@dataclass(frozen=True)
+class Identity(Structure):
+    """``P = I`` (``none``): the statistic is ``()``."""
+
+    name: ClassVar[str] = "none"
+    constant: ClassVar[bool] = True
+    elementwise: ClassVar[bool] = True
+    matrices: ClassVar[bool] = False
+
+    def stat_shapes(self):
+        return ()
+
+    def _outer_sum(self, vectors):
+        return ()
+
+    def ema_update_(self, stat, v, beta):
+        return stat
+
+    def to_dense(self, stat):
+        return torch.eye(self.dim).unsqueeze(0)
+
+    def factorize(self, stat, ridge):
+        return ()
+
+    def apply(self, factor, v, out=None):
+        return v
+
+    def solve(self, stat, ridge, v, out=None):
+        return v
+
+    @classmethod
+    def elementwise_rule(cls, strategy, beta, ridge):
+        return IDENTITY_RULE
+
+
+@dataclass(frozen=True)
+class Diagonal(Structure):
+    """``diag``: the statistic is ``(diag,)``, ``(C, d)``; its factor ``1 / (diag + ridge)``."""
+
+    name: ClassVar[str] = "diag"
+    elementwise: ClassVar[bool] = True
+    matrices: ClassVar[bool] = False
+
+    def stat_shapes(self):
+        return ((self.dim,),)
+
+    def _outer_sum(self, vectors):
+        return ((vectors * vectors).sum(1),)
+
+    def ema_update_(self, stat, v, beta):
+        stat[0].mul_(beta).addcmul_(v, v, value=1 - beta)
+        return stat
+
+    def identity(self, batch=1, dtype=torch.float32, device=None):
+        return (torch.ones(batch, self.dim, dtype=dtype, device=device),)
+
+    def to_dense(self, stat):
+        return torch.diag_embed(stat[0])
+
+    def factorize(self, stat, ridge):
+        return (1.0 / (stat[0] + ridge),)
+
+    def apply(self, factor, v, out=None):
+        return torch.mul(v, factor[0], out=out)
+
+    def solve(self, stat, ridge, v, out=None):
+        if out is None or stat[0].shape != v.shape:
+            return v / (stat[0] + ridge)
+        return torch.div(v, torch.add(stat[0], ridge, out=out), out=out)
+
+    @classmethod
+    def elementwise_rule(cls, strategy, beta, ridge):
+        return ema_diagonal_rule(beta, ridge) if strategy == "ema" else STORED_INVERSE_RULE
+
+
+@dataclass(frozen=True)
+class Dense(Structure):
+    """``dense``: the statistic is ``(M,)``, ``(C, d, d)``; its factor the explicit inverse of ``M + ridge I``
+    from a Cholesky factorisation (positive definite for ``ridge > 0``)."""
+
+    name: ClassVar[str] = "dense"
+
+    def stat_shapes(self):
+        return ((self.dim, self.dim),)
+
+    def _outer_sum(self, vectors):
+        return (vectors.transpose(1, 2) @ vectors,)
+
+    def ema_update_(self, stat, v, beta):
+        stat[0].baddbmm_(v.unsqueeze(-1), v.unsqueeze(-2), beta=beta, alpha=1 - beta)
+        return stat
+
+    def to_dense(self, stat):
+        return stat[0]
+
+    def factorize(self, stat, ridge):
+        return (_spd_inverse(stat[0], ridge),)
+
+    def apply(self, factor, v, out=None):
+        return _batched_matvec(factor[0], v)
+
+    def solve(self, stat, ridge, v, out=None):
+        return _spd_solve(stat[0], ridge, v)
+
+
+@dataclass(frozen=True)
+class Blocks(Structure):
+    """``block``: one ``(C, n_b, n_b)`` matrix per block; ``blocks`` are slices that tile the flat parameter
+    vector, e.g. ``ParamLayout.block_slices`` (one block per layer weight and per layer bias)."""
+
+    name: ClassVar[str] = "block"
+    blocks: tuple[slice, ...] = ()
+
+    @classmethod
+    def of(cls, dim, *, blocks=(), layers=()):
+        return cls(dim, tuple(blocks))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.blocks:
+            raise ValueError("a block structure needs the parameter blocks (e.g. ParamLayout.block_slices)")
+        position = 0
+        for start, stop in sorted((b.start, b.stop) for b in self.blocks):
+            if start != position:
+                raise ValueError("the blocks must tile the parameter vector without gaps or overlaps")
+            position = stop
+        if position != self.dim:
+            raise ValueError(f"the blocks cover {position} parameters, the model has {self.dim}")
+
+    def stat_shapes(self):
+        return tuple((b.stop - b.start,) * 2 for b in self.blocks)
+
+    def _outer_sum(self, vectors):
+        return tuple(vectors[..., b].transpose(1, 2) @ vectors[..., b] for b in self.blocks)
+
+    def ema_update_(self, stat, v, beta):
+        for b, m in zip(self.blocks, stat, strict=True):
+            vb = v[:, b]
+            m.baddbmm_(vb.unsqueeze(-1), vb.unsqueeze(-2), beta=beta, alpha=1 - beta)
+        return stat
+
+    def to_dense(self, stat):
+        out = stat[0].new_zeros(stat[0].shape[0], self.dim, self.dim)
+        for b, m in zip(self.blocks, stat, strict=True):
+            out[:, b, b] = m
+        return out
+
+    def factorize(self, stat, ridge):
+        return tuple(_spd_inverse(m, ridge) for m in stat)
+
+    def apply(self, factor, v, out=None):
+        return torch.cat([_batched_matvec(m, v[:, b]) for b, m in zip(self.blocks, factor, strict=True)], dim=1)
+
+    def solve(self, stat, ridge, v, out=None):
         return torch.cat([_spd_solve(m, ridge, v[:, b]) for b, m in zip(self.blocks, stat, strict=True)], dim=1)
+
+
+@dataclass(frozen=True)
+class KFAC(Structure):
+    """``kfac``: per layer (:class:`KroneckerLayer`, from :func:`smp_core.fisher.kronecker_layers`) the pair
+    ``(A, G)`` of ``(C, p, p)`` and ``(C, o, o)`` matrices, ``P`` restricted to the layer ``G (x) A``."""
+
+    name: ClassVar[str] = "kfac"
+    layers: tuple[KroneckerLayer, ...] = ()
+
+    @classmethod
+    def of(cls, dim, *, blocks=(), layers=()):
+        return cls(dim, tuple(layers))
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.layers:
+            raise ValueError("a kfac structure needs the layers (smp_core.fisher.kronecker_layers(model))")
+        pieces = []
+        for layer in self.layers:
+            if layer.weight.stop - layer.weight.start != layer.n_out * layer.n_in:
+                raise ValueError(f"a kfac layer's weight slice {layer.weight} does not hold "
+                                 f"{layer.n_out} x {layer.n_in} entries")
+            if layer.bias is not None and layer.bias.stop - layer.bias.start != layer.n_out:
+                raise ValueError(f"a kfac layer's bias slice {layer.bias} does not hold {layer.n_out} entries")
+            pieces += [layer.weight] + ([layer.bias] if layer.bias is not None else [])
+        position = 0
+        for start, stop in sorted((b.start, b.stop) for b in pieces):
+            if start != position:
+                raise ValueError("the kfac layers must cover the parameter vector without gaps or overlaps "
+                                 "(every parameter in a Linear or Conv2d layer)")
+            position = stop
+        if position != self.dim:
+            raise ValueError(f"the kfac layers cover {position} parameters, the model has {self.dim}")
+
+    def stat_shapes(self):
+        return tuple((n, n) for layer in self.layers for n in (layer.n_cols, layer.n_out))
+
+    def _outer_sum(self, vectors):
+        raise ValueError("the kfac factors come from the layers' inputs and output gradients, not from "
+                         "score vectors: use smp_core.fisher.estimate_fisher (kronecker_fisher)")
+
+    def ema_update_(self, stat, v, beta):
+        """``kfac`` cannot keep the EMA of ``v v^T`` as one Kronecker product per layer. It keeps
+        ``e (G^ (x) A^)``, where ``e`` is the EMA of the layer's ``|M|_F^2``, with ``M`` the layer's
+        piece of ``v`` as a matrix, so that ``tr P`` follows the EMA of ``|s|^2`` as ``block`` does.
+        ``A^`` and ``G^`` are the EMAs of the unit-trace factors ``M^T M / |M|^2`` and
+        ``M M^T / |M|^2``."""
+        # Per layer the score is a matrix M = [grad W, grad b], and the EMA of M M^T (x)-wise is kept
+        # as P = e (G^ (x) A^): e = EMA of |M|_F^2 (the trace, as ema-block's), A^ and G^ EMAs of the
+        # unit-trace factors M^T M / |M|^2 and M M^T / |M|^2. For one example of a linear layer,
+        # M = g [a, 1]^T and e G^ (x) A^ = (g g^T) (x) (a a^T), the example's own block. The pair is
+        # stored as (A, G) = (A^, e G^), G (x) A unchanged: tr A = 1 and tr G = e, rebalanced first
+        # (any split of a starting pair, e.g. the Fisher's factors, gives the same P).
+        tiny = torch.finfo(v.dtype).tiny
+        for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+            m = layer.matrix(v)
+            norm = torch.linalg.matrix_norm(m)[:, None, None]
+            unit = m / norm.clamp_min(tiny)  # |unit|_F = 1 (0 for a zero score: no direction)
+            trace_a = a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
+            trace_g = g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny)
+            scale = trace_g * trace_a  # e = tr(G (x) A)
+            a.div_(trace_a).mul_(beta).add_(unit.transpose(1, 2) @ unit, alpha=1 - beta)
+            g.div_(trace_g).mul_(beta).add_(unit @ unit.transpose(1, 2), alpha=1 - beta)
+            # a zero score adds no direction: renormalise the directions to unit trace again
+            a.div_(a.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
+            g.div_(g.diagonal(dim1=1, dim2=2).sum(-1)[:, None, None].clamp_min(tiny))
+            g.mul_(scale.mul_(beta).add_(norm.square(), alpha=1 - beta))
+        return stat
+
+    def to_dense(self, stat):
+        out = stat[0].new_zeros(stat[0].shape[0], self.dim, self.dim)
+        for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+            idx = layer.positions().to(out.device)
+            out[:, idx[:, None], idx[None, :]] = _kronecker(g, a)
+        return out
+
+    def factorize(self, stat, ridge):
+        """Per layer the eigenvectors ``U_A``, ``U_G`` of both factors and ``1 / (lambda_G lambda_A^T +
+        ridge)``, so that ``(G (x) A + ridge I)^{-1}`` is applied exactly (the ridge is not split between
+        the factors, as KFAC's usual damping ``(G + sqrt(ridge) I) (x) (A + sqrt(ridge) I)`` does)."""
+        factor: list[torch.Tensor] = []
+        for a, g in zip(stat[0::2], stat[1::2], strict=True):
+            # a chain that already diverged has non-finite factors: it gets NaN (which the recursion
+            # detects and reports for that chain) instead of failing the decomposition for the batch
+            bad = ~(torch.isfinite(a).all((-2, -1)) & torch.isfinite(g).all((-2, -1)))
+            if bool(bad.any()):
+                a = torch.where(bad[:, None, None], torch.eye(a.shape[-1], dtype=a.dtype, device=a.device), a)
+                g = torch.where(bad[:, None, None], torch.eye(g.shape[-1], dtype=g.dtype, device=g.device), g)
+            eig_a, u_a, failed_a = _eigh_per_chain(a)
+            eig_g, u_g, failed_g = _eigh_per_chain(g)
+            bad = bad | failed_a | failed_g
+            # both factors are positive semi-definite; rounding may leave tiny negative eigenvalues
+            scale = 1.0 / (eig_g.clamp_min(0)[:, :, None] * eig_a.clamp_min(0)[:, None, :] + ridge)
+            factor += [u_a, u_g, scale.masked_fill(bad[:, None, None], float("nan"))]
+        return tuple(factor)
+
+    def apply(self, factor, v, out=None):
+        result = torch.empty_like(v)
+        for layer, u_a, u_g, scale in zip(self.layers, factor[0::3], factor[1::3], factor[2::3], strict=True):
+            _kronecker_apply(layer, u_a, u_g, scale, v, result)
+        return result
+
+    def solve(self, stat, ridge, v, out=None):
+        result = torch.empty_like(v)
+        for layer, a, g in zip(self.layers, stat[0::2], stat[1::2], strict=True):
+            if layer.n_out * layer.n_cols <= _SMALL_KRONECKER:  # the block itself, one Cholesky solve
+                block = _kronecker(g, a)
+                solved = _spd_solve(block, ridge, layer.matrix(v).reshape(v.shape[0], -1))
+                layer.scatter_(result, solved.reshape(v.shape[0], layer.n_out, layer.n_cols))
+            else:  # two eigendecompositions of the factors
+                _kronecker_apply(layer, *self.factorize((a, g), ridge), v, result)
+        return result
+
+
+STRUCTURE_TYPES: dict[str, type[Structure]] = {cls.name: cls for cls in (Identity, Diagonal, Blocks, Dense, KFAC)}
+"""Every structure by its name, in the paper's order (``kfac`` beyond it)."""
+STRUCTURES = tuple(STRUCTURE_TYPES)
+
+
+def structure_type(name: str) -> type[Structure]:
+    """The :class:`Structure` class called ``name``; a ``ValueError`` names the known ones otherwise."""
+    if not isinstance(name, str) or name not in STRUCTURE_TYPES:
+        raise ValueError(f"unknown preconditioner structure {name!r}; choose one of {STRUCTURES}")
+    return STRUCTURE_TYPES[name]
+
+
+def make_structure(name: str, dim: int, *, blocks: Sequence[slice] = (),
+                   layers: Sequence[KroneckerLayer] = ()) -> Structure:
+    """The structure called ``name`` for ``dim`` parameters: ``blocks`` are read by ``block`` and ``layers`` by
+    ``kfac`` only (so a caller may pass a model's blocks and layers whatever the name)."""
+    return structure_type(name).of(dim, blocks=tuple(blocks), layers=tuple(layers))
 
 
 # A kfac layer whose block G (x) A has at most this many rows is solved with the block itself (one
@@ -634,17 +787,22 @@ class Preconditioner:
         return name_of(self.structure_name, self.strategy)
 
     @property
+    def structure_type(self) -> type[Structure]:
+        """The structure's class (known before the structure is bound to a model)."""
+        return structure_type(self.structure) if isinstance(self.structure, str) else type(self.structure)
+
+    @property
     def structure_name(self) -> str:
-        return self.structure if isinstance(self.structure, str) else self.structure.name
+        return self.structure_type.name
 
     @property
     def needs_curvature(self) -> bool:
-        return self.structure_name != "none" and not (self.strategy == "ema" and self.ema_init == "identity")
+        return not self.structure_type.constant and not (self.strategy == "ema" and self.ema_init == "identity")
 
     @property
     def hyper(self) -> dict[str, Any]:
         """The settings that define it, as a run's config records them."""
-        if self.structure_name == "none":
+        if self.structure_type.constant:
             return {}
         hyper: dict[str, Any] = {"ridge": self.ridge}
         if self.statistic_dtype is not None:
@@ -659,17 +817,15 @@ class Preconditioner:
 
     @property
     def update_every(self) -> int | None:
-        if self.structure_name == "none" or self.strategy == "fixed":
+        if self.structure_type.constant or self.strategy == "fixed":
             return 0
         return self.period if self.strategy == "periodic" else None
 
     @property
     def elementwise(self) -> ElementwiseRule | None:
-        if not self.elementwise_step or self.structure_name not in ("none", "diag"):
+        if not self.elementwise_step:
             return None
-        if self.structure_name == "none":
-            return IDENTITY_RULE
-        return ema_diagonal_rule(self.beta, self.ridge) if self.strategy == "ema" else STORED_INVERSE_RULE
+        return self.structure_type.elementwise_rule(self.strategy, self.beta, self.ridge)
 
     def _bound(self) -> Structure:
         if isinstance(self.structure, str):
@@ -688,7 +844,7 @@ class Preconditioner:
 
     def init(self, theta0: torch.Tensor, curvature: Curvature | None) -> PreconditionerState:
         struct = self._bound()
-        if struct.name == "none":
+        if struct.constant:
             return PreconditionerState((), ())
         if self.strategy in ("fixed", "periodic"):
             stat = self._fisher(curvature, _shared_theta(theta0))
@@ -704,7 +860,7 @@ class Preconditioner:
     def update(self, state: PreconditionerState, k: int, theta: torch.Tensor, score: torch.Tensor | None,
                curvature: Curvature | None) -> PreconditionerState:
         struct = self._bound()
-        if struct.name == "none" or self.strategy == "fixed":
+        if struct.constant or self.strategy == "fixed":
             return state
         if self.strategy == "periodic":
             if k % self.period != 0:
@@ -721,7 +877,7 @@ class Preconditioner:
 
     def solve(self, state: PreconditionerState, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         struct = self._bound()
-        if struct.name == "none":
+        if struct.constant:
             return v
         own = v.dtype
         if self.statistic_dtype is not None:  # solve in the statistic's dtype, return in v's
@@ -735,7 +891,7 @@ class Preconditioner:
     def dense_matrix(self, state: PreconditionerState) -> torch.Tensor:
         """``P`` itself, ``(C, d, d)``, ridge included (for tests and inspection)."""
         struct = self._bound()
-        if struct.name == "none":
+        if struct.constant:
             return struct.to_dense(())
         m = struct.to_dense(state.stat)
         return m + self.ridge * torch.eye(m.shape[-1], dtype=m.dtype, device=m.device)
@@ -754,9 +910,8 @@ def _checked(structure: Structure | str, strategy: str, *, ridge=1e-4, beta=0.98
     the settings its strategy does not use."""
     if not isinstance(structure, str | Structure):
         raise TypeError(f"structure must be one of {STRUCTURES} (or a bound Structure), got {structure!r}")
-    name = structure if isinstance(structure, str) else structure.name
-    if name not in STRUCTURES:
-        raise ValueError(f"unknown preconditioner structure {name!r}; choose one of {STRUCTURES}")
+    kind = structure_type(structure) if isinstance(structure, str) else type(structure)
+    name = kind.name
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown temporal strategy {strategy!r}; choose one of {STRATEGIES}")
     try:
@@ -772,12 +927,12 @@ def _checked(structure: Structure | str, strategy: str, *, ridge=1e-4, beta=0.98
             raise ValueError(f"{what} must be a positive integer, got {value!r}")
     if ema_init not in ("fisher", "identity"):
         raise ValueError(f"ema_init must be 'fisher' or 'identity', got {ema_init!r}")
-    statistic_dtype = _as_statistic_dtype(statistic_dtype, name)
-    if ema_refresh > 1 and not ema_refresh_applies(name_of(name, strategy)):
+    statistic_dtype = _as_statistic_dtype(statistic_dtype, kind)
+    if ema_refresh > 1 and not (kind.matrices and strategy == "ema"):
         raise ValueError(f"ema_refresh = {ema_refresh} applies to the EMA of block, dense and kfac only, not to "
                          f"'{name_of(name, strategy)}'" + (": the diagonal EMA's solve is element-wise and exact at "
-                                                          "every step" if name == "diag" else ""))
-    if name == "none":
+                                                          "every step" if _diagonal(kind) else ""))
+    if kind.constant:
         ridge_value = 0.0
     return Preconditioner(structure, strategy, ridge_value, float(beta), int(period), ema_init, int(ema_refresh),
                           statistic_dtype)
@@ -857,12 +1012,11 @@ def build_preconditioner(
     Returns:
         A :class:`Preconditioner`.
     """
-    if structure == "none":
-        strategy = "fixed" if strategy is None else strategy
+    if strategy is None and isinstance(structure, str) and structure_type(structure).constant:
+        strategy = "fixed"
     struct: Structure | str = structure
-    if dim is not None and structure in STRUCTURES:
-        struct = Structure(structure, dim, tuple(blocks) if structure == "block" else (),
-                           tuple(layers) if structure == "kfac" else ())
+    if dim is not None and isinstance(structure, str):
+        struct = make_structure(structure, dim, blocks=blocks, layers=layers)
     return _checked(struct, strategy, ridge=ridge, beta=beta, period=period, ema_init=ema_init,
                     ema_refresh=ema_refresh, statistic_dtype=statistic_dtype)
 
@@ -879,28 +1033,34 @@ def statistic_dtype_of(dtype: torch.dtype | str | None, name: str = "statistic_d
     return dtype
 
 
-def _as_statistic_dtype(dtype: torch.dtype | str | None, structure: str) -> torch.dtype | None:
-    """``statistic_dtype`` checked (:func:`statistic_dtype_of`), for a ``block``, ``dense`` or ``kfac``
-    structure only."""
+def _diagonal(kind: type[Structure]) -> bool:
+    """An element-wise structure with a statistic (``diag``): the reason given when a matrix setting is refused."""
+    return kind.elementwise and not kind.constant
+
+
+def _as_statistic_dtype(dtype: torch.dtype | str | None, kind: type[Structure]) -> torch.dtype | None:
+    """``statistic_dtype`` checked (:func:`statistic_dtype_of`), for a structure whose statistic holds
+    matrices (``block``, ``dense``, ``kfac``) only."""
     dtype = statistic_dtype_of(dtype)
     if dtype is None:
         return None
-    if structure not in ("block", "dense", "kfac"):
-        raise ValueError(f"statistic_dtype applies to the block, dense and kfac structures, not to {structure!r}"
+    if not kind.matrices:
+        raise ValueError(f"statistic_dtype applies to the block, dense and kfac structures, not to {kind.name!r}"
                          + (": a diagonal statistic is a sum of squares, which rounding cannot make negative, "
-                            "and its element-wise step runs in the chains' dtype" if structure == "diag" else ""))
+                            "and its element-wise step runs in the chains' dtype" if _diagonal(kind) else ""))
     return dtype
 
 
 def name_of(structure: str, strategy: str | None) -> str:
     """The variant name of a structure and strategy: ``"none"`` or ``"<strategy>-<structure>"``."""
-    return "none" if structure == "none" else f"{strategy}-{structure}"
+    return structure if structure_type(structure).constant else f"{strategy}-{structure}"
 
 
 def ema_refresh_applies(name: str) -> bool:
     """Whether ``ema_refresh`` (see :func:`build_preconditioner`) means anything for the variant ``name``:
     the EMA of ``block``, ``dense`` and ``kfac``, not the diagonal EMA (element-wise, exact at every step)."""
-    return name.removeprefix("SMP-") in ("ema-block", "ema-dense", "ema-kfac")
+    strategy, structure = parse_preconditioner_name(name)
+    return strategy == "ema" and structure_type(structure).matrices
 
 
 def parse_preconditioner_name(name: str) -> tuple[str | None, str]:

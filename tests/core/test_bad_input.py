@@ -41,7 +41,7 @@ from smp_core import (
     tail_variance,
     toy_mlp,
 )
-from smp_core.preconditioners import ema, fixed, periodic
+from smp_core.preconditioners import Diagonal, ema, fixed, make_structure, periodic
 
 
 def _net():
@@ -173,8 +173,9 @@ CASES = [
      "unknown temporal strategy 'weekly'"),
     ("build_preconditioner dim", lambda: build_preconditioner("diag", "fixed", dim=-1), ValueError,
      "dim, the number of parameters d, must be a whole number >= 1"),
-    ("Structure name", lambda: Structure("kron", 5), ValueError, "unknown preconditioner structure 'kron'"),
-    ("Structure dim", lambda: Structure("diag", 2.5), ValueError, "dim, the number of parameters d"),
+    ("Structure name", lambda: make_structure("kron", 5), ValueError, "unknown preconditioner structure 'kron'"),
+    ("Structure itself", lambda: Structure("diag", 5), TypeError, "make_structure"),
+    ("Structure dim", lambda: Diagonal(2.5), ValueError, "dim, the number of parameters d"),
     ("RunOptions", lambda: RunOptions(check_every=0).checked(), ValueError, "check_every"),
     # likelihoods' responses
     ("Bernoulli y", lambda: Bernoulli().log_prob(torch.zeros(3, 1), torch.tensor([0.0, 2.0, 1.0])), ValueError,

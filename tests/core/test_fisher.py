@@ -8,7 +8,7 @@ from smp_core.fisher import _fisher_example_by_example as example_by_example
 from smp_core.fisher import estimate_fisher
 from smp_core.likelihoods import Bernoulli, Categorical, Gaussian
 from smp_core.models import as_chain_model, toy_mlp
-from smp_core.preconditioners import Structure
+from smp_core.preconditioners import KFAC, Blocks, make_structure
 
 
 def _jacobian(model, theta, x):
@@ -33,7 +33,7 @@ def test_model_expected_fisher_bernoulli_matches_the_papers_formula(generator):
     (diag,) = estimate_fisher(model, Bernoulli(), theta, x, kind="model", structure="diag")
     assert torch.allclose(diag[0], torch.diagonal(expected), atol=1e-12)
     blocks = estimate_fisher(model, Bernoulli(), theta, x, kind="model", structure="block")
-    struct = Structure("block", 20, model.layout.block_slices)
+    struct = Blocks(20, model.layout.block_slices)
     assert torch.allclose(struct.to_dense(blocks)[0], expected * (struct.to_dense(blocks)[0] != 0), atol=1e-12)
     assert len(blocks) == 6
 
@@ -338,7 +338,7 @@ def test_kfac_of_one_example_is_the_exact_fisher_on_each_layer(module, shape, li
     x = torch.randn(1, *shape, generator=generator, dtype=torch.float64)
     y = torch.randint(0, 2, (1,), generator=generator)
     stat = estimate_fisher(model, lik, theta, x, y, kind=kind, structure="kfac")
-    struct = Structure("kfac", model.layout.dim, layers=kronecker_layers(model))
+    struct = KFAC(model.layout.dim, kronecker_layers(model))
     kron = struct.to_dense(stat)[0]
     exact = _exact_layer_blocks(model, lik, theta, x, y, kind)
     for layer in struct.layers:
@@ -359,7 +359,7 @@ def test_kfac_of_a_linear_gaussian_model_is_its_whole_fisher(generator):
     theta = model.layout.flatten(module)
     kfac = estimate_fisher(model, Gaussian(0.4), theta, x, kind="model", structure="kfac")
     (dense,) = estimate_fisher(model, Gaussian(0.4), theta, x, kind="model", structure="dense")
-    struct = Structure("kfac", model.layout.dim, layers=fisher_module.kronecker_layers(model))
+    struct = KFAC(model.layout.dim, fisher_module.kronecker_layers(model))
     assert torch.allclose(struct.to_dense(kfac), dense, rtol=1e-10, atol=1e-12)
 
 
@@ -511,7 +511,7 @@ def test_a_float64_statistic_sums_the_float32_vectors_in_float64(structure, kind
         return  # (kfac casts its sums like the others; the empirical diagonal by layers sums, then casts)
     vectors = fisher_module.fisher_vectors(model, lik, thetas.repeat_interleave(20, 0), x.repeat(2, 1, 1, 1),
                                            y.repeat(2), kind).reshape(2, -1, model.layout.dim).double()
-    reference = Structure(structure, model.layout.dim, model.layout.block_slices).outer_sum(vectors)
+    reference = make_structure(structure, model.layout.dim, blocks=model.layout.block_slices).outer_sum(vectors)
     for a, b in zip(reference, double, strict=True):
         torch.testing.assert_close(b, a / 20, rtol=1e-12, atol=1e-14)
 

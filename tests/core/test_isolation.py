@@ -44,3 +44,28 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_no_import_cycle_inside_smp_core():
+    """The modules of smp_core import one another in one direction, deferred imports inside functions included
+    (a fast path registers itself with the module it extends, not the other way round)."""
+    graph: dict[str, set[str]] = {}
+    for path in CORE.rglob("*.py"):
+        here = path.stem
+        edges = graph.setdefault(here, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                edges.update([node.module] if node.module else [a.name for a in node.names])
+    graph.pop("__init__")
+    done: set[str] = set()
+
+    def visit(name: str, stack: tuple[str, ...]) -> None:
+        assert name not in stack, f"import cycle: {' -> '.join(stack + (name,))}"
+        if name not in done:
+            for other in graph.get(name, ()):
+                visit(other, stack + (name,))
+            done.add(name)
+
+    for name in graph:
+        visit(name, ())
+    assert {"models", "fused", "preconditioners", "recursion"} <= done

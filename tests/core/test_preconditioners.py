@@ -8,11 +8,16 @@ import torch
 
 import smp_core.preconditioners as preconditioners_module
 from smp_core.preconditioners import (
+    KFAC,
     STRATEGIES,
+    STRUCTURE_TYPES,
     STRUCTURES,
+    Blocks,
+    Dense,
+    Diagonal,
     KroneckerLayer,
-    Structure,
     build_preconditioner,
+    make_structure,
     preconditioner_from_name,
 )
 
@@ -57,6 +62,33 @@ def _init_and_three_updates(pre, theta0, curvature, generator):
     return state, scores
 
 
+@pytest.mark.parametrize("cls", list(STRUCTURE_TYPES.values()), ids=list(STRUCTURE_TYPES))
+def test_every_structure_keeps_the_protocol(cls, generator):
+    """The structure protocol, class by class: its name builds it, its statistic's size and identity, and
+    P^{-1} v alike from factorize + apply, from solve and from the dense matrix it stands for."""
+    struct = make_structure(cls.name, DIM, blocks=BLOCKS, layers=LAYERS)
+    assert type(struct) is cls and cls.name in STRUCTURES
+    eye = struct.identity(3, torch.float64)
+    assert struct.stat_numel() == sum(m[0].numel() for m in eye)
+    assert bool((struct.to_dense(eye).to(torch.float64) == torch.eye(DIM, dtype=torch.float64)).all())  # C = 1 or 3
+    assert (struct.elementwise_rule("fixed", 0.9, RIDGE) is not None) == cls.elementwise
+    assert not (cls.elementwise and cls.matrices) and (not cls.constant or cls.elementwise)
+    # a random positive semi-definite statistic with one element per chain (kfac: random factors)
+    if cls is KFAC:
+        stat = tuple(torch.einsum("cij,ckj->cik", r, r) for r in (
+            torch.randn(3, n, n, generator=generator, dtype=torch.float64)
+            for layer in LAYERS for n in (layer.n_cols, layer.n_out)))
+    else:
+        stat = tuple(m / 5 for m in struct.outer_sum(_vectors(generator, 3))) if not cls.constant else ()
+    v = torch.randn(3, DIM, generator=generator, dtype=torch.float64)
+    ridge = 0.0 if cls.constant else RIDGE
+    dense = struct.to_dense(stat).to(torch.float64) if stat else torch.eye(DIM, dtype=torch.float64).expand(3, -1, -1)
+    expected = torch.linalg.solve(dense + ridge * torch.eye(DIM, dtype=torch.float64), v.unsqueeze(-1)).squeeze(-1)
+    # a tolerance, not equality: a Cholesky solve, an explicit inverse and an eigendecomposition round apart
+    torch.testing.assert_close(struct.apply(struct.factorize(stat, ridge), v), expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(struct.solve(stat, ridge, v), expected, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("structure, strategy", VARIANTS)
 def test_contract(structure, strategy, generator):
     chains = 4
@@ -66,7 +98,7 @@ def test_contract(structure, strategy, generator):
     def curvature(theta):
         v = _vectors(generator, theta.shape[0])
         fisher_vectors["last"] = v
-        struct = Structure(structure, DIM, BLOCKS if structure == "block" else ())
+        struct = make_structure(structure, DIM, blocks=BLOCKS)
         return tuple(m / v.shape[1] for m in struct.outer_sum(v))
 
     pre = _build(structure, strategy, period=2)
@@ -134,11 +166,11 @@ def test_names_and_errors():
     with pytest.raises(ValueError, match="needs the layers"):
         build_preconditioner("kfac", "ema", dim=DIM)
     with pytest.raises(ValueError, match="without gaps"):
-        Structure("kfac", DIM, layers=(LAYERS[0], KroneckerLayer(slice(5, 6), None, 1, 1)))
+        KFAC(DIM, (LAYERS[0], KroneckerLayer(slice(5, 6), None, 1, 1)))
     with pytest.raises(ValueError, match="2 x 3 entries"):
-        Structure("kfac", DIM, layers=(KroneckerLayer(slice(0, 4), None, 2, 3),))
+        KFAC(DIM, (KroneckerLayer(slice(0, 4), None, 2, 3),))
     with pytest.raises(ValueError, match="not from score vectors"):
-        Structure("kfac", DIM, layers=LAYERS).outer_sum(torch.zeros(1, 2, DIM))
+        KFAC(DIM, LAYERS).outer_sum(torch.zeros(1, 2, DIM))
     with pytest.raises(ValueError, match="unknown temporal strategy"):
         build_preconditioner("diag", "weekly", dim=DIM)
     with pytest.raises(ValueError, match="unknown preconditioner"):
@@ -148,7 +180,7 @@ def test_names_and_errors():
     with pytest.raises(ValueError, match="beta"):
         build_preconditioner("diag", "ema", dim=DIM, beta=1.0)
     with pytest.raises(ValueError, match="tile"):
-        Structure("block", DIM, (slice(0, 3), slice(4, 7)))
+        Blocks(DIM, (slice(0, 3), slice(4, 7)))
     with pytest.raises(ValueError, match="needs a Fisher"):
         build_preconditioner("diag", "fixed", dim=DIM).init(torch.zeros(1, DIM), None)
 
@@ -166,7 +198,7 @@ def test_elementwise_rule_on_pieces_equals_solve_then_update(name, rows, gamma_k
     theta0 = torch.randn(chains, DIM, generator=generator, dtype=torch.float64)
 
     def curvature(theta):
-        return Structure("diag", DIM).outer_sum(_vectors(generator, theta.shape[0]))
+        return Diagonal(DIM).outer_sum(_vectors(generator, theta.shape[0]))
 
     state = precond.init(theta0, curvature if precond.needs_curvature else None)
     if name != "none" and rows == "per-chain":  # chains with different statistics: the pieces must line up
@@ -280,7 +312,7 @@ def test_kfac_contract(strategy, generator):
 
 
 def test_kfac_solves_by_the_block_or_by_eigendecompositions_alike(generator, monkeypatch):
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     stat = []
     for layer in LAYERS:
         a = torch.randn(5, 3, layer.n_cols, generator=generator, dtype=torch.float64)  # rank 3 or less
@@ -301,7 +333,7 @@ def test_kfac_ema_of_one_linear_example_is_its_kronecker_block(generator):
     # one example of a linear layer: the score's layer matrix is g [a, 1]^T, and one EMA step from zero
     # factors gives (1 - beta) (g g^T) (x) (a a^T) exactly, as the EMA of s s^T would
     layer = LAYERS[0]
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     a = torch.cat([torch.randn(2, generator=generator, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
     g = 3.0 * torch.randn(2, generator=generator, dtype=torch.float64)
     s = torch.zeros(1, DIM, dtype=torch.float64)
@@ -318,7 +350,7 @@ def test_kfac_ema_of_one_linear_example_is_its_kronecker_block(generator):
 
 
 def test_kfac_isolates_a_chain_with_non_finite_factors(generator):
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     stat = [torch.eye(n, dtype=torch.float64).expand(4, n, n).clone() for n in (3, 2, 1, 1)]
     stat[0][1, 0, 0] = float("nan")
     v = torch.randn(4, DIM, generator=generator, dtype=torch.float64)
@@ -330,7 +362,7 @@ def test_kfac_isolates_a_chain_with_non_finite_factors(generator):
 def test_kfac_isolates_a_chain_whose_factor_lapack_cannot_decompose(generator, monkeypatch):
     """A finite factor on which eigh fails to converge (seen on one CPU for a chain blowing up between
     divergence checks) gives that chain NaN and leaves the other chains' solves exactly as they were."""
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
     stat = tuple(m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64) for m in factors)
     v = torch.randn(4, DIM, generator=generator, dtype=torch.float64)
@@ -354,7 +386,7 @@ def test_kfac_decomposes_in_float64_a_float32_factor_lapack_fails_on(generator, 
     """A finite float32 factor on which eigh fails (two chains of the MNIST KFAC laptop run) is decomposed
     in float64 and cast back: the chain keeps a finite solve, close to the one from float64 statistics, and
     the other chains' solves are exactly as they were."""
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
     stat64 = tuple(m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64) for m in factors)
     stat = tuple(m.float() for m in stat64)
@@ -382,7 +414,7 @@ def test_kfac_decomposes_in_float64_a_float32_factor_lapack_fails_on(generator, 
 def test_kfac_decomposes_in_float64_a_float32_factor_that_comes_back_nan_without_an_error(generator, monkeypatch):
     """MKL's float32 eigh returned NaN without raising for two chains' factors in the MNIST KFAC laptop run:
     the NaN output is caught and that chain's factor decomposed in float64, the others untouched."""
-    struct = Structure("kfac", DIM, layers=LAYERS)
+    struct = KFAC(DIM, LAYERS)
     factors = [torch.randn(4, n, n, generator=generator, dtype=torch.float64) for n in (3, 2, 1, 1)]
     stat = tuple((m @ m.mT + torch.eye(m.shape[-1], dtype=torch.float64)).float() for m in factors)
     v = torch.randn(4, DIM, generator=generator)
@@ -456,7 +488,7 @@ def test_kfac_ema_keeps_the_fishers_trace_in_expectation(generator):
     # separate EMAs of the two factors, its trace would settle near (E |s|)^2 < E |s|^2 (0.6 tr F here).
     sigma, n, chains, steps, beta = 0.5, 30, 4000, 150, 0.9
     layer = KroneckerLayer(slice(0, 6), slice(6, 8), 2, 3)
-    struct = Structure("kfac", 8, layers=(layer,))
+    struct = KFAC(8, (layer,))
     x = torch.cat([torch.randn(n, 3, generator=generator, dtype=torch.float64),
                    torch.ones(n, 1, dtype=torch.float64)], dim=1)
     a_fisher, g_fisher = x.T @ x / n, torch.eye(2, dtype=torch.float64) / sigma**2
@@ -485,7 +517,7 @@ def test_ema_refresh_solves_with_the_last_factorisation(structure, generator):
         a = torch.randn(1, 4, layer.n_cols, generator=generator, dtype=torch.float64)
         g = torch.randn(1, 4, layer.n_out, generator=generator, dtype=torch.float64)
         pairs += [a.transpose(1, 2) @ a / 4, g.transpose(1, 2) @ g / 4]
-    start = tuple(pairs) if structure == "kfac" else Structure(structure, DIM, BLOCKS).outer_sum(
+    start = tuple(pairs) if structure == "kfac" else make_structure(structure, DIM, blocks=BLOCKS).outer_sum(
         _vectors(generator, 1))
 
     def curvature(theta):
@@ -537,7 +569,7 @@ def test_a_failed_float32_cholesky_is_redone_not_left_finite_and_wrong(generator
     values, vectors = torch.linalg.eigh(stat[0].double())
     reference = (vectors / (values.clamp_min(0) + ridge)) @ vectors.T  # (F_+ + ridge I)^-1
     v = torch.randn(3, n, generator=generator)
-    struct = Structure("dense", n)
+    struct = Dense(n)
     with pytest.warns(RuntimeWarning, match="statistic_dtype=torch.float64"):
         solved = struct.solve((stat,), ridge, v)
     with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
@@ -652,7 +684,7 @@ def test_the_rounding_warning_is_one_text_and_not_for_a_singular_statistic_witho
     a = torch.randn(40, 5, generator=generator) * 300
     rank5 = (a @ a.T)[None]
     v = torch.randn(2, 40, generator=generator)
-    struct = Structure("dense", 40)
+    struct = Dense(40)
     for stat in (rank5, torch.cat([rank5, 2 * rank5])):
         with pytest.warns(RuntimeWarning) as caught:
             struct.solve((stat,), 1e-4, v[: stat.shape[0]])
@@ -677,7 +709,7 @@ def test_a_zero_pivot_is_redone_not_raised_for_the_whole_batch():
     positive_part = torch.tensor([[0.75, 0.75], [0.75, 0.75]], dtype=torch.float64)  # eigenvalues 1.5 and (-0.5 -> 0)
     expected = torch.stack([torch.linalg.inv(positive_part + ridge * torch.eye(2, dtype=torch.float64)),
                             torch.linalg.inv(good.double() + ridge * torch.eye(2, dtype=torch.float64))]).float()
-    struct = Structure("dense", 2)
+    struct = Dense(2)
     with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
         (inverse,) = struct.factorize((stat,), ridge)
     torch.testing.assert_close(inverse, expected)
