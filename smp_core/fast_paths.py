@@ -1,24 +1,30 @@
-"""The fast paths of the recursion, behind one dispatch point (:func:`choose_path`).
+"""The fast paths of the recursion, registered in :data:`PATHS` behind one dispatch point (:func:`choose_path`).
 
 Each runs the same steps of Algorithm 1 as :func:`smp_core.recursion.plain_steps`, from the same
-random numbers, and is tested equal to it:
+random numbers, and is tested equal to it. Each declares what it supports (:class:`FastPath`):
 
+* ``"blocks"``: blocks of steps from pre-drawn covariates and noise with a tensor step size, run by the
+  compiled whole step of a model that declares :class:`~smp_core.models.WholeStep` on a CPU, or captured
+  once as a CUDA graph and replayed;
 * ``"elementwise"``: for ``none`` and the ``diag`` preconditioners, the step ``theta += gamma P^-1 s``
   (and an EMA's update) is applied by the preconditioner's element-wise rule in one pass, fused into
-  the model's backward pass where the model offers ``vjp_apply_`` (the ``(S, d)`` score is never formed);
-* ``"blocks"``: blocks of steps from pre-drawn covariates and noise with a tensor step size, run by the
-  compiled whole step of :mod:`smp_core.fused` on a CPU, or captured once as a CUDA graph and replayed.
+  the model's backward pass where the model declares :class:`~smp_core.models.FusedBackward` (the
+  ``(S, d)`` score is never formed).
+
+What a model offers it declares by subclassing those classes; nothing is found by the name of a method.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .models import ChainModel, MLPChainModel, SequentialChainModel
+from .models import ChainModel, FusedBackward, MLPChainModel, SequentialChainModel, WholeStep
 from .preconditioners import Preconditioner
 from .streams import ChainStreams, has_noise
 
@@ -35,7 +41,7 @@ def elementwise_steps(model, likelihood, x_train, theta, precond, pstate, rule, 
                       curvature):
     """Steps ``k + 1, ..., k + len(draws)`` with the preconditioner's element-wise rule; returns the
     preconditioner's state after them. With ``model.vjp_apply_`` the rule runs inside the backward pass."""
-    fused_vjp = getattr(model, "vjp_apply_", None)
+    fused_vjp = model.vjp_apply_ if isinstance(model, FusedBackward) else None
     if fused_vjp is None and rule.covers_update:  # an EMA rule needs the fused pass: the plain update
         rule = None
     # a score buffer for the steps that form the score (none is needed inside the fused pass)
@@ -59,20 +65,38 @@ def elementwise_steps(model, likelihood, x_train, theta, precond, pstate, rule, 
     return pstate
 
 
+@dataclass(frozen=True)
+class FastPath:
+    """A registered fast path: ``unavailable(model, likelihood, precond)`` says why it cannot run a combination
+    (``None``: it can), and ``by_default(model, likelihood, precond, device, dtype)`` whether a run takes it
+    without being asked. The recursion runs the path :func:`choose_path` names."""
+
+    name: str
+    unavailable: Callable[[ChainModel, Any, Preconditioner], str | None]
+    by_default: Callable[[ChainModel, Any, Preconditioner, torch.device, torch.dtype], bool]
+
+
 def choose_path(cuda_graph: bool | None, model, likelihood, precond: Preconditioner, device: torch.device,
                 dtype: torch.dtype) -> str:
-    """The one dispatch point: ``"blocks"``, ``"elementwise"`` or ``"plain"`` (see the module docstring).
+    """The one dispatch point: the first path of :data:`PATHS` that supports the combination and is taken by
+    default, else ``"plain"`` (see the module docstring).
 
     ``cuda_graph``: ``False`` never takes the blocks; ``True`` insists on them (a ``ValueError`` says
     why they cannot run); ``None`` takes them on a CUDA device for the networks :mod:`smp_core.models`
-    batches by hand, and on a CPU where the compiled kernel of :mod:`smp_core.fused` takes the whole step.
+    batches by hand, and on a CPU where a model's compiled kernel takes the whole step.
     """
-    if _uses_step_blocks(cuda_graph, model, likelihood, precond, device, dtype):
-        reason = step_blocks_unavailable(model, likelihood, precond)
+    if cuda_graph:
+        reason = BLOCKS.unavailable(model, likelihood, precond)
         if reason is not None:
             raise ValueError(f"cuda_graph=True needs blocks of steps, but {reason}")
-        return "blocks"
-    return "elementwise" if precond.elementwise is not None else "plain"
+        return BLOCKS.name
+    for path in PATHS:
+        if path is BLOCKS and cuda_graph is False:
+            continue
+        if path.unavailable(model, likelihood, precond) is None and path.by_default(model, likelihood, precond,
+                                                                                     device, dtype):
+            return path.name
+    return "plain"
 
 
 def step_blocks_unavailable(model: ChainModel, likelihood, precond: Preconditioner) -> str | None:
@@ -83,10 +107,10 @@ def step_blocks_unavailable(model: ChainModel, likelihood, precond: Precondition
     periodic), and a likelihood that draws its responses from pre-drawn noise
     (``noise_width`` / ``noise_from_uniforms`` / ``sample_from_noise``).
     """
-    rule = getattr(precond, "elementwise", None)
-    if rule is None:
-        return f"the '{precond.name}' preconditioner has no element-wise rule (only none and the diag ones have)"
-    if not rule.covers_update and getattr(precond, "update_every", None) is None:
+    reason = _no_rule(model, likelihood, precond)
+    if reason is not None:
+        return reason
+    if not precond.elementwise.covers_update and precond.update_every is None:
         return f"the '{precond.name}' preconditioner does not say at which steps its update changes its state"
     if not has_noise(likelihood):
         return "the likelihood has no noise_width / noise_from_uniforms / sample_from_noise"
@@ -100,7 +124,7 @@ def _steps_from_noise(model: ChainModel, likelihood, x_train: torch.Tensor, thet
     ``noise`` ``(n, S, ...)`` and the step sizes ``gammas`` ``(n,)`` given as tensors: no random
     number is drawn, nothing is read back to the host and the step size is a tensor, so the same
     kernels can be captured once in a CUDA graph and replayed with new inputs."""
-    whole_step = getattr(model, "step_", None)  # a compiled kernel that does the whole step (smp_core.fused)
+    whole_step = model.step_ if isinstance(model, WholeStep) else None  # a compiled kernel does the whole step
     for j in range(draws.shape[0]):
         rows = x_train.index_select(0, draws[j])
         if whole_step is not None and whole_step(theta, rows, likelihood, noise[j], rule, tensors, gammas[j]):
@@ -128,7 +152,7 @@ class StepBlocks:
     def __init__(self, model, likelihood, x_train, theta, rule, tensors, capture: bool):
         self.model, self.likelihood, self.x_train, self.theta, self.rule = model, likelihood, x_train, theta, rule
         self.tensors = tuple(tensors)
-        self.fused_vjp = getattr(model, "vjp_apply_", None)
+        self.fused_vjp = model.vjp_apply_ if isinstance(model, FusedBackward) else None
         self.capture = capture and theta.is_cuda
         self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.seen: set[int] = set()
@@ -202,17 +226,22 @@ class StepBlocks:
         return self.graphs[n]
 
 
-def _uses_step_blocks(cuda_graph: bool | None, model, likelihood, precond, device: torch.device,
-                      dtype: torch.dtype) -> bool:
-    """Whether a run takes the step blocks: when asked (``True``), or by default on a CUDA device for
-    the networks that :mod:`smp_core.models` batches by hand (their steps are known to be capturable;
-    a user's chain model is captured only when asked), and on a CPU where the compiled kernel of
-    :mod:`smp_core.fused` takes the whole step (``model.takes_whole_step``)."""
-    if cuda_graph is None:
-        if step_blocks_unavailable(model, likelihood, precond) is not None:
-            return False
-        if device.type == "cuda":
-            return isinstance(model, SequentialChainModel | MLPChainModel)
-        takes = getattr(model, "takes_whole_step", None)
-        return takes is not None and takes(likelihood, precond.elementwise, device, dtype)
-    return bool(cuda_graph)
+def _no_rule(model: ChainModel, likelihood, precond: Preconditioner) -> str | None:
+    if precond.elementwise is None:
+        return f"the '{precond.name}' preconditioner has no element-wise rule (only none and the diag ones have)"
+    return None
+
+
+def _blocks_by_default(model, likelihood, precond: Preconditioner, device: torch.device, dtype: torch.dtype) -> bool:
+    """Blocks unasked on a CUDA device for the networks that :mod:`smp_core.models` batches by hand (their
+    steps are known to be capturable; a user's chain model is captured only when asked), and on a CPU where
+    the model's compiled kernel takes the whole step (:class:`~smp_core.models.WholeStep`)."""
+    if device.type == "cuda":
+        return isinstance(model, SequentialChainModel | MLPChainModel)
+    return isinstance(model, WholeStep) and model.takes_whole_step(likelihood, precond.elementwise, device, dtype)
+
+
+BLOCKS = FastPath("blocks", step_blocks_unavailable, _blocks_by_default)
+ELEMENTWISE = FastPath("elementwise", _no_rule, lambda *_: True)
+PATHS: tuple[FastPath, ...] = (BLOCKS, ELEMENTWISE)
+"""The fast paths, in the order :func:`choose_path` tries them."""

@@ -41,13 +41,14 @@ from torch import nn
 from .likelihoods import Bernoulli, Categorical, Gaussian
 from .models import (
     SequentialChainModel,
+    WholeStep,
     _check_out,
     _check_rows,
     _pair,
     register_sequential_backend,
     sequential_supported,
 )
-from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE
+from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_sequential.cpp"
 
@@ -179,7 +180,7 @@ def _warn_once(message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-class FusedSequentialChainModel(SequentialChainModel):
+class FusedSequentialChainModel(SequentialChainModel, WholeStep):
     """:class:`~smp_core.models.SequentialChainModel` with the forward pass, the backward pass and
     the element-wise parameter step of every chain run by one compiled CPU function per chain.
 
@@ -302,7 +303,7 @@ class FusedSequentialChainModel(SequentialChainModel):
     @staticmethod
     def _rule_kind(rule) -> int | None:
         """The kernel's update mode for an element-wise rule (1 identity, 2 stored scale, 3 EMA), or ``None``."""
-        kernel = getattr(rule, "kernel", None)
+        kernel = rule.kernel if isinstance(rule, ElementwiseRule) else None
         if rule is IDENTITY_RULE:
             return 1
         if rule is STORED_INVERSE_RULE:

@@ -27,6 +27,7 @@ CPU kernel of :mod:`smp_core.fused` does, when imported), so this module imports
 
 from __future__ import annotations
 
+import abc
 import math
 import warnings
 from collections.abc import Callable
@@ -104,7 +105,8 @@ def lenet5(dropout: float = 0.0) -> nn.Sequential:
 
 
 class ChainModel(Protocol):
-    """A network seen as a function of a batch of flat parameter vectors (see module docstring)."""
+    """A network seen as a function of a batch of flat parameter vectors (see module docstring). A chain model
+    may also declare fast paths by subclassing :class:`FusedBackward` or :class:`WholeStep`."""
 
     layout: ParamLayout
     out_dim: int
@@ -122,6 +124,32 @@ class ChainModel(Protocol):
         reuses one buffer for every step instead of allocating a fresh ``(S, d)`` tensor).
         """
         ...
+
+
+class FusedBackward(abc.ABC):
+    """A fast path a chain model declares by subclassing: ``vjp_apply_`` takes the step of an element-wise
+    :class:`~smp_core.preconditioners.ElementwiseRule` inside its backward pass, so that the ``(S, d)`` score is
+    never formed (:func:`smp_core.fast_paths.elementwise_steps`). :class:`SequentialChainModel` declares it."""
+
+    @abc.abstractmethod
+    def vjp_apply_(self, ctx: Any, cotangent: torch.Tensor, theta: torch.Tensor, rule: ElementwiseRule,
+                   tensors: tuple[torch.Tensor, ...], gamma: float | torch.Tensor) -> None:
+        """``theta += gamma P^{-1} J^T cotangent`` row by row, by ``rule`` on its state ``tensors``, in place."""
+
+
+class WholeStep(abc.ABC):
+    """A fast path a chain model declares by subclassing: a compiled kernel takes a whole step (forward pass,
+    the response drawn from given noise, backward pass and the rule's step) for the combinations it
+    accepts (:class:`smp_core.fused.FusedSequentialChainModel` declares it)."""
+
+    @abc.abstractmethod
+    def takes_whole_step(self, likelihood, rule: ElementwiseRule | None, device, dtype: torch.dtype) -> bool:
+        """Whether :meth:`step_` takes every step of a run with this likelihood, rule, device and dtype."""
+
+    @abc.abstractmethod
+    def step_(self, theta: torch.Tensor, x: torch.Tensor, likelihood, noise: torch.Tensor, rule: ElementwiseRule,
+              tensors: tuple[torch.Tensor, ...], gamma: float | torch.Tensor) -> bool:
+        """One whole step in place; ``False`` (nothing done) for a combination it does not take."""
 
 
 def check_deterministic(model) -> None:
@@ -262,7 +290,7 @@ _ELEMENTWISE = (nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.ELU, nn.Leaky
 _PARAMETER_FREE = _ELEMENTWISE + (nn.MaxPool2d, nn.AvgPool2d, nn.Dropout)
 
 
-class SequentialChainModel(_ModuleChainModel):
+class SequentialChainModel(_ModuleChainModel, FusedBackward):
     """``nn.Sequential`` of Linear / Conv2d / activation / pooling / Flatten layers, batched by hand.
 
     The forward pass reads each chain's weights as strided views of ``theta`` (no copy): a

@@ -45,7 +45,7 @@ from ._progress import progress_bar, trigamma
 from .checkpoint import inputs_fingerprint, load_checkpoint, save_checkpoint
 from .fisher import estimate_fisher, structure_for
 from .likelihoods import check_output_dim, get_likelihood
-from .models import ChainModel, as_chain_model, check_deterministic
+from .models import ChainModel, WholeStep, as_chain_model, check_deterministic
 from .preconditioners import Preconditioner, PreconditionerState, preconditioner_from_name
 from .streams import ChainStreams, check_seed, has_noise
 
@@ -576,8 +576,7 @@ def run_smp(
     }
     if sampler.path(device, theta0.dtype, options.cuda_graph) == "blocks":
         config["step_blocks"] = True
-        takes = getattr(net, "takes_whole_step", None)
-        if takes is not None and takes(lik, precond.elementwise, device, theta0.dtype):
+        if isinstance(net, WholeStep) and net.takes_whole_step(lik, precond.elementwise, device, theta0.dtype):
             config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
     # the key leaves out n_steps (a finished run can be extended to a larger K) and the execution path
     # (every path draws the same random numbers)

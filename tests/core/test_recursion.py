@@ -766,3 +766,41 @@ def test_a_checkpoint_names_the_settings_that_differ_and_knows_a_frozen_body(tmp
         body[0].weight.add_(1.0)  # another pretrained body, the same sampled parameters
     with pytest.raises(ValueError, match="another network"):
         run_smp(body, "bernoulli", x, n_steps=20, n_chains=3, progress=False, options=dict(checkpoint=frozen))
+
+
+def test_a_fast_path_is_taken_only_where_the_model_declares_it():
+    """The fast paths are declared (models.FusedBackward, models.WholeStep) and registered (fast_paths.PATHS):
+    a chain model with methods of the same names that does not declare them runs the plain steps."""
+    from smp_core import fast_paths
+    from smp_core.models import FusedBackward, SequentialChainModel, WholeStep
+
+    assert [path.name for path in fast_paths.PATHS] == ["blocks", "elementwise"]
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3))
+    model = SequentialChainModel(net, (1, 6, 6))
+    assert isinstance(model, FusedBackward) and not isinstance(model, WholeStep)
+
+    class Undeclared:  # the same protocol and the hooks' names, none of them declared
+        def __init__(self, inner):
+            self.inner, self.layout, self.out_dim, self.module = inner, inner.layout, inner.out_dim, inner.module
+            self.input_shape = inner.input_shape
+
+        def forward(self, theta, xb):
+            return self.inner.forward(theta, xb)
+
+        def vjp(self, ctx, cotangent, retain=False, out=None):
+            return self.inner.vjp(ctx, cotangent, retain, out)
+
+        def vjp_apply_(self, *args):
+            raise AssertionError("an undeclared hook was called")
+
+        def takes_whole_step(self, *args):
+            raise AssertionError("an undeclared hook was called")
+
+        def step_(self, *args):
+            raise AssertionError("an undeclared hook was called")
+
+    x = torch.rand(20, 1, 6, 6)
+    kw = dict(tau=0.5, n_steps=12, n_chains=3, seed=1, progress=False, preconditioner="ema-diag")
+    assert torch.allclose(run_smp(Undeclared(model), "categorical", x, **kw).theta,
+                          run_smp(model, "categorical", x, **kw).theta, rtol=1e-4, atol=1e-6)
