@@ -310,13 +310,7 @@ class Blocks(Structure):
         super().__post_init__()
         if not self.blocks:
             raise ValueError("a block structure needs the parameter blocks (e.g. ParamLayout.block_slices)")
-        position = 0
-        for start, stop in sorted((b.start, b.stop) for b in self.blocks):
-            if start != position:
-                raise ValueError("the blocks must tile the parameter vector without gaps or overlaps")
-            position = stop
-        if position != self.dim:
-            raise ValueError(f"the blocks cover {position} parameters, the model has {self.dim}")
+        _check_tiling(self.blocks, self.dim, "the blocks", "tile the parameter vector without gaps or overlaps")
 
     def stat_shapes(self):
         return tuple((b.stop - b.start,) * 2 for b in self.blocks)
@@ -370,14 +364,8 @@ class KFAC(Structure):
             if layer.bias is not None and layer.bias.stop - layer.bias.start != layer.n_out:
                 raise ValueError(f"a kfac layer's bias slice {layer.bias} does not hold {layer.n_out} entries")
             pieces += [layer.weight] + ([layer.bias] if layer.bias is not None else [])
-        position = 0
-        for start, stop in sorted((b.start, b.stop) for b in pieces):
-            if start != position:
-                raise ValueError("the kfac layers must cover the parameter vector without gaps or overlaps "
-                                 "(every parameter in a Linear or Conv2d layer)")
-            position = stop
-        if position != self.dim:
-            raise ValueError(f"the kfac layers cover {position} parameters, the model has {self.dim}")
+        _check_tiling(pieces, self.dim, "the kfac layers", "cover the parameter vector without gaps or overlaps "
+                      "(every parameter in a Linear or Conv2d layer)")
 
     def stat_shapes(self):
         return tuple((n, n) for layer in self.layers for n in (layer.n_cols, layer.n_out))
@@ -457,6 +445,17 @@ class KFAC(Structure):
             else:  # two eigendecompositions of the factors
                 _kronecker_apply(layer, *self.factorize((a, g), ridge), v, result)
         return result
+
+
+def _check_tiling(pieces, dim: int, what: str, must: str) -> None:
+    """A ``ValueError`` unless the slices ``pieces`` tile ``[0, dim)`` without gaps or overlaps."""
+    position = 0
+    for start, stop in sorted((b.start, b.stop) for b in pieces):
+        if start != position:
+            raise ValueError(f"{what} must {must}")
+        position = stop
+    if position != dim:
+        raise ValueError(f"{what} cover {position} parameters, the model has {dim}")
 
 
 STRUCTURE_TYPES: dict[str, type[Structure]] = {cls.name: cls for cls in (Identity, Diagonal, Blocks, Dense, KFAC)}

@@ -222,6 +222,20 @@ def test_fused_diagonal_update_equals_solve_then_add(name):
     assert torch.allclose(a.theta, b.theta, rtol=1e-5, atol=1e-6)
 
 
+class _Forwarding:
+    """A chain model that forwards the protocol (forward, vjp) to another and declares no fast path of it."""
+
+    def __init__(self, inner):
+        self.inner, self.layout, self.out_dim, self.module = inner, inner.layout, inner.out_dim, inner.module
+        self.input_shape = inner.input_shape
+
+    def forward(self, theta, xb):
+        return self.inner.forward(theta, xb)
+
+    def vjp(self, ctx, cotangent, retain=False, out=None):
+        return self.inner.vjp(ctx, cotangent, retain, out)
+
+
 @pytest.mark.parametrize("chunk", [1 << 18, 7])  # 7 elements: the outer products one chain at a time
 @pytest.mark.parametrize("name", ["none", "fixed-diag", "periodic-diag", "ema-diag"])
 def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypatch):
@@ -233,17 +247,6 @@ def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypat
 
     monkeypatch.setattr(models, "_OUTER_CHUNK_ELEMENTS", chunk)
 
-    class WithoutFusedUpdate:
-        def __init__(self, inner):
-            self.inner, self.layout, self.out_dim, self.module = inner, inner.layout, inner.out_dim, inner.module
-            self.input_shape = inner.input_shape
-
-        def forward(self, theta, xb):
-            return self.inner.forward(theta, xb)
-
-        def vjp(self, ctx, cotangent, retain=False, out=None):
-            return self.inner.vjp(ctx, cotangent, retain, out)
-
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3))
     model = SequentialChainModel(net, (1, 6, 6))  # the batched torch model (test_fused.py: the compiled kernel)
@@ -252,7 +255,7 @@ def test_fused_score_and_update_equal_the_plain_recursion(name, chunk, monkeypat
               preconditioner=preconditioner_from_name(name, period=15), fisher=Fisher("empirical", x, y),
               options=dict(check_every=10))
     fused = run_smp(model, "categorical", x, **kw)
-    plain = run_smp(WithoutFusedUpdate(model), "categorical", x, **kw)
+    plain = run_smp(_Forwarding(model), "categorical", x, **kw)
     theta0 = model.layout.flatten(net)
     assert ((fused.theta - theta0).abs().amax(1) > 1e-3).all()  # every chain moved
     assert torch.allclose(fused.theta, plain.theta, rtol=1e-4, atol=1e-5)
@@ -780,17 +783,7 @@ def test_a_fast_path_is_taken_only_where_the_model_declares_it():
     model = SequentialChainModel(net, (1, 6, 6))
     assert isinstance(model, FusedBackward) and not isinstance(model, WholeStep)
 
-    class Undeclared:  # the same protocol and the hooks' names, none of them declared
-        def __init__(self, inner):
-            self.inner, self.layout, self.out_dim, self.module = inner, inner.layout, inner.out_dim, inner.module
-            self.input_shape = inner.input_shape
-
-        def forward(self, theta, xb):
-            return self.inner.forward(theta, xb)
-
-        def vjp(self, ctx, cotangent, retain=False, out=None):
-            return self.inner.vjp(ctx, cotangent, retain, out)
-
+    class Undeclared(_Forwarding):  # the same protocol and the hooks' names, none of them declared
         def vjp_apply_(self, *args):
             raise AssertionError("an undeclared hook was called")
 
