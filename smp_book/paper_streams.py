@@ -27,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from . import mnist_runs
@@ -97,10 +98,7 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
     name = f"SMP-{variant}"
     evals = {name: mnist_runs.evaluate(res.theta[~res.diverged], data, device=torch.device("cpu"))}
     tables = mnist_runs.tables(evals, {name: res.elapsed})
-    out.mkdir(parents=True, exist_ok=True)
-    for table_name, df in tables.items():
-        df.to_csv(out / f"{table_name}.csv")
-    record = {
+    save(out, tables, {
         "git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {**cfg, "variant": variant},  # its tau: config["tau"][variant]
         "seeds": {"map": map_seed, "smp": seed, "chains": [first, first + cfg["n_chains"] - 1]},
@@ -111,10 +109,19 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
         "timing_note": "the wall time of the last invocation only (a run resumes from its checkpoints): not for "
                        "comparisons",
         "environment": environment(),
-    }
-    (out / "manifest.json").write_text(json.dumps(record, indent=2, default=str))
+    })
     print(f"wrote {out}")
     return out
+
+
+def save(out: Path, tables: dict[str, pd.DataFrame], record: dict) -> None:
+    """A stream's folder: its tables as CSV and a manifest of ``record`` with the tables' index and header levels
+    (what :class:`smp_book.results.Results` reads them back with)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name, df in tables.items():
+        df.to_csv(out / f"{name}.csv")
+    layouts = {name: {"index": df.index.nlevels, "header": df.columns.nlevels} for name, df in tables.items()}
+    (out / "manifest.json").write_text(json.dumps({"tables": layouts, **record}, indent=2, default=str))
 
 
 def map_scores(root: Path = RESULTS) -> Path:

@@ -382,3 +382,44 @@ def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
     shares = pd.DataFrame({"the paper": theirs, "replicates near it": near.sum().astype(int).astype(str)
                            + f" of {len(table)}", "ours: min": table.min(), "ours: max": table.max()})
     return pd.concat([theirs.to_frame("the paper").T, table]), shares
+
+
+def stream_runs(paper_run: Results, root=None) -> list[dict[str, pd.DataFrame]]:
+    """The paper-scale MNIST run's streams, as the register reads them (:func:`smp_book.register.evidence`):
+    stream 0 the committed run, stream ``j`` its chains ``100 j`` onwards from the streams' saved MAP."""
+    from .register import evidence
+    from .results import RESULTS
+
+    return evidence(paper_run, root or RESULTS).runs
+
+
+def over_streams(runs: list[dict[str, pd.DataFrame]], name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Mean and standard deviation over the streams ``runs`` of table ``name`` (``"scores"``, ``"variances"``), per
+    method: the sd is NaN where fewer than two streams have the method (no spread to show)."""
+    long = pd.concat({j: run[name] for j, run in enumerate(runs) if name in run}, names=["stream"])
+    grouped = long.groupby(level="method", sort=False)
+    return grouped.mean(), grouped.std(ddof=1)
+
+
+STREAM_SHOWN = ("accuracy", "nll", "ece", "mutual_info", "epistemic_std", "logits_variance")
+
+
+def stream_table(runs: list[dict[str, pd.DataFrame]]) -> pd.DataFrame:
+    """The streams ``runs`` one by one: a row per method and stream, the columns :data:`STREAM_SHOWN`."""
+    joined = pd.concat({j: run["scores"].join(run["variances"]) for j, run in enumerate(runs)}, names=["stream"])
+    methods = list(dict.fromkeys(joined.index.get_level_values("method")))
+    table = joined.reorder_levels(["method", "stream"])[list(STREAM_SHOWN)]
+    return table.loc[[key for m in methods for key in table.index if key[0] == m]]
+
+
+def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
+    """How many streams each SMP variant has, in words: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one of
+    SMP-none and SMP-periodic-diag"``."""
+    counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
+    words = {1: "one", 2: "two", 3: "three", 4: "four"}
+    groups = [(n, [m for m in counts.index if counts[m] == n]) for n in sorted(set(counts), reverse=True)]
+
+    def listed(names):
+        return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+    return ", ".join(f"{words.get(n, str(n))} stream{'s' * (n != 1)} of {listed(ms)}" for n, ms in groups)

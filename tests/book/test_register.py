@@ -1,7 +1,6 @@
 """The register of claims: its rules against known margins, the paper's own tables against the paper's claims,
 and every chapter showing the register's verdicts rather than its own."""
 
-import json
 import re
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from smp_book import register
+from smp_book import paper_streams, register
 from smp_book.paper import paper_table
 from smp_book.register import Condition, Evidence, resolve, verdict
 from smp_book.results import RESULTS, Results
@@ -109,15 +108,11 @@ def test_a_second_stream_joins_the_paper_scale_runs(tmp_path):
         (paper / name).write_bytes((RESULTS / "paper" / name).read_bytes())
     before = register.evidence(Results(paper / "mnist"), tmp_path)
     assert len(before.runs) == 1
-    for variant in ("fixed-diag", "ema-diag"):
-        folder = paper / "mnist_streams" / variant / "stream_1"
-        folder.mkdir(parents=True)
+    for variant in ("fixed-diag", "ema-diag"):  # written as smp_book.paper_streams writes a stream
         method = f"SMP-{variant}"
-        for name in ("scores", "variances"):
-            table = Results(paper / "mnist").table(f"{name}_replicates").xs(0, level="replicate").loc[[method]]
-            table.to_csv(folder / f"{name}.csv")
-        tables = {n: {"index": 1, "header": 1} for n in ("scores", "variances")}
-        (folder / "manifest.json").write_text(json.dumps({"config": {}, "tables": tables}))
+        tables = {name: Results(paper / "mnist").table(f"{name}_replicates").xs(0, level="replicate").loc[[method]]
+                  for name in ("scores", "variances")}
+        paper_streams.save(paper / "mnist_streams" / variant / "stream_1", tables, {"config": {}})
     after = register.evidence(Results(paper / "mnist"), tmp_path)
     assert len(after.runs) == 2
     # the same numbers twice: the margin exceeds their difference (0), so the order is resolved

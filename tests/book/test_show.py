@@ -143,3 +143,35 @@ def test_the_paper_nuts_start_is_shown_replicate_by_replicate_with_its_share_nea
     assert near.loc["SMP-none mutual_info", "replicates near it"] == "2 of 3"
     assert near.loc["SMP-fixed-dense accuracy", "replicates near it"] == "2 of 3"
     assert near.loc["NUTS accuracy", "replicates near it"] == "3 of 3"
+
+
+def test_the_paper_scale_streams_show_their_spread(tmp_path):
+    """A second stream of two variants, written as ``paper_streams`` writes one: those variants get a mean and sd
+    over two streams, the others one value and no spread, and the table lists every stream of every method."""
+    from smp_book import paper_streams
+    from smp_book.results import RESULTS
+
+    paper = tmp_path / "paper"
+    (paper / "mnist").mkdir(parents=True)
+    for name in ("manifest.json", "values.json", *(f"{t}_replicates.csv" for t in ("scores", "variances", "elapsed"))):
+        (paper / "mnist" / name).write_bytes((RESULTS / "paper" / "mnist" / name).read_bytes())
+    committed = Results(paper / "mnist")
+    for variant in ("fixed-diag", "ema-diag"):
+        method = f"SMP-{variant}"
+        tables = {name: committed.table(f"{name}_replicates").xs(0, level="replicate").loc[[method]] * 1.1
+                  for name in ("scores", "variances")}
+        paper_streams.save(paper / "mnist_streams" / variant / "stream_1", tables, {"config": {}})
+    runs = show.stream_runs(committed, tmp_path)
+    assert len(runs) == 2
+    mean, sd = show.over_streams(runs, "scores")
+    first = committed.table("scores_replicates").xs(0, level="replicate")
+    mi = first.loc["SMP-fixed-diag", "mutual_info"]
+    assert mean.loc["SMP-fixed-diag", "mutual_info"] == pytest.approx(1.05 * mi, rel=1e-12)
+    assert sd.loc["SMP-fixed-diag", "mutual_info"] == pytest.approx(0.1 * mi / np.sqrt(2), rel=1e-12)
+    assert np.isnan(sd.loc["SMP-none", "mutual_info"]) and mean.loc["SMP-none", "mutual_info"] == first.loc[
+        "SMP-none", "mutual_info"]
+    table = show.stream_table(runs)
+    assert list(table.columns) == list(show.STREAM_SHOWN)
+    assert table.loc["SMP-fixed-diag"].index.tolist() == [0, 1] and table.loc["SMP-none"].index.tolist() == [0]
+    assert show.streams_in_words(runs) == ("two streams of SMP-fixed-diag and SMP-ema-diag, "
+                                           "one stream of SMP-none and SMP-periodic-diag")
