@@ -1,9 +1,9 @@
-"""The README's example must run as written."""
+"""The library's README (smp_core/README.md, its distribution's description): its example runs as written."""
 
 import re
 from pathlib import Path
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "smp_core" / "README.md"
 
 
 def test_readme_example_runs(capsys):

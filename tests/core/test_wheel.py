@@ -1,5 +1,6 @@
 """The library ships alone: its wheel holds ``smp_core`` and nothing of the book, pins nothing exactly, and the
-README's example runs from it in a fresh environment that sees torch and numpy but not ``smp_book``."""
+library's README (``smp_core/README.md``, its description) runs from it in a fresh environment that sees torch and
+numpy but not ``smp_book``."""
 
 import os
 import re
@@ -42,6 +43,8 @@ def test_the_wheel_holds_the_library_and_its_metadata(wheel):
     core = [r for r in requires if "extra ==" not in r]
     assert sorted(re.split(r"[<>=!~ ;\[]", r)[0] for r in core) == ["numpy", "torch"]
     assert not [r for r in requires if "==" in r.split(";")[0]], requires  # ranges, never an exact pin
+    # its description is the library's README, not the project's (which speaks of the book)
+    assert meta.get_payload().strip() == (ROOT / "smp_core" / "README.md").read_text().strip()
 
 
 def test_the_readme_example_runs_from_the_wheel_alone(wheel, tmp_path):
@@ -55,7 +58,7 @@ def test_the_readme_example_runs_from_the_wheel_alone(wheel, tmp_path):
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                check=True, capture_output=True, text=True).stdout.strip())
     (site / "project_env.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "smp_core" / "README.md").read_text(), flags=re.S)
     script = tmp_path / "example.py"
     script.write_text("import importlib.util, smp_core\n"
                       "print('from', smp_core.__file__)\n"
