@@ -336,9 +336,10 @@ FISHER_SHOWN = {"mutual_info": "scores", "epistemic_std": "scores", "logits_vari
 
 
 def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame | None:
-    """SMP-periodic-diag at the laptop scale with its Fisher recomputed on 500, 1,000 and 6,000 validation images,
-    mean ± sd over its replicates (the same MAP and random streams: only the Fisher's images differ), beside the
-    paper's (6,000 images, K = 10^6) and the paper-scale run's; ``None`` before any such run is committed."""
+    """SMP-periodic-diag at the laptop scale with its Fisher recomputed on 500, 1,000 and 6,000 validation images
+    (those committed), mean ± sd over its replicates (the same MAP and random streams: only the Fisher's images
+    differ), beside the paper's (6,000 images, K = 10^6) and the paper-scale run's, each row with the accuracy
+    of the MAP it started from; ``None`` before any such run is committed."""
     from .paper import paper_table
     from .pipeline import RESULTS, folder_of, results
 
@@ -349,15 +350,18 @@ def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame |
             res = results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
             mean = res.table("scores_mean").join(res.table("variances_mean")).loc[PERIODIC]
             std = res.table("scores_std").join(res.table("variances_std")).loc[PERIODIC]
-            rows[f"{n:,}"] = {c: f"{mean[c]:.4g} ± {std[c]:.2g}" for c in FISHER_SHOWN}
+            rows[f"{n:,}"] = {**{c: f"{mean[c]:.4g} ± {std[c]:.2g}" for c in FISHER_SHOWN},
+                              "MAP accuracy": f"{res.table('scores_mean').loc['MAP', 'accuracy']:.4f}"}
     if not rows:
         return None
     if paper_run is not None:
-        ours = paper_run.table("scores").join(paper_run.table("variances")).loc[PERIODIC]
+        ours = paper_run.table("scores").join(paper_run.table("variances"))
         images = paper_run.config.get("n_fisher_periodic") or paper_run.config["n_val"]
-        rows[f"{images:,}, K = 10^6 (ours)"] = {c: f"{ours[c]:.4g}" for c in FISHER_SHOWN}
-    theirs = paper_table("ex2_scores").join(paper_table("ex2_variances")).loc[PERIODIC]
-    rows["6,000, K = 10^6 (the paper)"] = {c: f"{theirs[c]:.4g}" for c in FISHER_SHOWN}
+        rows[f"{images:,}, K = 10^6 (ours)"] = {**{c: f"{ours.loc[PERIODIC, c]:.4g}" for c in FISHER_SHOWN},
+                                                "MAP accuracy": f"{ours.loc['MAP', 'accuracy']:.4f}"}
+    theirs = paper_table("ex2_scores").join(paper_table("ex2_variances"))
+    rows["6,000, K = 10^6 (the paper)"] = {**{c: f"{theirs.loc[PERIODIC, c]:.4g}" for c in FISHER_SHOWN},
+                                           "MAP accuracy": f"{theirs.loc['MAP', 'accuracy']:.4f}"}
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("images")
 
 
