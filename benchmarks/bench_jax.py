@@ -15,7 +15,10 @@ run_smp's ``elapsed`` (the Fisher's set-up included) and JAX's wall time to the 
 included, its compilation not). The settings are the toy chapter's: the paper's tau per structure, ridge 1e-4,
 beta 0.98, T = 500, the model-expected Fisher of the 500 training points. The table gives the median over the
 repeats and the ratio run_smp / JAX (above 1: run_smp is slower); the load average before and after says whether
-anything else ran, and a run with more load than threads is marked as not for comparisons.
+anything else ran, and a run that found other work on the machine is marked as not for comparisons. The
+two do not do quite the same work: run_smp also draws each chain from its own random stream and checks every
+50 steps for diverged chains (the column "chains lost" sums, over the repeats, run_smp's diverged chains and
+the reference's non-finite ones).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def one(implementation: str, variant: str, chains: int, steps: int, fit_steps: i
         return jr.run(variant, x.numpy(), theta0, tau=tau, n_steps=k, n_chains=chains, seed=0)
 
     timed(min(steps, 2 * chunk))  # compiles the chunk and, for periodic, the Fisher's recomputation
+    if steps > chunk and steps % chunk:
+        timed(steps % chunk)  # and the last, shorter chunk
     result = timed(steps)
     return {"seconds": result["seconds"], "diverged": result["non_finite"]}
 
@@ -74,7 +79,8 @@ def one(implementation: str, variant: str, chains: int, steps: int, fit_steps: i
 def measure(implementation, variant, args) -> dict:
     command = [sys.executable, __file__, "--one", implementation, variant, "--chains", str(args.chains),
                "--steps", str(args.steps), "--fit-steps", str(args.fit_steps), "--threads", str(args.threads)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # as smp_book.nuts: never a GPU, which run_smp does not use here
+    done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{implementation} {variant} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -129,16 +135,17 @@ def main(argv: list[str] | None = None) -> int:
             for implementation in order:
                 got = measure("run_smp" if implementation == "run_smp" else "jax", variant, args)
                 times[variant][implementation].append(got["seconds"])
-                diverged[variant][implementation] = got["diverged"]
+                diverged[variant][implementation] = diverged[variant].get(implementation, 0) + got["diverged"]
                 print(f"repeat {r + 1}/{args.repeats} {variant} {implementation}: {got['seconds']:.2f} s",
                       file=sys.stderr, flush=True)
     load_end = os.getloadavg()[0]
-    loaded = max(load_start, load_end) > args.threads + 0.75
+    # busy cores besides the pinned ones: the load this process found, or what was left at the end
+    loaded = max(load_start, load_end - args.threads) > os.cpu_count() - args.threads + 0.5
     out = Tables(args.csv, machine=machine)
     note = "; LOADED (other work ran): not for comparisons" if loaded else ""
     out.start("jax", f"Toy recursion, S = {args.chains}, K = {args.steps}: seconds, the median of {args.repeats} "
               f"repeat(s); load average {load_start:.1f} before, {load_end:.1f} after{note}",
-              ["variant", "run_smp s", "JAX s", "run_smp / JAX", "diverged (run_smp, JAX)"])
+              ["variant", "run_smp s", "JAX s", "run_smp / JAX", "chains lost (run_smp, JAX)"])
     for variant in args.variants:
         ours, theirs = (statistics.median(times[variant][i]) for i in ("run_smp", "JAX"))
         out.row(variant, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}",

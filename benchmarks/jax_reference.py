@@ -148,7 +148,9 @@ _fisher_per_chain = jax.jit(jax.vmap(fisher, in_axes=(0, None)))
 def run(variant: str, x_train, theta0, *, tau: float, n_steps: int, n_chains: int, seed: int,
         ridge: float = 1e-4, beta: float = 0.98, period: int = 500) -> dict:
     """``variant`` (``"none"`` or ``"<strategy>-<structure>"``) from ``theta0`` ``(d,)`` on ``x_train`` ``(N, 2)``:
-    ``{"theta": (S, d) numpy array, "non_finite": chains that left the finite numbers, "seconds": wall time}``."""
+    ``{"theta": (S, d) numpy array, "non_finite": chains that left the finite numbers, "seconds": wall time,
+    "held": what step K + 1 would use}`` (the EMA's statistic; the inverse of ``fixed`` and ``periodic``, which
+    recomputes after step K as well when T divides K, as ``run_smp`` does)."""
     structure = variant if variant == "none" else variant.split("-", 1)[1]
     strategy = "fixed" if variant == "none" else variant.split("-", 1)[0]
     if structure not in STRUCTURES or strategy not in STRATEGIES:
@@ -174,8 +176,8 @@ def run(variant: str, x_train, theta0, *, tau: float, n_steps: int, n_chains: in
         key, sub = jax.random.split(key)
         theta, held = _chunk(theta, held, jnp.asarray(done + 1), sub, x, n_steps=length, **settings)
         done += length
-        if strategy == "periodic" and structure != "none" and done % period == 0 and done < n_steps:
+        if strategy == "periodic" and structure != "none" and done % period == 0:  # after step K too, as P_{K+1}
             held = _inverse(_statistic(_fisher_per_chain(theta, x), structure), structure, ridge)
     out = np.asarray(jax.block_until_ready(theta))
     return {"theta": out, "non_finite": int((~np.isfinite(out).all(axis=1)).sum()),
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "held": jax.tree_util.tree_map(np.asarray, held)}

@@ -420,6 +420,8 @@ def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
     """How many streams each SMP variant has, in words: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one of
     SMP-none and SMP-periodic-diag"``."""
     counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
+    if not runs:
+        return "no stream yet"
     words = {1: "one", 2: "two", 3: "three", 4: "four"}
     groups = [(n, [m for m in counts.index if counts[m] == n]) for n in sorted(set(counts), reverse=True)]
 

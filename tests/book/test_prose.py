@@ -20,7 +20,8 @@ def prose(path: Path) -> str:
     return re.sub(r"`[^`\n]*`", "", text)
 
 
-PAGES = sorted((ROOT / "notebooks").glob("*.md")) + sorted((ROOT / "book").glob("*.md")) + [ROOT / "README.md"]
+PAGES = (sorted((ROOT / "notebooks").glob("*.md")) + sorted((ROOT / "book").glob("*.md"))
+         + [ROOT / "README.md", ROOT / "smp_core" / "README.md"])
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,6 +1,7 @@
 """The register of claims: its rules against known margins, the paper's own tables against the paper's claims,
 and every chapter showing the register's verdicts rather than its own."""
 
+import json
 import re
 from pathlib import Path
 
@@ -121,6 +122,13 @@ def test_a_second_stream_joins_the_paper_scale_runs(tmp_path):
     # a claim that needs SMP-none is judged on the one stream that has it: not resolved
     conditions, _ = register.JUDGES["mnist-none-collapses"](after)
     assert verdict(conditions) == "not resolved"
+    # a stream whose manifest does not list its tables is refused, naming its folder, not left out
+    old_style = paper / "mnist_streams" / "none" / "stream_1"
+    paper_streams.save(old_style, {"scores": tables["scores"]}, {"config": {}})
+    manifest = json.loads((old_style / "manifest.json").read_text())
+    (old_style / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "tables"}))
+    with pytest.raises(ValueError, match="none/stream_1: its manifest lists no scores"):
+        register.evidence(Results(paper / "mnist"), tmp_path)
 
 
 def test_every_chapter_shows_the_registers_verdicts():

@@ -161,10 +161,12 @@ def test_the_paper_scale_streams_show_their_spread(tmp_path):
         tables = {name: committed.table(f"{name}_replicates").xs(0, level="replicate").loc[[method]] * 1.1
                   for name in ("scores", "variances")}
         paper_streams.save(paper / "mnist_streams" / variant / "stream_1", tables, {"config": {}})
+    first = committed.table("scores_replicates").xs(0, level="replicate")
+    (first.loc[["MAP"]] * 1.1).to_csv(paper / "mnist_streams" / "map_scores.csv")  # the streams' own MAP
     runs = show.stream_runs(committed, tmp_path)
     assert len(runs) == 2
     mean, sd = show.over_streams(runs, "scores")
-    first = committed.table("scores_replicates").xs(0, level="replicate")
+    assert mean.loc["MAP", "nll"] == pytest.approx(1.05 * first.loc["MAP", "nll"], rel=1e-12)  # the two MAPs
     mi = first.loc["SMP-fixed-diag", "mutual_info"]
     assert mean.loc["SMP-fixed-diag", "mutual_info"] == pytest.approx(1.05 * mi, rel=1e-12)
     assert sd.loc["SMP-fixed-diag", "mutual_info"] == pytest.approx(0.1 * mi / np.sqrt(2), rel=1e-12)
@@ -175,3 +177,5 @@ def test_the_paper_scale_streams_show_their_spread(tmp_path):
     assert table.loc["SMP-fixed-diag"].index.tolist() == [0, 1] and table.loc["SMP-none"].index.tolist() == [0]
     assert show.streams_in_words(runs) == ("two streams of SMP-fixed-diag and SMP-ema-diag, "
                                            "one stream of SMP-none and SMP-periodic-diag")
+    assert show.streams_in_words([]) == "no stream yet"
+    assert table.loc[("MAP", 1), "nll"] == pytest.approx(1.1 * first.loc["MAP", "nll"], rel=1e-12)
