@@ -133,7 +133,7 @@ def _paper_streams(res: Results, root: Path) -> list[dict[str, pd.DataFrame]]:
             if not (p.has("scores") and p.has("variances")):
                 raise ValueError(f"{p.folder}: its manifest lists no scores and variances tables (a stream written "
                                  "before smp_book.paper_streams.save recorded them); add their layout to it")
-        run = {name: pd.concat([p.table(name) for p in parts if p.has(name)]) for name in ("scores", "variances")}
+        run = {name: pd.concat([p.table(name) for p in parts]) for name in ("scores", "variances")}
         if (base / "map_scores.csv").exists():
             run["scores"] = pd.concat([pd.read_csv(base / "map_scores.csv", index_col=0), run["scores"]])
         runs.append(run)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .register import FIXED, PERIODIC
-from .results import ROOT, Results
+from .results import RESULTS, ROOT, Results
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
@@ -343,25 +343,28 @@ def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame |
     from .paper import paper_table
     from .pipeline import RESULTS, folder_of, results
 
+    def row(table: pd.DataFrame, std: pd.DataFrame | None = None) -> dict[str, str]:
+        """Periodic's cells (``mean ± sd`` with ``std``) and the accuracy of the MAP it started from."""
+        cells = {c: f"{table.loc[PERIODIC, c]:.4g}" + ("" if std is None else f" ± {std.loc[PERIODIC, c]:.2g}")
+                 for c in FISHER_SHOWN}
+        return {**cells, "MAP accuracy": f"{table.loc['MAP', 'accuracy']:.4f}"}
+
     rows = {}
     for n in FISHER_IMAGES:
         params = {"variants": [PERIODIC], "fisher_images": n}
         if (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
             res = results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
-            mean = res.table("scores_mean").join(res.table("variances_mean")).loc[PERIODIC]
-            std = res.table("scores_std").join(res.table("variances_std")).loc[PERIODIC]
-            rows[f"{n:,}"] = {**{c: f"{mean[c]:.4g} ± {std[c]:.2g}" for c in FISHER_SHOWN},
-                              "MAP accuracy": f"{res.table('scores_mean').loc['MAP', 'accuracy']:.4f}"}
+            mean = res.table("scores_mean").join(res.table("variances_mean"))
+            std = res.table("scores_std").join(res.table("variances_std"))
+            rows[f"{n:,}"] = row(mean, std)
     if not rows:
         return None
     if paper_run is not None:
         ours = paper_run.table("scores").join(paper_run.table("variances"))
         images = paper_run.config.get("n_fisher_periodic") or paper_run.config["n_val"]
-        rows[f"{images:,}, K = 10^6 (ours)"] = {**{c: f"{ours.loc[PERIODIC, c]:.4g}" for c in FISHER_SHOWN},
-                                                "MAP accuracy": f"{ours.loc['MAP', 'accuracy']:.4f}"}
+        rows[f"{images:,}, K = 10^6 (ours)"] = row(ours)
     theirs = paper_table("ex2_scores").join(paper_table("ex2_variances"))
-    rows["6,000, K = 10^6 (the paper)"] = {**{c: f"{theirs.loc[PERIODIC, c]:.4g}" for c in FISHER_SHOWN},
-                                           "MAP accuracy": f"{theirs.loc['MAP', 'accuracy']:.4f}"}
+    rows["6,000, K = 10^6 (the paper)"] = row(theirs)
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("images")
 
 
@@ -392,7 +395,6 @@ def stream_runs(paper_run: Results, root=None) -> list[dict[str, pd.DataFrame]]:
     """The paper-scale MNIST run's streams, as the register reads them (:func:`smp_book.register.evidence`):
     stream 0 the committed run, stream ``j`` its chains ``100 j`` onwards from the streams' saved MAP."""
     from .register import evidence
-    from .results import RESULTS
 
     return evidence(paper_run, root or RESULTS).runs
 
@@ -412,16 +414,15 @@ def stream_table(runs: list[dict[str, pd.DataFrame]]) -> pd.DataFrame:
     """The streams ``runs`` one by one: a row per method and stream, the columns :data:`STREAM_SHOWN`."""
     joined = pd.concat({j: run["scores"].join(run["variances"]) for j, run in enumerate(runs)}, names=["stream"])
     methods = list(dict.fromkeys(joined.index.get_level_values("method")))
-    table = joined.reorder_levels(["method", "stream"])[list(STREAM_SHOWN)]
-    return table.loc[[key for m in methods for key in table.index if key[0] == m]]
+    return joined.swaplevel().loc[methods, list(STREAM_SHOWN)]
 
 
 def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
-    """How many streams each SMP variant has, in words: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one of
-    SMP-none and SMP-periodic-diag"``."""
-    counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
+    """How many streams each SMP variant has, in words: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one stream
+    of SMP-none and SMP-periodic-diag"`` (``"no stream yet"`` for none)."""
     if not runs:
         return "no stream yet"
+    counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
     words = {1: "one", 2: "two", 3: "three", 4: "four"}
     groups = [(n, [m for m in counts.index if counts[m] == n]) for n in sorted(set(counts), reverse=True)]
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from smp_book.toy import make_toy_data
 from smp_core import preconditioners as pc
 from smp_core import run_smp, toy_mlp
 from smp_core.fisher import estimate_fisher, structure_for
@@ -35,9 +36,7 @@ Z = 4.0
 
 def toy_start():
     """The toy's training inputs and a network near a MAP, where the paper's taus keep every chain finite."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(500, 2, generator=gen) * 2 - 1
-    y = torch.bernoulli(torch.sigmoid(20 * (0.5 - (x**2).sum(1))), generator=gen)
+    x, y = make_toy_data(500, seed=0)
     torch.manual_seed(0)
     net = toy_mlp()
     opt = torch.optim.Adam(net.parameters(), lr=0.03)
