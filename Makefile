@@ -91,7 +91,7 @@ browser-test:
 
 # The benchmarks, benchmarks/bench_NAME.py (tests/book/test_benchmarks.py checks that none is left out), and the
 # revision that bench_revisions.py compares the working tree with.
-BENCHMARKS ?= recursion mnist kfac statistic_dtype metrics baselines scaling revisions jax
+BENCHMARKS ?= recursion mnist kfac statistic_dtype metrics baselines scaling revisions jax cost
 BENCH_BASE ?= HEAD
 
 ## make bench: every benchmark at full size, end to end (hours on 2 cores).

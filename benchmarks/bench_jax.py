@@ -15,7 +15,8 @@ run_smp's ``elapsed`` (the Fisher's set-up included) and JAX's wall time to the 
 included, its compilation not). The settings are the toy chapter's: the paper's tau per structure, ridge 1e-4,
 beta 0.98, T = 500, the model-expected Fisher of the 500 training points. The table gives the median over the
 repeats and the ratio run_smp / JAX (above 1: run_smp is slower); the load average before and after says whether
-anything else ran, and a run that found other work on the machine is marked as not for comparisons. The
+anything else ran (the script first waits, up to ``--settle`` seconds, for the 1-minute average to forget work that
+just ended), and a run that found other work on the machine is marked as not for comparisons. The
 two do not do quite the same work: run_smp also draws each chain from its own random stream and checks every
 50 steps for diverged chains (the column "chains lost" sums, over the repeats, run_smp's diverged chains and
 the reference's non-finite ones).
@@ -36,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 TAU = {"none": 1.0, "diag": 0.3, "block": 0.3, "dense": 0.1}  # Section 3.2.3
 VARIANTS = ["none", "fixed-diag", "fixed-block", "fixed-dense", "ema-diag", "ema-block", "ema-dense",
             "periodic-diag", "periodic-block", "periodic-dense"]
-SMOKE = {"chains": 8, "steps": 20, "repeats": 1, "fit_steps": 20, "variants": ["ema-block"]}
+SMOKE = {"chains": 8, "steps": 20, "repeats": 1, "fit_steps": 20, "variants": ["ema-block"], "settle": 0}
 
 
 def one(implementation: str, variant: str, chains: int, steps: int, fit_steps: int) -> dict:
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-steps", type=int, default=1500, help="Adam steps of the toy network's start")
     parser.add_argument("--threads", type=int, default=2, help="cores each measured process is pinned to")
     parser.add_argument("--csv", default=None, help="also save the table as CSV in this folder")
+    parser.add_argument("--settle", type=float, default=300,
+                        help="seconds at most to wait for the load average to fall before timing")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, in seconds (the times are noise)")
     parser.add_argument("--one", nargs=2, metavar=("IMPLEMENTATION", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -126,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     machine = (f"{cpu_model()} ({os.cpu_count()} cores), {args.threads} pinned per process; torch {torch.__version__}, "
                f"jax {jax.__version__}")
     print(machine)
+    # the 1-minute load average remembers work that just ended (about a minute to halve): wait for it to settle
+    limit, waited = os.cpu_count() - args.threads + 0.5, time.perf_counter()
+    while os.getloadavg()[0] > limit and time.perf_counter() - waited < args.settle:
+        time.sleep(5)
+    print(f"waited {time.perf_counter() - waited:.0f} s for the load average to settle", file=sys.stderr)
     load_start, started = os.getloadavg()[0], time.perf_counter()
     times: dict[str, dict[str, list[float]]] = {v: {"run_smp": [], "JAX": []} for v in args.variants}
     diverged: dict[str, dict[str, int]] = {v: {} for v in args.variants}
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
     load_end = os.getloadavg()[0]
     # busy cores besides the pinned ones: the load this process found, or what was left at the end
-    loaded = max(load_start, load_end - args.threads) > os.cpu_count() - args.threads + 0.5
+    loaded = max(load_start, load_end - args.threads) > limit
     out = Tables(args.csv, machine=machine)
     note = "; LOADED (other work ran): not for comparisons" if loaded else ""
     out.start("jax", f"Toy recursion, S = {args.chains}, K = {args.steps}: seconds, the median of {args.repeats} "

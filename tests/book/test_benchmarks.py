@@ -23,6 +23,7 @@ BENCHMARKS = ROOT / "benchmarks"
 # every benchmarks/bench_*.py (test_every_benchmark_is_listed checks that none is missing)
 SCRIPTS = [
     "bench_baselines.py",
+    "bench_cost.py",
     "bench_jax.py",
     "bench_kfac.py",
     "bench_metrics.py",
