@@ -179,3 +179,21 @@ def test_the_paper_scale_streams_show_their_spread(tmp_path):
                                            "one stream of SMP-none and SMP-periodic-diag")
     assert show.streams_in_words([]) == "no stream yet"
     assert table.loc[("MAP", 1), "nll"] == pytest.approx(1.1 * first.loc["MAP", "nll"], rel=1e-12)
+
+
+def test_fisher_images_in_words_pairs_the_replicates_and_says_which_way_the_gap_moves():
+    """On the committed laptop runs with 500 and 1,000 images: the ratios are those of the replicates' CSVs, and
+    swapping the two counts turns "away from" into "toward" (the paper-scale MI is below the paper's)."""
+    from smp_book.pipeline import RESULTS, folder_of, results
+
+    folders = [folder_of("mnist", "laptop", {"variants": [show.PERIODIC], "fisher_images": n}) for n in (500, 1000)]
+    if not all((f / "manifest.json").exists() for f in folders) or not (RESULTS / "paper" / "mnist").exists():
+        pytest.skip("the 500- and 1,000-image runs or the paper-scale run are not in this checkout")
+    mi = [Results(f).table("scores_replicates").xs(show.PERIODIC, level="method")["mutual_info"] for f in folders]
+    ratio = mi[1] / mi[0]
+    paper_run = results("mnist", "paper")
+    words = show.fisher_images_in_words(ours=500, theirs=1000, paper_run=paper_run)
+    assert f"mutual information by {ratio.mean():.2f} (replicates {', '.join(f'{r:.2f}' for r in ratio)})" in words
+    swapped = show.fisher_images_in_words(ours=1000, theirs=500, paper_run=paper_run)
+    assert ("away from" in words) == (ratio.mean() < 1) and ("toward" in swapped) == (ratio.mean() < 1)
+    assert show.fisher_images_in_words(ours=500, theirs=777) is None  # no such run
