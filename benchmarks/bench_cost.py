@@ -119,13 +119,12 @@ def measure_smp(name: str, chains: int, seconds: float, repeats: int) -> dict:
     extra = max(3, min(2000, round(seconds / max(rough, seconds / 2000))))
     short = min(run_smp(net, "categorical", x, n_steps=base, **kw).elapsed for _ in range(repeats))
     long = min(run_smp(net, "categorical", x, n_steps=base + extra, **kw).elapsed for _ in range(repeats))
-    params = sum(p.numel() for p in net.parameters())
-    return {"ms": 1000 * max(long - short, 0.0) / extra, "steps": extra, "added_mb": _peak_mb() - before,
-            "params": params}
+    return {"ms": 1000 * max(long - short, 0.0) / extra, "steps": extra, "added_mb": _peak_mb() - before}
 
 
 def measure_training(name: str, batch: int, batches: int, repeats: int) -> dict:
-    """In this process: ms per minibatch step of Adam on ``name`` (batch ``batch``), and the memory it added."""
+    """In this process: ms per minibatch step of Adam on ``name`` (batch ``batch``), the memory it added, and the
+    network's parameter count."""
     import torch
     import torch.nn.functional as F
 
@@ -147,7 +146,8 @@ def measure_training(name: str, batch: int, batches: int, repeats: int) -> dict:
 
     run(2)  # warm-up
     best = min(run(batches) for _ in range(repeats))
-    return {"ms": 1000 * best / batches, "added_mb": _peak_mb() - before}
+    return {"ms": 1000 * best / batches, "added_mb": _peak_mb() - before,
+            "params": sum(p.numel() for p in net.parameters())}
 
 
 def in_fresh_process(threads: int, *args) -> dict:
@@ -199,13 +199,9 @@ def main(argv=None) -> None:
 
     from smp_book.machine import cpu_model
     machine = f"{cpu_model()}, {args.threads} torch thread(s)"
-    import torch
-    built = {name: networks()[name][0]() for name in args.networks}
-    params = {name: sum(p.numel() for p in net.parameters()) for name, net in built.items()}
-    del built, torch
-
     train = {name: in_fresh_process(args.threads, "train", name, args.train_batch, args.train_batches, args.repeats)
              for name in args.networks}
+    params = {name: cell["params"] for name, cell in train.items()}
     smp = {}
     for name in args.networks:
         for s in sorted(set(args.chains)):

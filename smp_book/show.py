@@ -335,13 +335,23 @@ FISHER_SHOWN = {"mutual_info": "scores", "epistemic_std": "scores", "logits_vari
                 "accuracy": "scores", "nll": "scores", "ece": "scores"}
 
 
+def _periodic_run(images: int, root=None) -> Results | None:
+    """The MNIST chapter's laptop run on periodic-diag alone with its Fisher on ``images`` validation images, or
+    ``None`` when it is not committed."""
+    from .pipeline import RESULTS, folder_of, results
+
+    params = {"variants": [PERIODIC], "fisher_images": images}
+    if not (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
+        return None
+    return results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
+
+
 def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame | None:
     """SMP-periodic-diag at the laptop scale with its Fisher recomputed on 500, 1,000 and 6,000 validation images
     (those committed), mean ± sd over its replicates (the same MAP and random streams: only the Fisher's images
     differ), beside the paper's (6,000 images, K = 10^6) and the paper-scale run's, each row with the accuracy
     of the MAP it started from; ``None`` before any such run is committed."""
     from .paper import paper_table
-    from .pipeline import RESULTS, folder_of, results
 
     def row(table: pd.DataFrame, std: pd.DataFrame | None = None) -> dict[str, str]:
         """Periodic's cells (``mean ± sd`` with ``std``) and the accuracy of the MAP it started from."""
@@ -351,9 +361,7 @@ def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame |
 
     rows = {}
     for n in FISHER_IMAGES:
-        params = {"variants": [PERIODIC], "fisher_images": n}
-        if (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
-            res = results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
+        if (res := _periodic_run(n, root)) is not None:
             mean = res.table("scores_mean").join(res.table("variances_mean"))
             std = res.table("scores_std").join(res.table("variances_std"))
             rows[f"{n:,}"] = row(mean, std)
@@ -375,18 +383,14 @@ def fisher_images_in_words(root=None, ours: int = 1000, theirs: int = 6000,
     the ratio of periodic's mutual information and epistemic std at ``theirs`` to those at ``ours``; with
     ``paper_run``, also which way that moves the paper-scale run's mutual information against the paper's.
     ``None`` until both runs are committed."""
-    from .pipeline import RESULTS, folder_of, results
-
-    tables = {}
-    for n in (ours, theirs):
-        params = {"variants": [PERIODIC], "fisher_images": n}
-        if not (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
-            return None
-        table = results("mnist", "laptop", params, root=root or RESULTS).table("scores_replicates")
-        tables[n] = table.xs(PERIODIC, level="method")
+    runs = [_periodic_run(n, root) for n in (ours, theirs)]
+    if any(run is None for run in runs):
+        return None
+    low, high = (run.table("scores_replicates").xs(PERIODIC, level="method") for run in runs)
+    ratios = {metric: high[metric] / low[metric] for metric in ("mutual_info", "epistemic_std")}
     parts = []
     for metric, label in (("mutual_info", "mutual information"), ("epistemic_std", "epistemic std")):
-        ratio = tables[theirs][metric] / tables[ours][metric]
+        ratio = ratios[metric]
         parts.append(f"{'its ' * bool(parts)}{label} by {ratio.mean():.2f} (replicates "
                      f"{', '.join(f'{r:.2f}' for r in ratio)})")
     words = (f"At the `laptop` scale ($K = 10^4$, {len(ratio)} paired replicates), a Fisher on {theirs:,} images in "
@@ -397,8 +401,7 @@ def fisher_images_in_words(root=None, ours: int = 1000, theirs: int = 6000,
 
     gap = paper_run.table("scores").loc[PERIODIC, "mutual_info"] / paper_table("ex2_scores").loc[PERIODIC,
                                                                                                   "mutual_info"]
-    factor = (tables[theirs]["mutual_info"] / tables[ours]["mutual_info"]).mean()
-    toward = (factor > 1) == (gap < 1)
+    toward = (ratios["mutual_info"].mean() > 1) == (gap < 1)
     verdict = ("it may account for part of the gap (whether the factor holds at $K = 10^6$ is not measured)"
                if toward else "the image count widens the gap rather than explaining it (at $K = 10^4$; $K = 10^6$ "
                "is not measured)")
