@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from copy import deepcopy
-from dataclasses import dataclass
 from typing import Any
 
 SCALES = ("ci", "laptop", "paper")
@@ -29,21 +28,6 @@ TOY_TAU = {"none": 1.0, "diag": 0.3, "block": 0.3, "dense": 0.1}  # paper
 # paper's value for the other per-layer blocks (block), since KFAC keeps one block per layer too.
 TOY_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
 TOY_TAU["kfac"] = 0.3  # ours
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One SMP variant of a chapter: its row in the tables, its preconditioner and its step scale tau."""
-
-    name: str
-    preconditioner: str
-    tau: float
-
-
-def variants(cfg: dict[str, Any]) -> list[Variant]:
-    """The SMP variants of a study's settings ``cfg``: its ``variants`` with the ``tau`` of each, as the
-    manifest and the settings table show them."""
-    return [Variant(f"SMP-{v}", v, cfg["tau"][v]) for v in cfg["variants"]]
 
 
 def toy_tau(variant: str) -> float:

@@ -30,18 +30,6 @@ from smp_core.likelihoods import get_likelihood
 from smp_core.models import as_chain_model, predict
 from smp_core.recursion import SMPResult
 
-__all__ = [
-    "step_law_table",
-    "least_squares_linear",
-    "LinearGaussianCheck",
-    "linear_gaussian_check",
-    "verdict",
-    "chance_beyond_3",
-    "fit_map",
-    "regression_table",
-    "bands_figure",
-]
-
 # P(|Z| >= 3) for a standard normal Z
 P_BEYOND_3 = math.erfc(3 / math.sqrt(2))
 

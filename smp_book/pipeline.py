@@ -144,7 +144,7 @@ class Context:
         return df
 
     def figure(self, name: str, fig) -> None:
-        """Save a matplotlib figure as ``figures/<name>.png`` (and a PDF beside it) and close it."""
+        """Save a matplotlib figure as ``figures/<name>.png`` and close it."""
         import matplotlib.pyplot as plt
 
         from .plots import save

@@ -12,10 +12,9 @@ import numpy as np  # noqa: E402
 
 
 def save(fig, folder: Path, name: str) -> None:
-    """Save a figure as PNG and PDF under ``folder``."""
+    """Save a figure as PNG under ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     fig.savefig(folder / f"{name}.png", dpi=110, bbox_inches="tight")
-    fig.savefig(folder / f"{name}.pdf", bbox_inches="tight")
 
 
 def reliability(ax, curve, label: str | None = None, **kw) -> None:

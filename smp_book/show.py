@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from .register import FIXED, PERIODIC
-from .results import RESULTS, ROOT, Results
+from .results import ROOT, Results
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
@@ -99,8 +99,6 @@ def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.Da
     significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)
     as ``-``."""
     import math
-
-    import numpy as np
 
     def cell(v):
         if isinstance(v, bool | np.bool_):
@@ -430,14 +428,6 @@ def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
     shares = pd.DataFrame({"the paper": theirs, "replicates near it": near.sum().astype(int).astype(str)
                            + f" of {len(table)}", "ours: min": table.min(), "ours: max": table.max()})
     return pd.concat([theirs.to_frame("the paper").T, table]), shares
-
-
-def stream_runs(paper_run: Results, root=None) -> list[dict[str, pd.DataFrame]]:
-    """The paper-scale MNIST run's streams, as the register reads them (:func:`smp_book.register.evidence`):
-    stream 0 the committed run, stream ``j`` its chains ``100 j`` onwards from the streams' saved MAP."""
-    from .register import evidence
-
-    return evidence(paper_run, root or RESULTS).runs
 
 
 def over_streams(runs: list[dict[str, pd.DataFrame]], name: str) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -178,3 +178,29 @@ def test_check_nuts_mean_fails_on_mixed_modes(toy200, map200):
     assert metrics["accuracy_mean"] < metrics["accuracy_ensemble"]
     # A single basin passes.
     check_nuts_mean(map200.theta[None], x, y)
+
+
+
+def test_jax_programs_read_from_the_compilation_cache_give_the_same_numbers(tmp_path):
+    """smp_book keeps JAX's compiled programs in a persistent cache: a second process reads every program the
+    first compiled (it writes none) and gets bitwise the first's numbers (the package's docstring promises it)."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import smp_book, jax, numpy as np\n"
+              "from smp_book.nuts import _cpu64, log_posterior\n"
+              "with _cpu64():\n"
+              "    x = np.random.default_rng(0).normal(size=(50, 2)); y = (x[:, 0] > 0).astype(float)\n"
+              "    f = jax.jit(jax.value_and_grad(lambda t: log_posterior(t, x, y, 1.0)))\n"
+              "    v, g = f(np.linspace(-1, 1, 20))\n"
+              "print(np.asarray(g).tobytes().hex(), float(v).hex())\n")
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax")}
+    numbers, written = [], []
+    for _ in range(2):
+        numbers.append(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                      check=True).stdout)
+        written.append(sorted(p.name for p in (tmp_path / "jax").iterdir()))
+    assert written[0], "the first process wrote no compiled program"
+    assert written[1] == written[0], "the second process compiled a program the cache did not hold"
+    assert numbers[0] == numbers[1]

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from smp_book import show
+from smp_book import register, show
 from smp_book.results import Results
 
 
@@ -163,7 +163,7 @@ def test_the_paper_scale_streams_show_their_spread(tmp_path):
         paper_streams.save(paper / "mnist_streams" / variant / "stream_1", tables, {"config": {}})
     first = committed.table("scores_replicates").xs(0, level="replicate")
     (first.loc[["MAP"]] * 1.1).to_csv(paper / "mnist_streams" / "map_scores.csv")  # the streams' own MAP
-    runs = show.stream_runs(committed, tmp_path)
+    runs = register.evidence(committed, tmp_path).runs
     assert len(runs) == 2
     mean, sd = show.over_streams(runs, "scores")
     assert mean.loc["MAP", "nll"] == pytest.approx(1.05 * first.loc["MAP", "nll"], rel=1e-12)  # the two MAPs
