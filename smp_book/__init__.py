@@ -6,8 +6,8 @@ tables, and diagnostics. It imports :mod:`smp_core`; nothing in :mod:`smp_core` 
 
 JAX (NUTS) keeps its compiled programs in ``.cache/jax/`` (unless ``JAX_COMPILATION_CACHE_DIR`` is set before this
 package is imported, or JAX was imported first), so that each notebook and test process does not compile NUTS
-again: about 13 s of a 19 s NUTS run at the ``ci`` scale. A program read back is the one compiled, so draws are
-bitwise the same (``tests/book/test_nuts.py``).
+again: about 13 s of a 19 s NUTS run at the ``ci`` scale. A program read back is the one compiled, so its numbers
+are bitwise the same (``tests/book/test_nuts.py`` checks it on the jitted log posterior).
 """
 
 import os as _os

@@ -180,7 +180,6 @@ def test_check_nuts_mean_fails_on_mixed_modes(toy200, map200):
     check_nuts_mean(map200.theta[None], x, y)
 
 
-
 def test_jax_programs_read_from_the_compilation_cache_give_the_same_numbers(tmp_path):
     """smp_book keeps JAX's compiled programs in a persistent cache: a second process reads every program the
     first compiled (it writes none) and gets bitwise the first's numbers (the package's docstring promises it)."""
