@@ -14,14 +14,14 @@ STAMP  := $(VENV)/.installed-stamp
 JB_CACHE    := _build/.jupyter_cache
 BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchmarks
 
-.PHONY: book reproduce test venv lint unit nbval mathjax browser-deps browser-test bench bench-smoke clean
+.PHONY: book reproduce test venv lint unit unit-capabilities nbval mathjax browser-deps browser-test bench bench-smoke clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml smp_book/pyproject.toml smp_book/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c smp_book/constraints.txt -e ".[fast]" -e "./smp_book[dev]"
+	$(BIN)/python -m pip install -q --no-compile -c smp_book/constraints.txt -e ".[fast]" -e "./smp_book[dev]"
 	@touch $(STAMP)
 
 ## make book: `jupyter-book build book` (sources in book/, output in _build/html). Jupyter Book runs each notebook
@@ -50,20 +50,32 @@ reproduce: venv mathjax
 
 ## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), then the book
 ## readers get (make book: the laptop notebooks from the committed results only, -W -n), opened in a browser.
+## pytest and nbval run side by side with one torch thread each (their tensors are small: one thread each keeps
+## both cores busy, where two threads each would fight over them); -O prints each one's output once it is done.
 test: venv mathjax
 	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) lint
-	$(MAKE) unit
-	$(MAKE) nbval
+	OMP_NUM_THREADS=1 $(MAKE) -j2 -O unit nbval browser-deps
 	$(MAKE) book
-	$(MAKE) browser-deps
 	$(MAKE) browser-test
 
 lint:
 	$(BIN)/ruff check .
 
+# JAX's compiled programs in a folder of their own: the notebooks may run beside it (make test), and JAX writes its
+# cache entries without a lock.
 unit:
-	$(BIN)/python -m pytest -q tests --ignore=tests/book/test_book_browser.py
+	JAX_COMPILATION_CACHE_DIR=.cache/jax-unit $(BIN)/python -m pytest -q --durations=15 tests \
+	  --ignore=tests/book/test_book_browser.py
+
+## make unit-capabilities: pytest under ATen's portable kernels and its AVX2 ones (make unit takes the CPU's best,
+## AVX-512 where it has it), side by side with one thread each: no test may depend on which kernels torch picks.
+unit-capabilities: venv
+	OMP_NUM_THREADS=1 $(MAKE) -j2 -O capability-default capability-avx2
+
+capability-%:
+	ATEN_CPU_CAPABILITY=$* JAX_COMPILATION_CACHE_DIR=.cache/jax-$* $(BIN)/python -m pytest -q -p no:cacheprovider \
+	  tests --ignore=tests/book/test_book_browser.py
 
 # Each notebook once at ci scale: jupytext converts it (into the gitignored build folder), papermill injects
 # scale = "ci" without running it (--prepare-only), and nbval runs it, failing on any error (outputs not compared).

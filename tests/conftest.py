@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# The tests are CPU tests with small tensors: two threads keep CI timings predictable.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# The tests are CPU tests with small tensors: two threads keep CI timings predictable, or OMP_NUM_THREADS when set
+# (make test runs them beside the notebooks with one thread each).
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture

@@ -364,3 +364,18 @@ def test_the_mnist_chapter_runs_some_variants_with_their_own_seeds_and_fisher_im
                           ({"fisher_images": 6001}, "fisher_images: an integer from 1")):
         with pytest.raises(ValueError, match=match):
             pipeline.study_config("mnist", "laptop", params)
+
+
+def test_a_rerun_with_another_map_is_judged_against_the_spread_over_maps(fake, tmp_path):
+    from scipy.stats import t as student
+
+    seeds = pipeline.results("fake", "ci", root=tmp_path).folder.rename(tmp_path / "ci" / "mnist_seeds")
+    sd = Results(seeds).table("scores_std").at["a", "score"]  # over 3 "MAPs": 2 degrees of freedom
+    cells = pd.DataFrame({"study": "mnist", "table": "scores_mean", "row": ["a", "a", "b", "a"],
+                          "column": ["score", "score", "score", "seconds"],
+                          "committed": 1.0, "new": [1.0 + sd, 1.0 + 40 * sd, 1.0, 9.0],
+                          "verdict": ["outside", "outside", "equal", "timing"]})
+    judged = reproduce.judge_by_map_seeds(cells, "ci", root=tmp_path)
+    assert list(judged["verdict"]) == ["within", "outside", "equal"]  # the timing is not judged
+    assert judged["p"].iloc[0] == pytest.approx(2 * student.sf(1 / np.sqrt(2), df=2))
+    assert (judged["n_maps"] == 3).all()
