@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -61,24 +62,43 @@ def test_make_bench_runs_every_benchmark():
     assert listed == sorted(SCRIPTS), "the Makefile's BENCHMARKS (make bench, make bench-smoke) and SCRIPTS differ"
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_smoke_run(script):
+# bench_mnist.py --smoke with a budget that no whole run fits (test_a_whole_run_that_overruns_its_budget...)
+OVERRUN = ("bench_mnist.py", "--budget-s", "0")
+
+
+def _smoke(script: str, *options: str) -> subprocess.CompletedProcess | str:
+    """``script --smoke options`` run to its end, or why it did not end (ran past TIMEOUT)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        done = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], cwd=ROOT, env=env,
+        return subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke", *options], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as error:
         stderr = error.stderr.decode(errors="replace") if isinstance(error.stderr, bytes) else error.stderr or ""
-        pytest.fail(f"{script} --smoke ran past {TIMEOUT} s; stderr ends:\n{stderr[-3000:]}")
+        return f"{script} --smoke ran past {TIMEOUT} s; stderr ends:\n{stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(_compiled_kernel):
+    """Every script's smoke run, two at a time (most of each is starting Python and importing torch and JAX, one
+    core's work): a future per script, which its test waits for."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {run: pool.submit(_smoke, *run) for run in [(script,) for script in SCRIPTS] + [OVERRUN]}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_smoke_run(script, smoke_runs):
+    done = smoke_runs[(script,)].result()
+    if isinstance(done, str):
+        pytest.fail(done)
     assert done.returncode == 0, (
         f"{script} --smoke exited with status {done.returncode}; stderr ends:\n{done.stderr[-3000:]}")
     assert "|---" in done.stdout or "| ---" in done.stdout, f"{script} --smoke printed no table:\n{done.stdout}"
 
 
-def test_a_whole_run_that_overruns_its_budget_is_left_out_and_said_so():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "bench_mnist.py"), "--smoke", "--budget-s", "0"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+def test_a_whole_run_that_overruns_its_budget_is_left_out_and_said_so(smoke_runs):
+    done = smoke_runs[OVERRUN].result()
+    if isinstance(done, str):
+        pytest.fail(done)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| cpu | SMP-")]
     assert any("SMP-periodic-diag | left out: projected" in line for line in rows[-2:]), done.stdout
