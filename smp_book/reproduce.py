@@ -185,17 +185,15 @@ def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESUL
 
     seeds = Results(Path(root) / scale / "mnist_seeds")
     mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
+    spreads = {table: _spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None
     rows = []
     for table, row, column, committed, new in mnist[["table", "row", "column", "committed", "new"]].itertuples(
             index=False):
-        base = table.removesuffix("_mean")
-        if not (seeds.has(f"{base}_std") and seeds.has(f"{base}_replicates")):
+        spread = spreads[table]
+        if spread is None or row not in spread[0].index.astype(str) or column not in spread[0].columns:
             continue
-        sd_table = seeds.table(f"{base}_std")
-        if row not in sd_table.index.astype(str) or column not in sd_table.columns:
-            continue
-        sd = float(sd_table.set_axis(sd_table.index.astype(str)).at[row, column])
-        n_maps = seeds.table(f"{base}_replicates").index.get_level_values("replicate").nunique()
+        sd, n = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
+        sd, n_maps = float(sd), int(n)
         old, fresh = float(committed), float(new)
         if np.isclose(old, fresh, rtol=1e-6, atol=1e-12, equal_nan=True):
             p, verdict = math.nan, "equal"
