@@ -3,9 +3,9 @@
 Each runs the same steps of Algorithm 1 as :func:`smp_core.recursion.plain_steps`, from the same
 random numbers, and is tested equal to it. Each declares what it supports (:class:`FastPath`):
 
-* ``"blocks"``: blocks of steps from pre-drawn covariates and noise with a tensor step size, run by the
-  compiled whole step of a model that declares :class:`~smp_core.models.WholeStep` on a CPU, or captured
-  once as a CUDA graph and replayed;
+* ``"blocks"``: blocks of steps from pre-drawn covariates and noise with a tensor step size, run whole by
+  the compiled kernel of a model that declares :class:`~smp_core.models.WholeStep` on a CPU (each chain's
+  steps of a block back to back), or captured once as a CUDA graph and replayed;
 * ``"elementwise"``: for ``none`` and the ``diag`` preconditioners, the step ``theta += gamma P^-1 s``
   (and an EMA's update) is applied by the preconditioner's element-wise rule in one pass, fused into
   the model's backward pass where the model declares :class:`~smp_core.models.FusedBackward` (the
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .models import ChainModel, FusedBackward, MLPChainModel, SequentialChainModel, WholeStep
-from .preconditioners import Preconditioner
+from .preconditioners import ElementwiseRule, Preconditioner
 from .streams import ChainStreams, has_noise
 
 
@@ -102,15 +102,17 @@ def choose_path(cuda_graph: bool | None, model, likelihood, precond: Preconditio
 def step_blocks_unavailable(model: ChainModel, likelihood, precond: Preconditioner) -> str | None:
     """Why the recursion cannot run steps in blocks for this combination, or ``None`` when it can.
 
-    A block of steps needs an element-wise preconditioner rule (``none`` and every ``diag``) whose
+    A block of steps needs a rule for its steps (``Preconditioner.block_rule``: the element-wise rule of
+    ``none`` and every ``diag``, or the stored matrices of a fixed or periodic ``block`` or ``dense``) whose
     state changes only through the rule itself (EMA) or at known steps (``update_every``: fixed,
     periodic), and a likelihood that draws its responses from pre-drawn noise
     (``noise_width`` / ``noise_from_uniforms`` / ``sample_from_noise``).
     """
-    reason = _no_rule(model, likelihood, precond)
-    if reason is not None:
-        return reason
-    if not precond.elementwise.covers_update and precond.update_every is None:
+    rule = precond.block_rule
+    if rule is None:
+        return (f"the '{precond.name}' preconditioner has no rule for blocks of steps (none, the diag ones, and "
+                "fixed or periodic block and dense have)")
+    if not rule.covers_update and precond.update_every is None:
         return f"the '{precond.name}' preconditioner does not say at which steps its update changes its state"
     if not has_noise(likelihood):
         return "the likelihood has no noise_width / noise_from_uniforms / sample_from_noise"
@@ -124,11 +126,11 @@ def _steps_from_noise(model: ChainModel, likelihood, x_train: torch.Tensor, thet
     ``noise`` ``(n, S, ...)`` and the step sizes ``gammas`` ``(n,)`` given as tensors: no random
     number is drawn, nothing is read back to the host and the step size is a tensor, so the same
     kernels can be captured once in a CUDA graph and replayed with new inputs."""
-    whole_step = model.step_ if isinstance(model, WholeStep) else None  # a compiled kernel does the whole step
+    # a compiled kernel takes the whole block (each chain's steps back to back), else each step
+    if isinstance(model, WholeStep) and model.steps_(theta, x_train, draws, likelihood, noise, rule, tensors, gammas):
+        return
     for j in range(draws.shape[0]):
         rows = x_train.index_select(0, draws[j])
-        if whole_step is not None and whole_step(theta, rows, likelihood, noise[j], rule, tensors, gammas[j]):
-            continue
         out, ctx = model.forward(theta, rows)
         residual = likelihood.residual(out, likelihood.sample_from_noise(out, noise[j]))
         if fused_vjp is not None:
@@ -152,7 +154,9 @@ class StepBlocks:
     def __init__(self, model, likelihood, x_train, theta, rule, tensors, capture: bool):
         self.model, self.likelihood, self.x_train, self.theta, self.rule = model, likelihood, x_train, theta, rule
         self.tensors = tuple(tensors)
-        self.fused_vjp = model.vjp_apply_ if isinstance(model, FusedBackward) else None
+        # the fused backward pass steps piece by piece: element-wise rules only
+        self.fused_vjp = model.vjp_apply_ if isinstance(model, FusedBackward) and isinstance(rule, ElementwiseRule) \
+            else None
         self.capture = capture and theta.is_cuda
         self.graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.seen: set[int] = set()
@@ -237,8 +241,9 @@ def _blocks_by_default(model, likelihood, precond: Preconditioner, device: torch
     steps are known to be capturable; a user's chain model is captured only when asked), and on a CPU where
     the model's compiled kernel takes the whole step (:class:`~smp_core.models.WholeStep`)."""
     if device.type == "cuda":
-        return isinstance(model, SequentialChainModel | MLPChainModel)
-    return isinstance(model, WholeStep) and model.takes_whole_step(likelihood, precond.elementwise, device, dtype)
+        return isinstance(model, SequentialChainModel | MLPChainModel) and isinstance(precond.block_rule,
+                                                                                        ElementwiseRule)
+    return isinstance(model, WholeStep) and model.takes_whole_step(likelihood, precond.block_rule, device, dtype)
 
 
 BLOCKS = FastPath("blocks", step_blocks_unavailable, _blocks_by_default)

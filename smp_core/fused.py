@@ -1,4 +1,5 @@
-"""A compiled CPU kernel for the SMP step of ``nn.Sequential`` networks: one thread per chain, start to end.
+"""A compiled CPU kernel for the SMP step of ``nn.Sequential`` networks: one thread per chain (or, for an MLP,
+per vector of chains), start to end.
 
 On a CPU the batched step of :class:`~smp_core.models.SequentialChainModel` (a LeNet-5 with
 S = 100 chains) is bound by its ~60 kernel calls and the memory passes between them: each layer
@@ -8,7 +9,17 @@ gradients, in the same order: each layer's parameters are stepped after its inpu
 pulled back through its current weights) as one C++ function per chain, with the chain's
 activations in a small buffer that stays in cache, threaded over chains with ``at::parallel_for``.
 The parameter step of the element-wise preconditioners (``none``, a stored ``diag``, the EMA
-``diag``) is done inside the kernel (eq. 2.14), so no ``(S, d)`` score is ever written.
+``diag``) is done inside the kernel (eq. 2.14), so no ``(S, d)`` score is ever written; the block and
+dense preconditioners (a :class:`~smp_core.preconditioners.MatrixRule`: stored inverses for fixed and
+periodic, a Cholesky solve and the EMA update for EMA) step each chain once its score is formed.
+A block of steps (:meth:`FusedSequentialChainModel.steps_`) runs each chain's steps back to back.
+
+An MLP (``Linear`` layers and element-wise activations, the toy network of the paper) has too little
+work per chain for one thread per chain to pay: its chains run eight (float32; four in float64) at a
+time in the lanes of a vector, each lane one chain with the operations of the per-chain code, so a
+chain's numbers still do not depend on its neighbours. Its float32 ``tanh`` (``Tanh``, and GELU's tanh
+form) is a rational approximation on whole vectors (Eigen's, which XLA uses), within 4 units in the
+last place of the correctly rounded value (a test checks it).
 
 The kernel (``smp_core/csrc/fused_sequential.cpp``) is compiled on first use with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; about a minute, then
@@ -18,7 +29,7 @@ torch model; ``SMP_CORE_FUSED=0`` turns the kernel off. CUDA tensors always take
 path (:class:`~smp_core.models.SequentialChainModel`), where one kernel per layer over all chains is the fast way.
 
 Supported layers: ``Linear``, ``Conv2d`` (groups 1, zero padding, any stride and dilation),
-``ReLU``, ``Tanh``, ``Sigmoid``, ``Identity``, ``MaxPool2d`` (values only, any window, stride,
+``ReLU``, ``GELU`` (exact or tanh), ``Tanh``, ``Sigmoid``, ``Identity``, ``MaxPool2d`` (values only, any window, stride,
 padding, dilation and ``ceil_mode``) and ``Flatten`` (from dimension 1), each of exactly that type.
 """
 
@@ -48,13 +59,26 @@ from .models import (
     register_sequential_backend,
     sequential_supported,
 )
-from .preconditioners import IDENTITY_RULE, STORED_INVERSE_RULE, ElementwiseRule
+from .preconditioners import (
+    IDENTITY_RULE,
+    ROUNDED_STATISTIC_WARNING,
+    STORED_INVERSE_RULE,
+    ElementwiseRule,
+    MatrixRule,
+)
 
 _SOURCE = Path(__file__).with_name("csrc") / "fused_sequential.cpp"
 
 # layer kinds of the C++ records (see the source)
-_LINEAR, _CONV, _RELU, _TANH, _SIGMOID, _IDENTITY, _MAXPOOL = range(7)
+_LINEAR, _CONV, _RELU, _TANH, _SIGMOID, _IDENTITY, _MAXPOOL, _GELU_TANH, _GELU_ERF = range(9)
 _ACTIVATION_KIND = {nn.ReLU: _RELU, nn.Tanh: _TANH, nn.Sigmoid: _SIGMOID, nn.Identity: _IDENTITY}
+
+
+def _activation_kind(layer: nn.Module) -> int | None:
+    """The C++ record kind of an element-wise activation layer, or ``None`` for one the kernel lacks."""
+    if type(layer) is nn.GELU:
+        return {"tanh": _GELU_TANH, "none": _GELU_ERF}.get(layer.approximate)
+    return _ACTIVATION_KIND.get(type(layer))
 
 _extension: Any = None
 _build_error: str | None = None
@@ -144,7 +168,7 @@ def fused_supported(module: nn.Module) -> bool:
         return False
     for layer in module:
         kind = type(layer)
-        if kind in (nn.Linear, nn.Conv2d, nn.Flatten) or kind in _ACTIVATION_KIND:
+        if kind in (nn.Linear, nn.Conv2d, nn.Flatten) or _activation_kind(layer) is not None:
             continue
         if kind is nn.MaxPool2d and not layer.return_indices:
             continue
@@ -190,7 +214,7 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
 
     def __init__(self, module: nn.Sequential, input_shape: tuple[int, ...]):
         if not fused_supported(module):
-            raise ValueError("FusedSequentialChainModel supports Linear, Conv2d, ReLU, Tanh, Sigmoid, Identity, "
+            raise ValueError("FusedSequentialChainModel supports Linear, Conv2d, ReLU, GELU, Tanh, Sigmoid, Identity, "
                              "MaxPool2d and Flatten layers only; use SequentialChainModel")
         super().__init__(module, input_shape)
         self._kernel = load_extension()  # built here, so that a machine without a compiler says so at once
@@ -230,8 +254,11 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
                     spec += [_MAXPOOL, c, height, width, oh, ow, *_pair(layer.kernel_size), *_pair(stride),
                              *_pair(layer.padding), *_pair(layer.dilation), offset, out_offset, n_args]
                     n_args += out.numel()
+                elif type(layer) is nn.GELU:  # its derivative is kept after its output, for the backward pass
+                    spec += [_activation_kind(layer), h.numel(), offset, out_offset, out_offset + out.numel()]
+                    size += out.numel()
                 else:
-                    spec += [_ACTIVATION_KIND[type(layer)], h.numel(), offset, out_offset]
+                    spec += [_activation_kind(layer), h.numel(), offset, out_offset]
                 offset, size, h = out_offset, size + out.numel(), out
         if size * 4 >= 2**31 or n_args >= 2**31:
             raise ValueError("the network's activations are too large for the fused kernel's 32-bit indices")
@@ -294,7 +321,7 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
             raise ValueError(f"a rule that updates its state needs one state row per chain ({theta.shape[0]}), got "
                              f"rows {[t.shape[0] for t in tensors]}")
         mode = self._rule_mode(rule, tensors, theta)
-        if mode is not None:
+        if mode is not None and mode[0] <= 3:
             self._backward(ctx, cotangent, theta, mode[0], gamma, **mode[1])
         else:
             # a rule the kernel does not know: form the score, then the rule
@@ -302,14 +329,18 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
 
     @staticmethod
     def _rule_kind(rule) -> int | None:
-        """The kernel's update mode for an element-wise rule (1 identity, 2 stored scale, 3 EMA), or ``None``."""
-        kernel = rule.kernel if isinstance(rule, ElementwiseRule) else None
+        """The kernel's update mode for a rule (1 identity, 2 stored scale, 3 EMA, 4 stored matrices), or ``None``."""
+        kernel = rule.kernel if isinstance(rule, ElementwiseRule | MatrixRule) else None
         if rule is IDENTITY_RULE:
             return 1
         if rule is STORED_INVERSE_RULE:
             return 2
         if kernel is not None and kernel[0] == "ema":
             return 3
+        if kernel is not None and kernel[0] == "matrices":
+            return 4
+        if kernel is not None and kernel[0] == "ema-matrices":
+            return 5
         return None
 
     def _rule_mode(self, rule, tensors, theta: torch.Tensor):
@@ -319,6 +350,19 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
         kind = self._rule_kind(rule)
         if kind == 1:
             return 1, {}
+        if kind == 4:  # (the inverses of a Cholesky factorisation come transposed: copied to rows here)
+            blocks = [n for block in rule.kernel[1] for n in block]
+            fits = len(tensors) == len(rule.kernel[1]) and all(
+                t.dtype == theta.dtype and t.device.type == "cpu" and t.shape[0] in (1, theta.shape[0])
+                for t in tensors)
+            return (4, {"blocks": blocks, "factors": [t.contiguous() for t in tensors]}) if fits else None
+        if kind == 5:  # the statistics are written in place: each must be contiguous, one per chain
+            blocks = [n for block in rule.kernel[3] for n in block]
+            fits = len(tensors) == len(rule.kernel[3]) and all(
+                t.is_contiguous() and t.dtype == theta.dtype and t.device.type == "cpu"
+                and t.shape[0] == theta.shape[0] for t in tensors)
+            return (5, {"blocks": blocks, "factors": list(tensors), "beta": rule.kernel[1], "ridge": rule.kernel[2]}) \
+                if fits else None
         if kind is None or not (tensors[0].is_contiguous() and tensors[0].dtype == theta.dtype):
             return None
         if kind == 2:
@@ -349,8 +393,9 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
               gamma: float | torch.Tensor) -> bool:
         """One whole step of Algorithm 1 for every chain, in place: the forward pass at ``theta``, the
         response drawn from ``noise`` as ``likelihood.sample_from_noise`` draws it, its residual, and
-        ``theta += gamma P^{-1} J^T residual`` by the element-wise ``rule`` (eq. 2.14), each chain
-        start to end on one thread (its parameter row is still in cache for the backward pass).
+        ``theta += gamma P^{-1} J^T residual`` by ``rule`` (an element-wise rule, eq. 2.14, or a
+        :class:`~smp_core.preconditioners.MatrixRule`), each chain start to end on one thread (its
+        parameter row is still in cache for the backward pass).
 
         Returns ``False`` (and does nothing) when the kernel cannot take this combination (a CUDA
         tensor, a likelihood or rule it does not know): the caller then takes the general path.
@@ -370,9 +415,48 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
         if code[0] == 0 and self.out_dim != 1:
             raise ValueError(f"a Bernoulli likelihood needs one output (a logit); the network has {self.out_dim}")
         empty = theta.new_empty(0, 0)
-        self._kernel.step(
+        redone = self._kernel.step(
             theta, x.reshape(x.shape[0], -1).to(theta.dtype).contiguous(), noise.to(theta.dtype).contiguous(),
             self._spec, self._acts_size, self._args_size, self._out_offset, self.out_dim, code[0], code[1],
             mode, float(gamma), extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
-            float(extra.get("ridge", 0.0)))
+            float(extra.get("ridge", 0.0)), extra.get("blocks", []), extra.get("factors", []))
+        _warn_rounded(redone, theta, extra)
         return True
+
+    def steps_(self, theta: torch.Tensor, x_train: torch.Tensor, draws: torch.Tensor, likelihood, noise: torch.Tensor,
+               rule, tensors, gammas: torch.Tensor) -> bool:
+        """Steps ``j = 0, ..., n - 1`` as :meth:`step_` takes them, chain ``b``'s input of step ``j`` being row
+        ``draws[j, b]`` of ``x_train``, its noise ``noise[j, b]`` and the step size ``gammas[j]``: each chain
+        runs all ``n`` steps on one thread (its parameter row and activations stay in cache). The same numbers
+        as ``n`` calls of :meth:`step_`; ``False`` (nothing done) where :meth:`step_` would decline."""
+        if not self._usable(theta) or not theta.is_contiguous():
+            return False
+        code, mode = self._likelihood_code(likelihood), self._rule_mode(rule, tensors, theta)
+        if code is None or mode is None:
+            return False
+        mode, extra = mode
+        n, chains = draws.shape[0], theta.shape[0]
+        want = (n, chains, self.out_dim) if code[0] == 2 else (n, chains)
+        if draws.shape != (n, chains) or noise.shape != want or noise.device.type != "cpu":
+            raise ValueError(f"a block of {n} steps of {chains} chains needs draws of shape {(n, chains)} and the "
+                             f"noise of a {likelihood.name} response of shape {want} on the CPU, got "
+                             f"{tuple(draws.shape)} and {tuple(noise.shape)} on {noise.device}")
+        if code[0] == 0 and self.out_dim != 1:
+            raise ValueError(f"a Bernoulli likelihood needs one output (a logit); the network has {self.out_dim}")
+        self._check_input(x_train)
+        empty = theta.new_empty(0, 0)
+        redone = self._kernel.steps(
+            theta, x_train.reshape(x_train.shape[0], -1).to(theta.dtype).contiguous(), draws.contiguous(),
+            noise.to(theta.dtype).contiguous(), gammas.to(theta.dtype).contiguous(), self._spec, self._acts_size,
+            self._args_size, self._out_offset, self.out_dim, code[0], code[1], mode, extra.get("scale", empty),
+            extra.get("stat", empty), float(extra.get("beta", 0.0)), float(extra.get("ridge", 0.0)),
+            extra.get("blocks", []), extra.get("factors", []))
+        _warn_rounded(redone, theta, extra)
+        return True
+
+
+def _warn_rounded(redone: int, theta: torch.Tensor, extra: dict) -> None:
+    """The EMA matrices' warning of :func:`smp_core.preconditioners._redo_failed`: float32 statistics whose
+    solve the kernel redid in double (``redone``, those with a finite result), with a ridge."""
+    if redone and theta.dtype != torch.float64 and extra.get("ridge", 0.0) > 0:
+        warnings.warn(ROUNDED_STATISTIC_WARNING, RuntimeWarning, stacklevel=4)

@@ -14,7 +14,8 @@ loop over chains.
 Three implementations, chosen by :func:`as_chain_model`:
 
 * :class:`MLPChainModel`: ``nn.Sequential`` of ``Linear`` layers and element-wise
-  activations, with a hand-derived backward pass (the toy network; fastest).
+  activations, with a hand-derived backward pass (the toy network on a GPU, or where the compiled
+  CPU kernel is not built).
 * :class:`SequentialChainModel`: ``nn.Sequential`` of ``Linear``, ``Conv2d``, activations,
   pooling and ``Flatten`` (the LeNet-5-like network), batched with ``bmm`` and a strided im2col,
   with a hand-derived backward pass (autograd only for the less common parameter-free layers).
@@ -22,7 +23,7 @@ Three implementations, chosen by :func:`as_chain_model`:
   and ``torch.func.vmap``, differentiated by autograd.
 
 A faster model for an ``nn.Sequential`` registers itself in :data:`SEQUENTIAL_BACKENDS` (the compiled
-CPU kernel of :mod:`smp_core.fused` does, when imported), so this module imports none of them.
+CPU kernel of :mod:`smp_core.fused` does, when imported; it takes MLPs too), so this module imports none of them.
 """
 
 from __future__ import annotations
@@ -150,6 +151,19 @@ class WholeStep(abc.ABC):
     def step_(self, theta: torch.Tensor, x: torch.Tensor, likelihood, noise: torch.Tensor, rule: ElementwiseRule,
               tensors: tuple[torch.Tensor, ...], gamma: float | torch.Tensor) -> bool:
         """One whole step in place; ``False`` (nothing done) for a combination it does not take."""
+
+    def steps_(self, theta: torch.Tensor, x_train: torch.Tensor, draws: torch.Tensor, likelihood, noise: torch.Tensor,
+               rule: ElementwiseRule, tensors: tuple[torch.Tensor, ...], gammas: torch.Tensor) -> bool:
+        """A block of whole steps in place: step ``j`` takes rows ``draws[j]`` of ``x_train``, the noise
+        ``noise[j]`` and the step size ``gammas[j]``; ``False`` (nothing done) for a combination it does not
+        take. By default, :meth:`step_` once per step; a kernel may run each chain's steps back to back."""
+        for j in range(draws.shape[0]):
+            if not self.step_(theta, x_train.index_select(0, draws[j]), likelihood, noise[j], rule, tensors,
+                              gammas[j]):
+                if j:
+                    raise RuntimeError(f"{type(self).__name__}.step_ declined step {j} of a block it began")
+                return False
+        return True
 
 
 def check_deterministic(model) -> None:
@@ -766,9 +780,9 @@ class MLPChainModel:
 
 
 def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] | None = None) -> ChainModel:
-    """Wrap a module in the fastest :class:`ChainModel` that supports it: :class:`MLPChainModel` for
-    an MLP, else the compiled kernel of :mod:`smp_core.fused` (built on first use; CPU tensors) for an
-    ``nn.Sequential`` of the layers it knows, else :class:`SequentialChainModel`, else
+    """Wrap a module in the fastest :class:`ChainModel` that supports it: the compiled kernel of
+    :mod:`smp_core.fused` (built on first use; CPU tensors) for an ``nn.Sequential`` of the layers it
+    knows, else :class:`MLPChainModel` for an MLP, else :class:`SequentialChainModel`, else
     :class:`FunctionalChainModel`.
 
     ``input_shape`` (one input, no batch dimension) is needed unless the module is an ``nn.Linear``
@@ -786,6 +800,10 @@ def as_chain_model(module: nn.Module | ChainModel, input_shape: tuple[int, ...] 
                          f"dimension), got {input_shape!r}")
     frozen = any(not p.requires_grad for p in module.parameters())
     if mlp_supported(module) and not frozen:
+        for backend in SEQUENTIAL_BACKENDS:  # the compiled CPU kernel, where it takes the module
+            model = backend(module, (module[0].in_features,))
+            if model is not None:
+                return model
         return MLPChainModel(module)
     if input_shape is None:
         first = next(iter(module.modules()))

@@ -750,6 +750,51 @@ def ema_diagonal_rule(beta: float, ridge: float) -> ElementwiseRule:
 
 
 @dataclass(frozen=True)
+class MatrixRule:
+    """The step ``theta += gamma P^{-1} s`` of a ``block`` or ``dense`` preconditioner, one symmetric matrix per
+    block of the structure, applied to the whole score (not piece by piece, as an :class:`ElementwiseRule` is):
+
+    * fixed and periodic (``ema=None``): ``P^{-1}`` stored, ``tensors`` the factor (each ``(C, n, n)``);
+    * EMA (``ema=(beta, ridge)``): ``tensors`` the statistic (each ``(S, n, n)``); the step solves with
+      ``I_k + ridge I``, then folds the score in, ``I_{k+1} = beta I_k + (1 - beta) s s^T`` (``covers_update``).
+
+    ``kernel`` (``("matrices", blocks)`` or ``("ema-matrices", beta, ridge, blocks)``, ``blocks`` the
+    ``(start, size)`` of each matrix) tells a compiled kernel what to do; ``None`` when the blocks are not in
+    the order of the parameters."""
+
+    structure: Structure
+    ema: tuple[float, float] | None = None
+
+    @property
+    def covers_update(self) -> bool:
+        return self.ema is not None
+
+    def tensors(self, state: PreconditionerState) -> tuple[torch.Tensor, ...]:
+        return tuple(state.stat if self.ema is not None else state.factor)
+
+    def apply_(self, theta: torch.Tensor, score: torch.Tensor, parts, gamma: float | torch.Tensor) -> None:
+        if self.ema is None:
+            step = self.structure.apply(tuple(parts), score)
+        else:
+            step = self.structure.solve(tuple(parts), self.ema[1], score)
+        if isinstance(gamma, torch.Tensor):
+            theta.add_(step * gamma)
+        else:
+            theta.add_(step, alpha=gamma)
+        if self.ema is not None:
+            self.structure.ema_update_(tuple(parts), score, self.ema[0])
+
+    @property
+    def kernel(self) -> tuple | None:
+        slices = self.structure.blocks if isinstance(self.structure, Blocks) else (slice(0, self.structure.dim),)
+        starts = [b.start for b in slices]
+        if starts != sorted(starts):
+            return None
+        blocks = tuple((b.start, b.stop - b.start) for b in slices)
+        return ("matrices", blocks) if self.ema is None else ("ema-matrices", *self.ema, blocks)
+
+
+@dataclass(frozen=True)
 class Preconditioner:
     """A structure combined with a temporal strategy and their settings (Section 3.1.1): plain data,
     picklable, with the pure functions the recursion calls as methods (optax's ``init`` / ``update``).
@@ -767,6 +812,8 @@ class Preconditioner:
     * ``elementwise``: for ``none`` and every ``diag``, an :class:`ElementwiseRule` that performs the
       step (and, for EMA, the update) on any piece of the parameter vector, so the recursion never
       forms the ``(S, d)`` score (``elementwise_step=False`` turns that fast path off).
+    * ``block_rule``: the element-wise rule, or for ``block`` and ``dense`` a :class:`MatrixRule`: what a
+      block of whole steps applies.
     * ``update_every``: ``0`` when ``update`` never changes the state (``none``, ``fixed``), ``T``
       for ``periodic``, ``None`` for the EMA (any step): what lets the recursion run blocks of steps.
     """
@@ -825,6 +872,22 @@ class Preconditioner:
         if not self.elementwise_step:
             return None
         return self.structure_type.elementwise_rule(self.strategy, self.beta, self.ridge)
+
+    @property
+    def block_rule(self) -> ElementwiseRule | MatrixRule | None:
+        """The rule a block of steps applies (:mod:`smp_core.fast_paths`): the :attr:`elementwise` one, else, for
+        ``block`` and ``dense`` with the statistic in the chains' dtype (fixed, periodic, and the EMA that
+        factorises at every step), a :class:`MatrixRule`; ``None`` otherwise (and when ``elementwise_step=False``)."""
+        rule = self.elementwise
+        if rule is not None or not self.elementwise_step or isinstance(self.structure, str):
+            return rule
+        if self.statistic_dtype is not None or type(self.structure) not in (Blocks, Dense):
+            return None
+        if self.strategy in ("fixed", "periodic"):
+            return MatrixRule(self.structure)
+        if self.strategy == "ema" and self.ema_refresh == 1:
+            return MatrixRule(self.structure, (self.beta, self.ridge))
+        return None
 
     def _bound(self) -> Structure:
         if isinstance(self.structure, str):

@@ -416,7 +416,7 @@ class SMP:
         curvature = self.curvature if precond.needs_curvature else None
         theta, streams = state.theta, state.streams
         path = self.path(theta.device, theta.dtype, cuda_graph)
-        rule = precond.elementwise
+        rule = precond.block_rule if path == "blocks" else precond.elementwise
         blocks = fast_paths.StepBlocks(net, lik, x_train, theta, rule, rule.tensors(state.precond), capture=True) \
             if path == "blocks" else None
         k, any_frozen = state.step, bool((state.diverged_step >= 0).any())
@@ -576,7 +576,7 @@ def run_smp(
     }
     if sampler.path(device, theta0.dtype, options.cuda_graph) == "blocks":
         config["step_blocks"] = True
-        if isinstance(net, WholeStep) and net.takes_whole_step(lik, precond.elementwise, device, theta0.dtype):
+        if isinstance(net, WholeStep) and net.takes_whole_step(lik, precond.block_rule, device, theta0.dtype):
             config["compiled_step"] = True  # each whole step in the kernel of smp_core.fused
     # the key leaves out n_steps (a finished run can be extended to a larger K) and the execution path
     # (every path draws the same random numbers)

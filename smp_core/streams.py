@@ -10,8 +10,8 @@ Which runs of chain ranges concatenate bit for bit, within one execution path (t
 ``tests/core/test_streams.py`` checks, and that any faster path must keep):
 
 - bit for bit: ``none`` and the three ``diag`` preconditioners (fixed, EMA, periodic), in float64 (the
-  dtype the test runs), on an ``nn.Sequential`` of ``Linear``, ``Conv2d``, ``ReLU`` / ``Tanh`` / ``Sigmoid`` /
-  ``Identity``, ``MaxPool2d`` and ``Flatten`` layers, which ``smp_core`` batches by hand or runs
+  dtype the test runs), on an ``nn.Sequential`` of ``Linear``, ``Conv2d``, ``ReLU`` / ``GELU`` / ``Tanh`` /
+  ``Sigmoid`` / ``Identity``, ``MaxPool2d`` and ``Flatten`` layers, which ``smp_core`` batches by hand or runs
   compiled, so that each chain's arithmetic is its own;
 - to rounding: every other module (on the general autograd path some kernels round by the batch's
   size: with ``LayerNorm`` and ``GELU`` the chains differed by 4e-16 relative after 25 steps), and the

@@ -18,23 +18,41 @@
 //   3  theta += gamma * g / (stat + ridge);          (EMA diagonal: the step uses the statistic
 //      stat = beta * stat + (1 - beta) * g^2          before g is folded in)
 // `scale` and `stat` are (1, d) (shared, mode 2 only) or (B, d).
+// The whole step (`step`, `steps`) has one more mode, for a P^{-1} stored as matrices (the block and dense
+// structures under the fixed and periodic strategies):
+//   4  theta[o:o+n] += gamma * g[o:o+n] M_b  for each block b = (o, n), M_b = factors[b] (1 or B, n, n),
+//      symmetric, once the whole score g has been formed (the backward pass reads the weights of theta_k).
+//   5  the EMA of the block and dense structures: for each block, with M_b = factors[b] (B, n, n) this
+//      chain's statistic, theta[o:o+n] += gamma * (M_b + ridge I)^{-1} g_b (Cholesky), then
+//      M_b = beta * M_b + (1 - beta) * g_b g_b^T. Where the factorisation fails (rounding made M_b + ridge I
+//      indefinite, or M_b is not finite) the solve is redone in double from M_b's eigendecomposition with
+//      its negative eigenvalues set to 0, as smp_core.preconditioners does; the call returns how many such
+//      solves of a finite statistic gave a finite result in float (the caller warns).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
 
-enum Kind : int64_t { LINEAR = 0, CONV = 1, RELU = 2, TANH = 3, SIGMOID = 4, IDENTITY = 5, MAXPOOL = 6 };
+enum Kind : int64_t {
+  LINEAR = 0, CONV = 1, RELU = 2, TANH = 3, SIGMOID = 4, IDENTITY = 5, MAXPOOL = 6, GELU_TANH = 7, GELU_ERF = 8
+};
+
+// GELU as smp_core.models._gelu computes it (the same operations in the same order)
+constexpr double kGeluC = 0.7978845608028654;  // sqrt(2 / pi)
+constexpr double kGeluA = 0.044715;
 
 // record lengths (kind included)
 constexpr int64_t kLinearLen = 7;   // kind, in, out, w_off, b_off, in_act, out_act
 constexpr int64_t kConvLen = 19;    // kind, C, H, W, O, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, w_off, b_off, in_act, out_act
 constexpr int64_t kActLen = 4;      // kind, n, in_act, out_act
+constexpr int64_t kGeluLen = 5;     // kind, n, in_act, out_act, slope_act (GELU's derivative, kept for the backward pass)
 constexpr int64_t kPoolLen = 17;    // kind, C, H, W, OH, OW, kh, kw, sh, sw, ph, pw, dh, dw, in_act, out_act, arg_off
 
 int64_t record_length(int64_t kind) {
@@ -43,6 +61,7 @@ int64_t record_length(int64_t kind) {
     case CONV: return kConvLen;
     case MAXPOOL: return kPoolLen;
     case RELU: case TANH: case SIGMOID: case IDENTITY: return kActLen;
+    case GELU_TANH: case GELU_ERF: return kGeluLen;
     default: TORCH_CHECK(false, "fused_sequential: unknown layer kind ", kind);
   }
 }
@@ -318,11 +337,27 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
         }
         break;
       }
-      case RELU: case TANH: case SIGMOID: case IDENTITY: {
+      case RELU: case TANH: case SIGMOID: case IDENTITY: case GELU_TANH: case GELU_ERF: {
         const int64_t n = r[1];
         const T* a = acts + r[2];
         T* o = acts + r[3];
-        if (r[0] == RELU) {
+        if (r[0] == GELU_TANH) {
+          // h cdf, and the derivative (3 a h^2 + 1) h (C / 2) (1 - t^2) + cdf with cdf = (t + 1) / 2
+          T* slope = acts + r[4];
+          for (int64_t i = 0; i < n; ++i) {
+            const T h = a[i], h2 = h * h, t = std::tanh((h2 * T(kGeluA) + T(1)) * h * T(kGeluC));
+            const T cdf = (t + T(1)) * T(0.5);
+            o[i] = h * cdf;
+            slope[i] = (h2 * T(3 * kGeluA) + T(1)) * h * T(0.5 * kGeluC) * (-(t * t) + T(1)) + cdf;
+          }
+        } else if (r[0] == GELU_ERF) {
+          T* slope = acts + r[4];
+          for (int64_t i = 0; i < n; ++i) {
+            const T h = a[i], cdf = (std::erf(h * T(std::sqrt(0.5))) + T(1)) * T(0.5);
+            o[i] = h * cdf;
+            slope[i] = std::exp(h * h * T(-0.5)) * h * T(0.3989422804014327) + cdf;  // 1 / sqrt(2 pi)
+          }
+        } else if (r[0] == RELU) {
           // max(a, 0) that keeps a NaN (as torch.relu does)
           for (int64_t i = 0; i < n; ++i) o[i] = a[i] <= T(0) ? T(0) : a[i];
         } else if (r[0] == TANH) {
@@ -481,10 +516,13 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
         if (need_input) std::swap(delta, next);
         break;
       }
-      case RELU: case TANH: case SIGMOID: case IDENTITY: {
+      case RELU: case TANH: case SIGMOID: case IDENTITY: case GELU_TANH: case GELU_ERF: {
         const int64_t m = r[1];
         const T* post = acts + r[3];
-        if (r[0] == RELU) {
+        if (r[0] == GELU_TANH || r[0] == GELU_ERF) {
+          const T* slope = acts + r[4];
+          for (int64_t i = 0; i < m; ++i) delta[i] *= slope[i];
+        } else if (r[0] == RELU) {
           // threshold_backward's rule: zero where the output is <= 0 (a NaN output passes the gradient)
           for (int64_t i = 0; i < m; ++i) delta[i] = post[i] <= T(0) ? T(0) : delta[i];
         } else if (r[0] == TANH) {
@@ -572,6 +610,203 @@ void check_state(int64_t mode, int64_t B, int64_t d, const torch::Tensor& scale,
                 "fused_sequential: the EMA statistic must be a contiguous CPU tensor of shape (", B, ", ", d, ")");
 }
 
+// An element-wise activation of one value, as forward_chain computes it; GELU's derivative into `slope`.
+template <typename T>
+inline T activate(int64_t kind, T a, T& slope) {
+  switch (kind) {
+    case RELU: return a <= T(0) ? T(0) : a;
+    case TANH: return std::tanh(a);
+    case SIGMOID: return T(1) / (T(1) + std::exp(-a));
+    case GELU_TANH: {
+      const T h2 = a * a, t = std::tanh((h2 * T(kGeluA) + T(1)) * a * T(kGeluC));
+      const T cdf = (t + T(1)) * T(0.5);
+      slope = (h2 * T(3 * kGeluA) + T(1)) * a * T(0.5 * kGeluC) * (-(t * t) + T(1)) + cdf;
+      return a * cdf;
+    }
+    case GELU_ERF: {
+      const T cdf = (std::erf(a * T(std::sqrt(0.5))) + T(1)) * T(0.5);
+      slope = std::exp(a * a * T(-0.5)) * a * T(0.3989422804014327) + cdf;
+      return a * cdf;
+    }
+    default: return a;
+  }
+}
+
+// tanh of each lane. float: the rational approximation of Eigen's generic_fast_tanh_float (the one XLA, and so
+// JAX on a CPU, uses), within a few units in the last place of std::tanh (a test checks it), on the whole
+// vector at once; double: std::tanh lane by lane. A NaN stays NaN.
+inline V<float> tanh_lanes(V<float> a) {
+  constexpr int64_t W = kVL<float>;
+  V<float> x = a;
+  for (int64_t l = 0; l < W; ++l) x[l] = x[l] > 7.90531110763549805f ? 7.90531110763549805f
+                                       : (x[l] < -7.90531110763549805f ? -7.90531110763549805f : x[l]);
+  const V<float> x2 = x * x;
+  V<float> p = x2 * -2.76076847742355e-16f + 2.00018790482477e-13f;
+  p = x2 * p + -8.60467152213735e-11f;
+  p = x2 * p + 5.12229709037114e-08f;
+  p = x2 * p + 1.48572235717979e-05f;
+  p = x2 * p + 6.37261928875436e-04f;
+  p = x2 * p + 4.89352455891786e-03f;
+  p = x * p;
+  V<float> q = x2 * 1.19825839466702e-06f + 1.18534705686654e-04f;
+  q = x2 * q + 2.26843463243900e-03f;
+  q = x2 * q + 4.89352518554385e-03f;
+  V<float> t = p / q;
+  for (int64_t l = 0; l < W; ++l) t[l] = std::fabs(a[l]) < 0.0004f ? a[l] : t[l];
+  return t;
+}
+inline V<double> tanh_lanes(V<double> a) {
+  for (int64_t l = 0; l < kVL<double>; ++l) a[l] = std::tanh(a[l]);
+  return a;
+}
+
+// Whether the network is an MLP: Linear layers and element-wise activations only.
+inline bool is_mlp(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts) {
+  for (int64_t at : starts)
+    if (spec[at] == CONV || spec[at] == MAXPOOL) return false;
+  return true;
+}
+
+// An MLP (Linear layers and element-wise activations) run with the chains (or rows) in the lanes of a
+// vector: kVL<T> of them at a time run the same operations side by side. Each lane is one chain, so its
+// numbers do not depend on its neighbours or on its place: a last, partial group fills its spare lanes
+// with copies of its last chain and keeps them out of the results. The operations are those of
+// forward_chain / backward_chain in the same order; the element-wise activations, the response and its
+// residual are taken lane by lane.
+template <typename T>
+struct Lanes {
+  static constexpr int64_t W = kVL<T>;
+  using VT = V<T>;
+  const std::vector<int64_t>& spec;
+  const std::vector<int64_t>& starts;
+  const Sizes& z;
+  int64_t d, mode;
+  T beta, fold, ridge;
+  const T* sc;       // mode 2: the shared scale (SC empty) 
+  std::vector<VT> P, A, D, N, SC, ST, G;
+
+  Lanes(const std::vector<int64_t>& spec_, const std::vector<int64_t>& starts_, const Sizes& z_, int64_t d_,
+        int64_t n_acts, int64_t mode_, T beta_, T fold_, T ridge_, const T* shared_scale, bool per_chain_scale)
+      : spec(spec_), starts(starts_), z(z_), d(d_), mode(mode_), beta(beta_), fold(fold_), ridge(ridge_),
+        sc(shared_scale), P(d_), A(n_acts), D(z_.act), N(z_.act), SC(mode_ == 2 && per_chain_scale ? d_ : 0),
+        ST(mode_ == 3 ? d_ : 0), G(mode_ == 0 || mode_ == 4 ? d_ : 0) {}
+
+  // rows[l] of a (rows, width) array into v[k][l] for k < n (and back)
+  static void load(std::vector<VT>& v, const T* a, int64_t width, const int64_t* rows, int64_t n) {
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t l = 0; l < W; ++l) v[k][l] = a[rows[l] * width + k];
+  }
+  static void store(const std::vector<VT>& v, T* a, int64_t width, const int64_t* rows, int64_t nb, int64_t n) {
+    for (int64_t k = 0; k < n; ++k)
+      for (int64_t l = 0; l < nb; ++l) a[rows[l] * width + k] = v[k][l];
+  }
+
+  void forward() {
+    for (int64_t at : starts) {
+      const int64_t* r = spec.data() + at;
+      if (r[0] == LINEAR) {
+        const int64_t in = r[1], out = r[2];
+        const VT* h = A.data() + r[5];
+        for (int64_t q = 0; q < out; ++q) {
+          VT acc = VT{};
+          const VT* w = P.data() + r[3] + q * in;
+          for (int64_t i = 0; i < in; ++i) acc += w[i] * h[i];
+          A[r[6] + q] = r[4] >= 0 ? acc + P[r[4] + q] : acc;
+        }
+      } else if (r[0] == TANH) {
+        for (int64_t i = 0; i < r[1]; ++i) A[r[3] + i] = tanh_lanes(A[r[2] + i]);
+      } else if (r[0] == GELU_TANH) {  // activate's GELU, on whole vectors
+        for (int64_t i = 0; i < r[1]; ++i) {
+          const VT h = A[r[2] + i], h2 = h * h, t = tanh_lanes((h2 * T(kGeluA) + T(1)) * h * T(kGeluC));
+          const VT cdf = (t + T(1)) * T(0.5);
+          A[r[3] + i] = h * cdf;
+          A[r[4] + i] = (h2 * T(3 * kGeluA) + T(1)) * h * T(0.5 * kGeluC) * (-(t * t) + T(1)) + cdf;
+        }
+      } else {
+        const int64_t n = r[1];
+        const bool gelu = r[0] == GELU_ERF;
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t l = 0; l < W; ++l) {
+            T slope = T(0);
+            A[r[3] + i][l] = activate<T>(r[0], A[r[2] + i][l], slope);
+            if (gelu) A[r[4] + i][l] = slope;
+          }
+      }
+    }
+  }
+
+  VT scale(int64_t k) const { return SC.empty() ? VT{} + sc[k] : SC[k]; }
+
+  void apply(int64_t k, VT g, T gamma) {
+    switch (mode) {
+      case 1: P[k] += gamma * g; break;
+      case 2: P[k] += gamma * g * scale(k); break;
+      case 3:
+        P[k] += gamma * g / (ST[k] + ridge);
+        ST[k] = beta * ST[k] + fold * g * g;
+        break;
+      default: G[k] = g;  // modes 0 and 4: the score
+    }
+  }
+
+  // D holds the gradient with respect to the network's output on entry
+  void backward(T gamma) {
+    VT* delta = D.data();
+    VT* next = N.data();
+    for (int64_t n = static_cast<int64_t>(starts.size()) - 1; n >= z.first_param; --n) {
+      const int64_t* r = spec.data() + starts[n];
+      if (r[0] == LINEAR) {
+        const int64_t in = r[1], out = r[2];
+        const bool need_input = n > z.first_param;
+        const VT* h = A.data() + r[5];
+        if (need_input)
+          for (int64_t i = 0; i < in; ++i) next[i] = VT{};
+        for (int64_t q = 0; q < out; ++q) {
+          const VT dq = delta[q];
+          const int64_t base = r[3] + q * in;
+          VT* wq = P.data() + base;
+          if (need_input && (mode == 1 || mode == 2)) {
+            // the input gradient through the current weight, then its step (backward_chain's order)
+            const VT gd = gamma * dq;
+            for (int64_t i = 0; i < in; ++i) {
+              next[i] += wq[i] * dq;
+              wq[i] += mode == 1 ? gd * h[i] : gd * h[i] * scale(base + i);
+            }
+            continue;
+          }
+          if (need_input)
+            for (int64_t i = 0; i < in; ++i) next[i] += wq[i] * dq;
+          for (int64_t i = 0; i < in; ++i) apply(base + i, dq * h[i], gamma);
+        }
+        if (r[4] >= 0)
+          for (int64_t q = 0; q < out; ++q) apply(r[4] + q, delta[q], gamma);
+        if (need_input) std::swap(delta, next);
+      } else {
+        const VT* post = A.data() + r[3];
+        for (int64_t i = 0; i < r[1]; ++i) {
+          if (r[0] == RELU) {
+            for (int64_t l = 0; l < W; ++l) delta[i][l] = post[i][l] <= T(0) ? T(0) : delta[i][l];
+          } else if (r[0] == TANH) {
+            delta[i] *= T(1) - post[i] * post[i];
+          } else if (r[0] == SIGMOID) {
+            delta[i] *= post[i] * (T(1) - post[i]);
+          } else if (r[0] == GELU_TANH || r[0] == GELU_ERF) {
+            delta[i] *= A[r[4] + i];
+          }
+        }
+      }
+    }
+  }
+};
+
+// The groups of kVL<T> rows of B: rows[l] of group g, its last row repeated in the spare lanes; returns nb.
+template <typename T>
+inline int64_t group_rows(int64_t g, int64_t B, int64_t* rows) {
+  const int64_t W = kVL<T>, b0 = g * W, nb = std::min(W, B - b0);
+  for (int64_t l = 0; l < W; ++l) rows[l] = b0 + std::min(l, nb - 1);
+  return nb;
+}
+
 }  // namespace
 
 // acts (B, A) receives every layer's input and the network's output; x (B, n_in) is copied to its
@@ -590,6 +825,21 @@ void forward(const torch::Tensor& theta, torch::Tensor& acts, torch::Tensor& arg
     const scalar_t* th = theta.data_ptr<scalar_t>();
     scalar_t* ac = acts.data_ptr<scalar_t>();
     int32_t* ar = args.data_ptr<int32_t>();
+    if (is_mlp(spec, starts)) {  // rows in the lanes of a vector
+      constexpr int64_t W = kVL<scalar_t>;
+      at::parallel_for(0, (B + W - 1) / W, 1, [&](int64_t gbegin, int64_t gend) {
+        Lanes<scalar_t> ln(spec, starts, z, d, A, 0, 0, 0, 0, nullptr, false);
+        for (int64_t grp = gbegin; grp < gend; ++grp) {
+          int64_t rows[W];
+          const int64_t nb = group_rows<scalar_t>(grp, B, rows);
+          Lanes<scalar_t>::load(ln.P, th, d, rows, d);
+          Lanes<scalar_t>::load(ln.A, ac, A, rows, z.n_in);
+          ln.forward();
+          Lanes<scalar_t>::store(ln.A, ac, A, rows, nb, A);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       auto scratch = z.scratch<scalar_t>();
       for (int64_t b = begin; b < end; ++b) forward_chain(spec, starts, th + b * d, ac + b * A, ar + b * P, scratch);
@@ -625,6 +875,27 @@ void backward(torch::Tensor& theta, const torch::Tensor& acts, const torch::Tens
     const scalar_t* sc = mode == 2 ? scale.data_ptr<scalar_t>() : nullptr;
     const int64_t sc_stride = mode == 2 && scale.size(0) == B ? d : 0;
     scalar_t* st = mode == 3 ? stat.data_ptr<scalar_t>() : nullptr;
+    if (is_mlp(spec, starts)) {  // rows in the lanes of a vector
+      constexpr int64_t W = kVL<scalar_t>;
+      at::parallel_for(0, (B + W - 1) / W, 1, [&](int64_t gbegin, int64_t gend) {
+        Lanes<scalar_t> ln(spec, starts, z, d, A, mode, static_cast<scalar_t>(beta), static_cast<scalar_t>(1.0 - beta),
+                           static_cast<scalar_t>(ridge), sc, sc_stride != 0);
+        for (int64_t grp = gbegin; grp < gend; ++grp) {
+          int64_t rows[W];
+          const int64_t nb = group_rows<scalar_t>(grp, B, rows);
+          Lanes<scalar_t>::load(ln.P, th, d, rows, d);
+          Lanes<scalar_t>::load(ln.A, ac, A, rows, A);
+          Lanes<scalar_t>::load(ln.D, ct, n_out, rows, n_out);
+          if (!ln.SC.empty()) Lanes<scalar_t>::load(ln.SC, sc, sc_stride, rows, d);
+          if (mode == 3) Lanes<scalar_t>::load(ln.ST, st, d, rows, d);
+          ln.backward(static_cast<scalar_t>(gamma));
+          if (mode == 0) Lanes<scalar_t>::store(ln.G, gr, d, rows, nb, d);
+          if (mode != 0) Lanes<scalar_t>::store(ln.P, th, d, rows, nb, d);
+          if (mode == 3) Lanes<scalar_t>::store(ln.ST, st, d, rows, nb, d);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
       auto scratch = z.scratch<scalar_t>();
       for (int64_t b = begin; b < end; ++b) {
@@ -673,55 +944,384 @@ void residual_from_noise(int64_t likelihood, const T* out, const T* noise, int64
 
 }  // namespace
 
-// One whole SMP step for every chain: forward pass, response drawn from `noise`, residual, backward
-// pass with the parameter step (modes 1-3), each chain start to end on one thread with its
-// activations in per-thread scratch (so its parameter row is read from cache by the backward pass).
-void step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noise, const std::vector<int64_t>& spec,
-          int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma,
-          int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge) {
+namespace {
+
+// Steps of every chain: for step j, chain b's input is row rows(j, b) of x, its noise
+// noise[(j * B + b) * width ...] and its step size gammas[j]; each chain runs all its steps on one thread
+// (chains are independent within a block: each reads only its own row of theta and of an EMA statistic,
+// and a shared scale is read-only), with its activations in per-thread scratch.
+// The matrices of mode 4: block b covers theta[offsets[b] : offsets[b] + sizes[b]]; data[b] points at its
+// (1 or B, n, n) matrices, stride[b] = n * n when each chain has its own, 0 when they are shared.
+template <typename T>
+struct Matrices {
+  std::vector<int64_t> offsets, sizes, strides;
+  std::vector<const T*> data;
+};
+
+// theta[o + j] += gamma * sum_i g[o + i] M[i, j] for every block (M symmetric: g M = (M g)^T)
+template <typename T>
+void matrix_step(const Matrices<T>& m, int64_t b, const T* g, T gamma, T* theta, T* y) {
+  for (size_t k = 0; k < m.sizes.size(); ++k) {
+    const int64_t o = m.offsets[k], n = m.sizes[k];
+    const T* M = m.data[k] + b * m.strides[k];
+    for (int64_t j = 0; j < n; ++j) y[j] = T(0);
+    for (int64_t i = 0; i < n; ++i) {
+      const T gi = g[o + i];
+      const T* Mi = M + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) y[j] += gi * Mi[j];
+    }
+    T* th = theta + o;
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) th[j] += gamma * y[j];
+  }
+}
+
+// The eigendecomposition of a symmetric n x n matrix a (overwritten) by cyclic Jacobi rotations, in double:
+// the eigenvalues on a's diagonal, the eigenvectors in the columns of v.
+inline void jacobi_eigen(std::vector<double>& a, std::vector<double>& v, int64_t n) {
+  for (int64_t i = 0; i < n * n; ++i) v[i] = 0.0;
+  for (int64_t i = 0; i < n; ++i) v[i * n + i] = 1.0;
+  for (int sweep = 0; sweep < 100; ++sweep) {
+    double off = 0.0, scale = 0.0;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < n; ++j) (i == j ? scale : off) += a[i * n + j] * a[i * n + j];
+    if (off <= 1e-30 * scale || off == 0.0) return;
+    for (int64_t p = 0; p < n; ++p)
+      for (int64_t q = p + 1; q < n; ++q) {
+        const double apq = a[p * n + q];
+        if (apq == 0.0) continue;
+        const double theta = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
+        const double t = (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1.0));
+        const double c = 1.0 / std::sqrt(t * t + 1.0), sn = t * c;
+        for (int64_t k = 0; k < n; ++k) {  // columns p, q of a
+          const double akp = a[k * n + p], akq = a[k * n + q];
+          a[k * n + p] = c * akp - sn * akq;
+          a[k * n + q] = sn * akp + c * akq;
+        }
+        for (int64_t k = 0; k < n; ++k) {  // rows p, q
+          const double apk = a[p * n + k], aqk = a[q * n + k];
+          a[p * n + k] = c * apk - sn * aqk;
+          a[q * n + k] = sn * apk + c * aqk;
+        }
+        for (int64_t k = 0; k < n; ++k) {
+          const double vkp = v[k * n + p], vkq = v[k * n + q];
+          v[k * n + p] = c * vkp - sn * vkq;
+          v[k * n + q] = sn * vkp + c * vkq;
+        }
+      }
+  }
+}
+
+// y = (M + ridge I)^{-1} g for one chain's n x n statistic M, by Cholesky in T (lower triangle, as LAPACK
+// reads it); where it fails, in double from the eigendecomposition of (M + M^T) / 2 with the negative
+// eigenvalues set to 0 (NaN for a non-finite M). Returns whether the double-precision redo was taken.
+template <typename T>
+bool ema_solve(const T* M, const T* g, T* y, int64_t n, T ridge, std::vector<T>& L, std::vector<double>& work) {
+  bool ok = true;
+  for (int64_t j = 0; j < n && ok; ++j) {
+    T s = M[j * n + j] + ridge;
+    for (int64_t k = 0; k < j; ++k) s -= L[j * n + k] * L[j * n + k];
+    if (!(s > T(0))) {
+      ok = false;
+      break;
+    }
+    const T ljj = std::sqrt(s);
+    L[j * n + j] = ljj;
+    for (int64_t i = j + 1; i < n; ++i) {
+      T t = M[i * n + j] + (i == j ? ridge : T(0));
+      for (int64_t k = 0; k < j; ++k) t -= L[i * n + k] * L[j * n + k];
+      L[i * n + j] = t / ljj;
+    }
+  }
+  if (ok) {  // L z = g, then L^T y = z
+    for (int64_t i = 0; i < n; ++i) {
+      T t = g[i];
+      for (int64_t k = 0; k < i; ++k) t -= L[i * n + k] * y[k];
+      y[i] = t / L[i * n + i];
+    }
+    for (int64_t i = n - 1; i >= 0; --i) {
+      T t = y[i];
+      for (int64_t k = i + 1; k < n; ++k) t -= L[k * n + i] * y[k];
+      y[i] = t / L[i * n + i];
+    }
+    return false;
+  }
+  bool finite = true;
+  for (int64_t i = 0; i < n * n; ++i) finite = finite && std::isfinite(static_cast<double>(M[i]));
+  if (!finite) {
+    for (int64_t i = 0; i < n; ++i) y[i] = std::numeric_limits<T>::quiet_NaN();
+    return true;
+  }
+  double* a = work.data();
+  std::vector<double> v(n * n);
+  std::vector<double> aa(n * n);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < n; ++j) aa[i * n + j] = 0.5 * (static_cast<double>(M[i * n + j]) + M[j * n + i]);
+  jacobi_eigen(aa, v, n);
+  // y = V diag(1 / (max(lambda, 0) + ridge)) V^T g
+  for (int64_t k = 0; k < n; ++k) {
+    double proj = 0.0;
+    for (int64_t i = 0; i < n; ++i) proj += v[i * n + k] * static_cast<double>(g[i]);
+    a[k] = proj / (std::max(aa[k * n + k], 0.0) + static_cast<double>(ridge));
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    double t = 0.0;
+    for (int64_t k = 0; k < n; ++k) t += v[i * n + k] * a[k];
+    y[i] = static_cast<T>(t);
+  }
+  return true;
+}
+
+// mode 5 for one chain: solve with each block's statistic, step theta, fold g g^T into the statistic.
+// Returns the number of solves redone in double whose result is finite.
+template <typename T>
+int64_t ema_matrix_step(const Matrices<T>& m, int64_t b, const T* g, T gamma, T beta, T fold, T ridge, T* theta,
+                        T* y, std::vector<T>& L, std::vector<double>& work) {
+  int64_t redone = 0;
+  for (size_t k = 0; k < m.sizes.size(); ++k) {
+    const int64_t o = m.offsets[k], n = m.sizes[k];
+    T* M = const_cast<T*>(m.data[k]) + b * m.strides[k];
+    const T* gb = g + o;
+    if (ema_solve(M, gb, y, n, ridge, L, work)) {
+      bool finite = true;
+      for (int64_t j = 0; j < n; ++j) finite = finite && std::isfinite(static_cast<double>(y[j]));
+      redone += finite ? 1 : 0;
+    }
+    T* th = theta + o;
+    for (int64_t j = 0; j < n; ++j) th[j] += gamma * y[j];
+    for (int64_t i = 0; i < n; ++i) {
+      const T gi = gb[i];
+      T* Mi = M + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) Mi[j] = beta * Mi[j] + fold * (gi * gb[j]);
+    }
+  }
+  return redone;
+}
+
+// The whole steps of an MLP, lanes of chains (modes 1 to 4).
+template <typename T, typename Rows>
+void run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows rows, const T* ns, int64_t width,
+                     const T* gammas, int64_t n_steps, const std::vector<int64_t>& spec,
+                     const std::vector<int64_t>& starts, const Sizes& z, int64_t n_acts, int64_t out_offset,
+                     int64_t n_out, int64_t likelihood, double sigma, int64_t mode, const T* sc, int64_t sc_stride,
+                     T* st, double beta, double ridge, const Matrices<T>* matrices) {
+  constexpr int64_t W = kVL<T>;
+  using VT = V<T>;
+  const int64_t groups = (B + W - 1) / W;
+  at::parallel_for(0, groups, 1, [&](int64_t gbegin, int64_t gend) {
+    Lanes<T> ln(spec, starts, z, d, n_acts, mode, static_cast<T>(beta), static_cast<T>(1.0 - beta),
+                static_cast<T>(ridge), sc, sc_stride != 0);
+    std::vector<T> out_l(n_out), r_l(n_out);
+    std::vector<VT> Y;
+    if (mode == 4) {
+      int64_t largest = 1;
+      for (int64_t n : matrices->sizes) largest = std::max(largest, n);
+      Y.resize(largest);
+    }
+    for (int64_t grp = gbegin; grp < gend; ++grp) {
+      int64_t chain[W];
+      const int64_t nb = group_rows<T>(grp, B, chain);
+      Lanes<T>::load(ln.P, th, d, chain, d);
+      if (!ln.SC.empty()) Lanes<T>::load(ln.SC, sc, sc_stride, chain, d);
+      if (mode == 3) Lanes<T>::load(ln.ST, st, d, chain, d);
+      for (int64_t j = 0; j < n_steps; ++j) {
+        const T gamma = gammas[j];
+        for (int64_t l = 0; l < W; ++l) {
+          const T* x = xs + rows(j, chain[l]) * n_in;
+          for (int64_t i = 0; i < n_in; ++i) ln.A[i][l] = x[i];
+        }
+        ln.forward();
+        for (int64_t l = 0; l < W; ++l) {  // the response from the noise and its residual, chain by chain
+          for (int64_t c = 0; c < n_out; ++c) out_l[c] = ln.A[out_offset + c][l];
+          residual_from_noise<T>(likelihood, out_l.data(), ns + (j * B + chain[l]) * width, n_out,
+                                 static_cast<T>(sigma), r_l.data());
+          for (int64_t c = 0; c < n_out; ++c) ln.D[c][l] = r_l[c];
+        }
+        ln.backward(gamma);
+        if (mode == 4) {  // theta[o + j] += gamma * sum_i g[o + i] M[i, j], block by block (matrix_step)
+          for (size_t k = 0; k < matrices->sizes.size(); ++k) {
+            const int64_t o = matrices->offsets[k], n = matrices->sizes[k], stride = matrices->strides[k];
+            const T* M = matrices->data[k];
+            for (int64_t jj = 0; jj < n; ++jj) Y[jj] = VT{};
+            for (int64_t i = 0; i < n; ++i) {
+              const VT gi = ln.G[o + i];
+              for (int64_t jj = 0; jj < n; ++jj) {
+                VT mij;
+                for (int64_t l = 0; l < W; ++l) mij[l] = M[chain[l] * stride + i * n + jj];
+                Y[jj] += gi * mij;
+              }
+            }
+            for (int64_t jj = 0; jj < n; ++jj) ln.P[o + jj] += gamma * Y[jj];
+          }
+        }
+      }
+      Lanes<T>::store(ln.P, th, d, chain, nb, d);
+      if (mode == 3) Lanes<T>::store(ln.ST, st, d, chain, nb, d);
+    }
+  });
+}
+
+template <typename T, typename Rows>
+int64_t run_steps(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows rows, const T* ns, int64_t width,
+               const T* gammas, int64_t n_steps, const std::vector<int64_t>& spec, const std::vector<int64_t>& starts,
+               const Sizes& z, int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood,
+               double sigma, int64_t mode, const T* sc, int64_t sc_stride, T* st, double beta, double ridge,
+               const Matrices<T>* matrices) {
+  if (mode != 5 && is_mlp(spec, starts)) {
+    run_steps_lanes(th, B, d, xs, n_in, rows, ns, width, gammas, n_steps, spec, starts, z, n_acts, out_offset, n_out,
+                    likelihood, sigma, mode, sc, sc_stride, st, beta, ridge, matrices);
+    return 0;
+  }
+  std::atomic<int64_t> redone{0};
+  const bool matrices_mode = mode == 4 || mode == 5;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    auto scratch = z.scratch<T>(/*keep_patches=*/true);
+    std::vector<T> acts(n_acts);
+    std::vector<int32_t> args(std::max<int64_t>(n_args, 1));
+    // modes 4 and 5: the backward pass writes the score (mode 0), then the matrices step theta
+    std::vector<T> score(matrices_mode ? d : 0), y(matrices_mode ? d : 0), L;
+    std::vector<double> work;
+    if (mode == 5) {
+      int64_t largest = 1;
+      for (int64_t n : matrices->sizes) largest = std::max(largest, n);
+      L.resize(largest * largest);
+      work.resize(largest);
+    }
+    int64_t mine = 0;
+    const T b_beta = static_cast<T>(beta), b_fold = static_cast<T>(1.0 - beta), b_ridge = static_cast<T>(ridge);
+    for (int64_t b = begin; b < end; ++b) {
+      T* row = th + b * d;
+      Update<T> up{matrices_mode ? 0 : mode, T(0), b_beta, b_fold, b_ridge, row, matrices_mode ? score.data() : nullptr,
+                   sc ? sc + b * sc_stride : nullptr, st ? st + b * d : nullptr};
+      for (int64_t j = 0; j < n_steps; ++j) {
+        const T* x = xs + rows(j, b) * n_in;
+        std::copy(x, x + n_in, acts.begin());
+        forward_chain(spec, starts, static_cast<const T*>(row), acts.data(), args.data(), scratch);
+        residual_from_noise<T>(likelihood, acts.data() + out_offset, ns + (j * B + b) * width, n_out,
+                               static_cast<T>(sigma), scratch.delta.data());
+        up.gamma = gammas[j];
+        backward_chain(spec, starts, z.first_param, static_cast<const T*>(acts.data()), args.data(), scratch, up);
+        if (mode == 4) matrix_step(*matrices, b, static_cast<const T*>(score.data()), gammas[j], row, y.data());
+        if (mode == 5)
+          mine += ema_matrix_step(*matrices, b, static_cast<const T*>(score.data()), gammas[j], b_beta, b_fold, b_ridge,
+                                  row, y.data(), L, work);
+      }
+    }
+    redone += mine;
+  });
+  return redone.load();
+}
+
+// The matrices of mode 4, checked: blocks = [offset, size, ...] tiling theta's d entries in order, one
+// contiguous (1 or B, n, n) tensor of theta's dtype per block.
+template <typename T>
+Matrices<T> matrices_of(const std::vector<int64_t>& blocks, const std::vector<torch::Tensor>& factors, int64_t B,
+                        int64_t d, at::ScalarType dtype, bool per_chain) {
+  Matrices<T> m;
+  TORCH_CHECK(blocks.size() == 2 * factors.size() && !factors.empty(),
+              "fused_sequential: mode 4 needs one (offset, size) pair per matrix");
+  int64_t at = 0;
+  for (size_t k = 0; k < factors.size(); ++k) {
+    const int64_t o = blocks[2 * k], n = blocks[2 * k + 1];
+    const torch::Tensor& f = factors[k];
+    TORCH_CHECK(o == at && n >= 1 && o + n <= d, "fused_sequential: the blocks must tile theta's entries in order");
+    TORCH_CHECK(f.device().is_cpu() && f.is_contiguous() && f.scalar_type() == dtype && f.dim() == 3 &&
+                    ((f.size(0) == 1 && !per_chain) || f.size(0) == B) && f.size(1) == n && f.size(2) == n,
+                "fused_sequential: the matrix of block ", k, " must be a contiguous CPU tensor of theta's dtype of "
+                "shape (", per_chain ? "" : "1 or ", B, ", ", n, ", ", n, ")");
+    m.offsets.push_back(o);
+    m.sizes.push_back(n);
+    m.strides.push_back(f.size(0) == B && B > 1 ? n * n : 0);
+    m.data.push_back(f.data_ptr<T>());
+    at = o + n;
+  }
+  TORCH_CHECK(at == d, "fused_sequential: the blocks must cover theta's ", d, " entries");
+  return m;
+}
+
+void check_step(const torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noise, const Sizes& z,
+                int64_t n_rows, int64_t n_acts, int64_t out_offset, int64_t n_out, int64_t likelihood, int64_t mode) {
   TORCH_CHECK(theta.is_contiguous() && x.is_contiguous() && noise.is_contiguous(),
               "fused_sequential: contiguous tensors expected");
   TORCH_CHECK(theta.device().is_cpu() && x.device().is_cpu() && noise.device().is_cpu(),
               "fused_sequential: CPU tensors expected");
-  const auto starts = record_starts(spec);
-  const Sizes z = scratch_sizes(spec, starts);
-  const int64_t B = theta.size(0), d = theta.size(1), n_in = x.size(1);
-  const int64_t noise_width = noise.numel() / std::max<int64_t>(B, 1);
-  TORCH_CHECK(x.size(0) == B && noise.size(0) == B, "fused_sequential: x, noise and theta rows differ");
-  TORCH_CHECK(n_in == z.n_in && n_out == z.n_out, "fused_sequential: x must have ", z.n_in, " features and the ",
-              "network ", z.n_out, " outputs");
-  TORCH_CHECK(noise_width == (likelihood == 2 ? n_out : 1) && n_acts >= 1 && out_offset + n_out <= n_acts,
+  const int64_t B = theta.size(0);
+  TORCH_CHECK(noise.numel() == n_rows * B * (likelihood == 2 ? n_out : 1),
               "fused_sequential: the noise must have one value per response");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == z.n_in && n_out == z.n_out, "fused_sequential: x must have ", z.n_in,
+              " features and the network ", z.n_out, " outputs");
+  TORCH_CHECK(n_acts >= 1 && out_offset + n_out <= n_acts, "fused_sequential: bad activation sizes");
   TORCH_CHECK(likelihood != 0 || n_out == 1, "fused_sequential: a Bernoulli likelihood needs one output");
   TORCH_CHECK(x.scalar_type() == theta.scalar_type() && noise.scalar_type() == theta.scalar_type(),
               "fused_sequential: x, noise and theta must have one dtype");
-  TORCH_CHECK(mode >= 1 && mode <= 3, "fused_sequential: step mode must be 1, 2 or 3, got ", mode);
+  TORCH_CHECK(mode >= 1 && mode <= 5, "fused_sequential: step mode must be 1 to 5, got ", mode);
+}
+
+}  // namespace
+
+// One whole SMP step for every chain: forward pass, response drawn from `noise`, residual, backward
+// pass with the parameter step (modes 1-3), each chain start to end on one thread with its
+// activations in per-thread scratch (so its parameter row is read from cache by the backward pass).
+int64_t step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noise, const std::vector<int64_t>& spec,
+          int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma,
+          int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge,
+          const std::vector<int64_t>& blocks, const std::vector<torch::Tensor>& factors) {
+  const auto starts = record_starts(spec);
+  const Sizes z = scratch_sizes(spec, starts);
+  check_step(theta, x, noise, z, 1, n_acts, out_offset, n_out, likelihood, mode);
+  const int64_t B = theta.size(0), d = theta.size(1);
+  TORCH_CHECK(x.size(0) == B, "fused_sequential: x and theta rows differ");
   check_state(mode, B, d, scale, stat);
+  int64_t redone = 0;
   AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_step", [&] {
-    scalar_t* th = theta.data_ptr<scalar_t>();
-    const scalar_t* xs = x.data_ptr<scalar_t>();
-    const scalar_t* ns = noise.data_ptr<scalar_t>();
-    const scalar_t* sc = mode == 2 ? scale.data_ptr<scalar_t>() : nullptr;
-    const int64_t sc_stride = mode == 2 && scale.size(0) == B ? d : 0;
-    scalar_t* st = mode == 3 ? stat.data_ptr<scalar_t>() : nullptr;
-    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-      auto scratch = z.scratch<scalar_t>(/*keep_patches=*/true);
-      std::vector<scalar_t> acts(n_acts);
-      std::vector<int32_t> args(std::max<int64_t>(n_args, 1));
-      for (int64_t b = begin; b < end; ++b) {
-        scalar_t* row = th + b * d;
-        std::copy(xs + b * n_in, xs + (b + 1) * n_in, acts.begin());
-        forward_chain(spec, starts, static_cast<const scalar_t*>(row), acts.data(), args.data(), scratch);
-        residual_from_noise<scalar_t>(likelihood, acts.data() + out_offset, ns + b * noise_width, n_out,
-                                      static_cast<scalar_t>(sigma), scratch.delta.data());
-        Update<scalar_t> up{mode, static_cast<scalar_t>(gamma), static_cast<scalar_t>(beta),
-                            static_cast<scalar_t>(1.0 - beta), static_cast<scalar_t>(ridge), row, nullptr, sc ? sc + b * sc_stride : nullptr,
-                            st ? st + b * d : nullptr};
-        backward_chain(spec, starts, z.first_param, static_cast<const scalar_t*>(acts.data()), args.data(), scratch,
-                       up);
-      }
-    });
+    const scalar_t g = static_cast<scalar_t>(gamma);
+    Matrices<scalar_t> matrices;
+    if (mode >= 4) matrices = matrices_of<scalar_t>(blocks, factors, B, d, theta.scalar_type(), mode == 5);
+    redone = run_steps<scalar_t>(theta.data_ptr<scalar_t>(), B, d, x.data_ptr<scalar_t>(), x.size(1),
+                        [](int64_t, int64_t b) { return b; }, noise.data_ptr<scalar_t>(), noise.numel() / std::max<int64_t>(B, 1),
+                        &g, 1, spec, starts, z, n_acts, n_args, out_offset, n_out, likelihood, sigma, mode,
+                        mode == 2 ? scale.data_ptr<scalar_t>() : nullptr, mode == 2 && scale.size(0) == B ? d : 0,
+                        mode == 3 ? stat.data_ptr<scalar_t>() : nullptr, beta, ridge, &matrices);
   });
+  return redone;
+}
+
+// A block of n whole steps: step j of chain b takes row draws[j, b] of x_train, the noise noise[j, b] and
+// the step size gammas[j] (theta's dtype). The same numbers as n calls of `step`, chain by chain.
+int64_t steps(torch::Tensor& theta, const torch::Tensor& x_train, const torch::Tensor& draws, const torch::Tensor& noise,
+           const torch::Tensor& gammas, const std::vector<int64_t>& spec, int64_t n_acts, int64_t n_args,
+           int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma, int64_t mode,
+           const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge,
+           const std::vector<int64_t>& blocks, const std::vector<torch::Tensor>& factors) {
+  const auto starts = record_starts(spec);
+  const Sizes z = scratch_sizes(spec, starts);
+  const int64_t n = draws.dim() == 2 ? draws.size(0) : -1, B = theta.size(0), d = theta.size(1);
+  TORCH_CHECK(n >= 0 && draws.size(1) == B && draws.scalar_type() == torch::kInt64 && draws.is_contiguous() &&
+                  draws.device().is_cpu(),
+              "fused_sequential: draws must be a contiguous CPU int64 tensor of shape (steps, ", B, ")");
+  TORCH_CHECK(gammas.dim() == 1 && gammas.size(0) == n && gammas.scalar_type() == theta.scalar_type() &&
+                  gammas.is_contiguous() && gammas.device().is_cpu(),
+              "fused_sequential: gammas must be a contiguous CPU tensor of theta's dtype, one per step");
+  check_step(theta, x_train, noise, z, n, n_acts, out_offset, n_out, likelihood, mode);
+  check_state(mode, B, d, scale, stat);
+  const int64_t N = x_train.size(0);
+  const int64_t* rows = draws.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n * B; ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < N, "fused_sequential: a draw indexes row ", rows[i], " of ", N);
+  int64_t redone = 0;
+  AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_steps", [&] {
+    Matrices<scalar_t> matrices;
+    if (mode >= 4) matrices = matrices_of<scalar_t>(blocks, factors, B, d, theta.scalar_type(), mode == 5);
+    redone = run_steps<scalar_t>(theta.data_ptr<scalar_t>(), B, d, x_train.data_ptr<scalar_t>(), x_train.size(1),
+                        [rows, B](int64_t j, int64_t b) { return rows[j * B + b]; }, noise.data_ptr<scalar_t>(),
+                        n * B > 0 ? noise.numel() / (n * B) : 1, gammas.data_ptr<scalar_t>(), n, spec, starts, z, n_acts,
+                        n_args, out_offset, n_out, likelihood, sigma, mode,
+                        mode == 2 ? scale.data_ptr<scalar_t>() : nullptr, mode == 2 && scale.size(0) == B ? d : 0,
+                        mode == 3 ? stat.data_ptr<scalar_t>() : nullptr, beta, ridge, &matrices);
+  });
+  return redone;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -730,5 +1330,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("backward", &backward, "backward pass of every chain, with the parameter step",
         py::call_guard<py::gil_scoped_release>());
   m.def("step", &step, "one SMP step of every chain: forward, response, residual, backward with the step",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("steps", &steps, "a block of SMP steps of every chain, each chain's steps on one thread",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -21,7 +21,10 @@ from smp_core.models import SequentialChainModel, as_chain_model
 from smp_core.preconditioners import (
     IDENTITY_RULE,
     STORED_INVERSE_RULE,
+    Blocks,
+    Dense,
     ElementwiseRule,
+    MatrixRule,
     ema_diagonal_rule,
     preconditioner_from_name,
 )
@@ -48,6 +51,9 @@ def _networks():
         "lenet5": (lenet5().double(), (1, 28, 28), 10),
         "odd": (odd.double(), (2, 11, 11), 2),
         "mlp": (nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double(), (4,), 1),
+        "relu-mlp": (nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 1)).double(), (4,), 1),
+        "gelu-mlp": (nn.Sequential(nn.Linear(2, 5), nn.GELU(approximate="tanh"), nn.Linear(5, 3), nn.GELU(),
+                                   nn.Linear(3, 2)).double(), (2,), 2),
         "maxpool-overhang": (nn.Sequential(nn.Conv2d(1, 2, 2), nn.ReLU(), nn.MaxPool2d(2, ceil_mode=True),
                                            nn.Flatten(), nn.Linear(2 * 4 * 4, 3)).double(), (1, 8, 8), 3),
     }
@@ -127,8 +133,9 @@ def test_every_rule_steps_like_the_batched_model(name, rule_name, dtype):
 
 def test_the_float32_ema_statistic_takes_one_minus_beta_in_double():
     # stat = 0, so the new statistic is (1 - beta) s^2 alone; in float32, 1 - float32(0.999) is 1.3e-5
-    # off (relative), which an entry-wise comparison at 2e-6 sees (the small MLP's scores are exact to ~1e-7)
-    fused, batched, theta, x, gen = _pair("mlp", dtype=torch.float32)
+    # off (relative), which an entry-wise comparison at 2e-6 sees (the small ReLU MLP's scores are exact to
+    # ~1e-7; a tanh one's are not: the kernel's float tanh is within 4 units in the last place of torch's)
+    fused, batched, theta, x, gen = _pair("relu-mlp", dtype=torch.float32)
     rule = ema_diagonal_rule(0.999, 1e-3)
     cotangent = torch.randn(theta.shape[0], 1, generator=gen)
     stats = [torch.zeros_like(theta), torch.zeros_like(theta)]
@@ -141,7 +148,7 @@ def test_the_float32_ema_statistic_takes_one_minus_beta_in_double():
 
 @pytest.mark.parametrize("rule_name", ["identity", "shared-scale", "ema"])
 @pytest.mark.parametrize("name, lik_name", [("lenet5", "categorical"), ("odd", "gaussian"), ("mlp", "bernoulli"),
-                                            ("maxpool-overhang", "categorical")])
+                                            ("maxpool-overhang", "categorical"), ("gelu-mlp", "categorical")])
 def test_whole_step_equals_forward_response_residual_and_rule(name, lik_name, rule_name):
     fused, batched, theta, x, gen = _pair(name, n_chains=6)
     lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
@@ -156,6 +163,146 @@ def test_whole_step_equals_forward_response_residual_and_rule(name, lik_name, ru
     assert torch.allclose(mine, ref, **TOL)
     for a, b in zip(mine_tensors, ref_tensors, strict=True):
         assert torch.allclose(a, b, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rule_name", ["identity", "per-chain-scale", "ema"])
+@pytest.mark.parametrize("name, lik_name", [("odd", "gaussian"), ("mlp", "bernoulli"), ("gelu-mlp", "categorical")])
+def test_a_block_of_steps_is_its_steps_one_by_one_bit_for_bit(name, lik_name, rule_name, dtype):
+    # each chain's steps run back to back on one thread: the same operations on the same numbers as one
+    # call of step_ per step (chains are independent), so the results are equal bit for bit
+    fused, _, theta, _, gen = _pair(name, n_chains=5, dtype=dtype)
+    lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
+    rule, tensors = _rules(theta, gen)[rule_name]
+    n = 7
+    x_train = torch.randn(11, *NETWORKS[name][1], generator=gen, dtype=dtype)
+    draws = torch.randint(0, 11, (n, theta.shape[0]), generator=gen)
+    noise = lik.draw_noise((n, theta.shape[0]), fused.out_dim, gen, "cpu", dtype)
+    gammas = (0.5 / (100 + torch.arange(1, n + 1, dtype=torch.float64))).to(dtype)
+    block, block_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    assert fused.steps_(block, x_train, draws, lik, noise, rule, block_tensors, gammas)
+    one, one_tensors = theta.clone(), tuple(t.clone() for t in tensors)
+    for j in range(n):
+        assert fused.step_(one, x_train[draws[j]], lik, noise[j], rule, one_tensors, gammas[j])
+    assert (block - theta).abs().max() > 1e-4
+    assert torch.equal(block, one)
+    for a, b in zip(block_tensors, one_tensors, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="draws of shape"):
+        fused.steps_(block, x_train, draws[:, :2], lik, noise, rule, block_tensors, gammas)
+    with pytest.raises(RuntimeError, match="a draw indexes row 11 of 11"):
+        fused.steps_(block, x_train, torch.full_like(draws, 11), lik, noise, rule, block_tensors, gammas)
+
+
+def _matrices(fused, structure_name, chains, gen, dtype=torch.float64):
+    """A MatrixRule of the block or dense structure with random symmetric positive definite matrices, one per
+    chain or shared."""
+    d = fused.layout.dim
+    structure = Blocks(d, tuple(fused.layout.block_slices)) if structure_name == "block" else Dense(d)
+    slices = structure.blocks if structure_name == "block" else (slice(0, d),)
+    factors = []
+    for b in slices:
+        a = torch.randn(chains, b.stop - b.start, b.stop - b.start, generator=gen, dtype=dtype)
+        factors.append(a @ a.transpose(1, 2) / a.shape[1] + torch.eye(a.shape[1], dtype=dtype))
+    return MatrixRule(structure), tuple(factors)
+
+
+@pytest.mark.parametrize("structure_name, chains", [("block", 1), ("block", 6), ("dense", 1), ("dense", 6)])
+@pytest.mark.parametrize("name, lik_name", [("gelu-mlp", "categorical"), ("odd", "gaussian")])
+def test_stored_matrices_step_like_the_score_then_the_matrices(name, lik_name, structure_name, chains):
+    # mode 4 of the whole step: the score formed, then theta += gamma g M_b for every block (one matrix per
+    # block shared by the chains, or one per chain), against the batched model's score and the structure's apply
+    fused, batched, theta, x, gen = _pair(name, n_chains=6)
+    lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
+    rule, factors = _matrices(fused, structure_name, chains, gen)
+    assert fused.takes_whole_step(lik, rule, "cpu", torch.float64)
+    noise = lik.draw_noise((theta.shape[0],), fused.out_dim, gen, "cpu", torch.float64)
+    mine = theta.clone()
+    # a transposed (column-major) matrix, as cholesky_inverse returns them, is read by its values
+    assert fused.step_(mine, x, lik, noise, rule, tuple(f.transpose(1, 2) for f in factors), 0.05)
+    out, ctx = batched.forward(theta, x)
+    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
+    ref = theta + 0.05 * rule.structure.apply(factors, score)
+    assert (mine - theta).abs().max() > 1e-4
+    assert torch.allclose(mine, ref, **TOL)
+    # a block of steps is its steps one by one, bit for bit
+    n, x_train = 5, torch.randn(9, *NETWORKS[name][1], generator=gen, dtype=torch.float64)
+    draws = torch.randint(0, 9, (n, theta.shape[0]), generator=gen)
+    noises = lik.draw_noise((n, theta.shape[0]), fused.out_dim, gen, "cpu", torch.float64)
+    gammas = 0.3 / (50 + torch.arange(1, n + 1, dtype=torch.float64))
+    block, one = theta.clone(), theta.clone()
+    assert fused.steps_(block, x_train, draws, lik, noises, rule, factors, gammas)
+    for j in range(n):
+        assert fused.step_(one, x_train[draws[j]], lik, noises[j], rule, factors, gammas[j])
+    assert torch.equal(block, one)
+
+
+@pytest.mark.parametrize("structure_name", ["block", "dense"])
+def test_ema_matrices_step_like_the_solve_then_the_update(structure_name):
+    # mode 5: theta += gamma (I_k + ridge I)^{-1} s per block (Cholesky), then I_{k+1} = beta I_k + (1 - beta) s s^T,
+    # against the structure's solve and EMA update on the batched model's score
+    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=6)
+    lik = get_likelihood("categorical")
+    _, stats = _matrices(fused, structure_name, 6, gen)
+    rule = MatrixRule(_matrices(fused, structure_name, 1, gen)[0].structure, (0.9, 1e-3))
+    assert rule.covers_update and fused.takes_whole_step(lik, rule, "cpu", torch.float64)
+    noise = lik.draw_noise((6,), fused.out_dim, gen, "cpu", torch.float64)
+    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
+    assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
+    out, ctx = batched.forward(theta, x)
+    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
+    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
+    rule.apply_(ref, score, ref_stats, 0.05)
+    assert (mine - theta).abs().max() > 1e-4
+    assert torch.allclose(mine, ref, **TOL)
+    for a, b in zip(mine_stats, ref_stats, strict=True):
+        assert torch.allclose(a, b, **TOL)
+
+
+def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns():
+    # rounding can leave a float32 statistic indefinite by more than the ridge: the kernel's Cholesky fails
+    # and the solve is redone in double from the eigendecomposition (negative eigenvalues set to 0), with
+    # smp_core.preconditioners' warning; a non-finite statistic gives NaN (the chain's divergence), silently
+    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=3, dtype=torch.float32)
+    lik = get_likelihood("categorical")
+    rule_dense = MatrixRule(Dense(fused.layout.dim), (0.9, 1e-3))
+    q, _ = torch.linalg.qr(torch.randn(fused.layout.dim, fused.layout.dim, generator=gen, dtype=torch.float64))
+    values = torch.linspace(-0.5, 2.0, fused.layout.dim, dtype=torch.float64)
+    stat = ((q * values) @ q.T).float().expand(3, -1, -1).clone()
+    stat[2, 0, 0] = float("nan")
+    noise = lik.draw_noise((3,), fused.out_dim, gen, "cpu", torch.float32)
+    mine, mine_stat = theta.clone(), stat.clone()
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        assert fused.step_(mine, x, lik, noise, rule_dense, (mine_stat,), 0.05)
+    out, ctx = batched.forward(theta, x)
+    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
+    ref, ref_stat = theta.clone(), stat.clone()
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        rule_dense.apply_(ref, score, (ref_stat,), 0.05)
+    assert torch.isnan(mine[2]).all() and torch.isnan(ref[2]).all()
+    # float32 scores and steps of another order of sums: a relative 1e-4 of the step
+    step = (ref[:2] - theta[:2]).abs().max()
+    assert step > 1e-3 and (mine[:2] - ref[:2]).abs().max() <= 1e-4 * step
+
+
+def test_the_float_tanh_of_the_mlp_lanes_is_within_four_units_in_the_last_place():
+    # the MLP kernel's float32 tanh is a rational approximation (Eigen's, which XLA uses): against the
+    # correctly rounded tanh (float64, rounded) on a fine grid, tiny and huge values, NaN and the infinities
+    net = nn.Sequential(nn.Linear(1, 1), nn.Tanh())
+    with torch.no_grad():
+        net[0].weight.fill_(1.0)
+        net[0].bias.zero_()
+    model = FusedSequentialChainModel(net, (1,))
+    x = torch.cat([torch.linspace(-12, 12, 200_001), torch.logspace(-8, 0, 10_001), -torch.logspace(-8, 0, 10_001)])
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    x = torch.cat([x, special]).unsqueeze(1)
+    out, _ = model.forward(model.layout.flatten(net).expand(x.shape[0], -1).contiguous(), x)
+    ref = torch.tanh(x.double()).float()
+    ulp = torch.nextafter(ref.abs(), torch.tensor(float("inf"))) - ref.abs()
+    finite = torch.isfinite(x[:, 0])
+    assert ((out - ref).abs()[finite] <= 4 * ulp[finite]).all()
+    assert torch.isnan(out[-4]).all() and (out[-3:-1, 0] - torch.tensor([1.0, -1.0])).abs().max() <= 3e-7
+    assert out[-1, 0] == 0
 
 
 def test_every_class_is_drawn_at_its_softmax_probability():
@@ -204,17 +351,18 @@ def test_a_diverging_run_is_caught():
 
 def test_default_cpu_run_takes_the_whole_step_and_matches_the_torch_path(monkeypatch):
     calls = []
-    whole_step = FusedSequentialChainModel.step_
+    whole_steps = FusedSequentialChainModel.steps_
 
-    def counted(self, *args):
-        calls.append(whole_step(self, *args))
-        return calls[-1]
+    def counted(self, theta, x_train, draws, *args):
+        done = whole_steps(self, theta, x_train, draws, *args)
+        calls.extend([done] * draws.shape[0])
+        return done
 
-    monkeypatch.setattr(FusedSequentialChainModel, "step_", counted)
+    monkeypatch.setattr(FusedSequentialChainModel, "steps_", counted)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8, 3)).double()
     x, y = torch.rand(30, 1, 6, 6, dtype=torch.float64), torch.randint(0, 3, (30,))
-    for name in ["none", "fixed-diag", "periodic-diag", "ema-diag"]:
+    for name in ["none", "fixed-diag", "periodic-diag", "ema-diag", "fixed-block", "periodic-dense"]:
         kw = dict(tau=0.5, n_steps=30, n_chains=5, seed=2, progress=False,
                   preconditioner=preconditioner_from_name(name, period=7), fisher=Fisher("empirical", x, y),
                   options=dict(check_every=10))
@@ -251,7 +399,7 @@ def test_what_the_kernel_does_not_know_takes_the_general_path():
     # the kernel computes in float32 and float64 only: half-precision chains take the torch path
     assert fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cpu", torch.float64)
     assert not fused.takes_whole_step(get_likelihood("bernoulli"), IDENTITY_RULE, "cpu", torch.bfloat16)
-    for layer in [nn.GELU(), nn.AvgPool2d(2), nn.Dropout(0.1), nn.MaxPool2d(2, return_indices=True)]:
+    for layer in [nn.SiLU(), nn.AvgPool2d(2), nn.Dropout(0.1), nn.MaxPool2d(2, return_indices=True)]:
         net = nn.Sequential(nn.Conv2d(1, 2, 3), layer, nn.Flatten(), nn.Linear(18 if "Pool" in str(layer) else 72, 2))
         assert not fused_supported(net)
         if not isinstance(layer, nn.MaxPool2d):
@@ -270,7 +418,7 @@ def test_turned_off_by_the_environment_without_a_warning(monkeypatch):
 def test_bad_input_gets_a_clear_error():
     fused, _, theta, x, _ = _pair("odd")
     with pytest.raises(ValueError, match="FusedSequentialChainModel supports"):
-        FusedSequentialChainModel(nn.Sequential(nn.Conv2d(1, 2, 3), nn.GELU()), (1, 5, 5))
+        FusedSequentialChainModel(nn.Sequential(nn.Conv2d(1, 2, 3), nn.SiLU()), (1, 5, 5))
     with pytest.raises(ValueError):
         fused.forward(theta, x[:2])  # rows of theta and x differ
     with pytest.raises(ValueError, match="CPU inputs of 242 values"):
