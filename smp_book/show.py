@@ -124,8 +124,9 @@ def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.Da
 def benchmark(name: str, table: str, index: list[str] | None = None,
               measured: str | None = None) -> pd.DataFrame | None:
     """A benchmark's saved table, ``benchmarks/<name>/<table>.csv`` (written by the script's ``--csv``), with
-    its heading line in ``attrs["heading"]``; with ``measured``, only the rows whose ``measured`` column is a
-    number (a run left out of a budget says so in words). ``None`` when the file or every row is missing."""
+    its heading line in ``attrs["heading"]`` and the machine it ran on in ``attrs["machine"]``; with
+    ``measured``, only the rows whose ``measured`` column is a number (a run left out of a budget says so in
+    words). ``None`` when the file or every row is missing."""
     folder = ROOT / "benchmarks" / name
     if not (folder / f"{table}.csv").exists():
         return None
@@ -134,8 +135,9 @@ def benchmark(name: str, table: str, index: list[str] | None = None,
         df = df[pd.to_numeric(df[measured], errors="coerce").notna()]
     if df.empty:
         return None
-    headings = folder / "headings.json"
-    df.attrs["heading"] = json.loads(headings.read_text()).get(table, "") if headings.exists() else ""
+    file = folder / "headings.json"
+    headings = json.loads(file.read_text()) if file.exists() else {}
+    df.attrs["heading"], df.attrs["machine"] = headings.get(table, ""), headings.get("machine", "")
     return df.set_index(index) if index else df
 
 
