@@ -400,28 +400,18 @@ class FusedSequentialChainModel(SequentialChainModel, WholeStep):
         Returns ``False`` (and does nothing) when the kernel cannot take this combination (a CUDA
         tensor, a likelihood or rule it does not know): the caller then takes the general path.
         """
-        if not self._usable(theta) or not theta.is_contiguous():
+        if not self._usable(theta) or not theta.is_contiguous() or not self.takes_whole_step(
+                likelihood, rule, theta.device, theta.dtype):
             return False
-        code, mode = self._likelihood_code(likelihood), self._rule_mode(rule, tensors, theta)
-        if code is None or mode is None:
-            return False
-        mode, extra = mode
         _check_rows(theta, x, self.layout.dim)
-        self._check_input(x)
-        want = (theta.shape[0], self.out_dim) if code[0] == 2 else (theta.shape[0],)
+        want = (theta.shape[0], self.out_dim) if self._likelihood_code(likelihood)[0] == 2 else (theta.shape[0],)
         if noise.shape != want or noise.device.type != "cpu":
             raise ValueError(f"the noise of a {likelihood.name} response must be a CPU tensor of shape {want}, got "
                              f"{tuple(noise.shape)} on {noise.device}")
-        if code[0] == 0 and self.out_dim != 1:
-            raise ValueError(f"a Bernoulli likelihood needs one output (a logit); the network has {self.out_dim}")
-        empty = theta.new_empty(0, 0)
-        redone = self._kernel.step(
-            theta, x.reshape(x.shape[0], -1).to(theta.dtype).contiguous(), noise.to(theta.dtype).contiguous(),
-            self._spec, self._acts_size, self._args_size, self._out_offset, self.out_dim, code[0], code[1],
-            mode, float(gamma), extra.get("scale", empty), extra.get("stat", empty), float(extra.get("beta", 0.0)),
-            float(extra.get("ridge", 0.0)), extra.get("blocks", []), extra.get("factors", []))
-        _warn_rounded(redone, theta, extra)
-        return True
+        # a block of one step, chain b's input row b of x
+        gammas = torch.tensor([float(gamma)], dtype=torch.float64).to(theta.dtype)
+        return self.steps_(theta, x, torch.arange(x.shape[0]).unsqueeze(0), likelihood, noise.unsqueeze(0), rule,
+                           tensors, gammas)
 
     def steps_(self, theta: torch.Tensor, x_train: torch.Tensor, draws: torch.Tensor, likelihood, noise: torch.Tensor,
                rule, tensors, gammas: torch.Tensor) -> bool:

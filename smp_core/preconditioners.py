@@ -875,7 +875,7 @@ class Preconditioner:
 
     @property
     def block_rule(self) -> ElementwiseRule | MatrixRule | None:
-        """The rule a block of steps applies (:mod:`smp_core.fast_paths`): the :attr:`elementwise` one, else, for
+        """The rule a block of steps applies (:mod:`smp_core.fast_paths`): the ``elementwise`` one, else, for
         ``block`` and ``dense`` with the statistic in the chains' dtype (fixed, periodic, and the EMA that
         factorises at every step), a :class:`MatrixRule`; ``None`` otherwise (and when ``elementwise_step=False``)."""
         rule = self.elementwise

@@ -1,11 +1,13 @@
-// One SMP step of an nn.Sequential network for every chain, fused per chain (CPU).
+// SMP steps of an nn.Sequential network for every chain, fused per chain (CPU).
 //
 // Each chain has its own parameter row theta_b and its own input x_b. The forward pass and the
 // backward pass of one chain run on one thread, start to end, with the chain's activations in a
 // small per-chain buffer: no kernel per layer, no (B, C*kh*kw, L) patch tensor, no (B, d) score.
 // The backward pass steps each layer's parameters as soon as the layer's input gradient has been
 // pulled back through its current weights (the order of smp_core.models.SequentialChainModel), so
-// every weight and every preconditioner entry is read and written once per step.
+// every weight and every preconditioner entry is read and written once per step. An MLP (Linear
+// layers and element-wise activations) runs its chains kVL<T> at a time in the lanes of a vector
+// instead (struct Lanes), each lane one chain, with the same operations.
 //
 // The network is described by `spec`, a flat int64 list built by smp_core/fused.py: one record per
 // layer, [kind, fields...], with the offsets of its parameters in theta and of its input and output
@@ -18,8 +20,8 @@
 //   3  theta += gamma * g / (stat + ridge);          (EMA diagonal: the step uses the statistic
 //      stat = beta * stat + (1 - beta) * g^2          before g is folded in)
 // `scale` and `stat` are (1, d) (shared, mode 2 only) or (B, d).
-// The whole step (`step`, `steps`) has one more mode, for a P^{-1} stored as matrices (the block and dense
-// structures under the fixed and periodic strategies):
+// The whole steps (`steps`) have two more modes, for the block and dense structures: P^{-1} stored as
+// matrices (fixed and periodic), and the EMA:
 //   4  theta[o:o+n] += gamma * g[o:o+n] M_b  for each block b = (o, n), M_b = factors[b] (1 or B, n, n),
 //      symmetric, once the whole score g has been formed (the backward pass reads the weights of theta_k).
 //   5  the EMA of the block and dense structures: for each block, with M_b = factors[b] (B, n, n) this
@@ -1261,35 +1263,10 @@ void check_step(const torch::Tensor& theta, const torch::Tensor& x, const torch:
 
 }  // namespace
 
-// One whole SMP step for every chain: forward pass, response drawn from `noise`, residual, backward
-// pass with the parameter step (modes 1-3), each chain start to end on one thread with its
-// activations in per-thread scratch (so its parameter row is read from cache by the backward pass).
-int64_t step(torch::Tensor& theta, const torch::Tensor& x, const torch::Tensor& noise, const std::vector<int64_t>& spec,
-          int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma,
-          int64_t mode, double gamma, const torch::Tensor& scale, torch::Tensor& stat, double beta, double ridge,
-          const std::vector<int64_t>& blocks, const std::vector<torch::Tensor>& factors) {
-  const auto starts = record_starts(spec);
-  const Sizes z = scratch_sizes(spec, starts);
-  check_step(theta, x, noise, z, 1, n_acts, out_offset, n_out, likelihood, mode);
-  const int64_t B = theta.size(0), d = theta.size(1);
-  TORCH_CHECK(x.size(0) == B, "fused_sequential: x and theta rows differ");
-  check_state(mode, B, d, scale, stat);
-  int64_t redone = 0;
-  AT_DISPATCH_FLOATING_TYPES(theta.scalar_type(), "fused_sequential_step", [&] {
-    const scalar_t g = static_cast<scalar_t>(gamma);
-    Matrices<scalar_t> matrices;
-    if (mode >= 4) matrices = matrices_of<scalar_t>(blocks, factors, B, d, theta.scalar_type(), mode == 5);
-    redone = run_steps<scalar_t>(theta.data_ptr<scalar_t>(), B, d, x.data_ptr<scalar_t>(), x.size(1),
-                        [](int64_t, int64_t b) { return b; }, noise.data_ptr<scalar_t>(), noise.numel() / std::max<int64_t>(B, 1),
-                        &g, 1, spec, starts, z, n_acts, n_args, out_offset, n_out, likelihood, sigma, mode,
-                        mode == 2 ? scale.data_ptr<scalar_t>() : nullptr, mode == 2 && scale.size(0) == B ? d : 0,
-                        mode == 3 ? stat.data_ptr<scalar_t>() : nullptr, beta, ridge, &matrices);
-  });
-  return redone;
-}
-
-// A block of n whole steps: step j of chain b takes row draws[j, b] of x_train, the noise noise[j, b] and
-// the step size gammas[j] (theta's dtype). The same numbers as n calls of `step`, chain by chain.
+// A block of n whole SMP steps of every chain: forward pass, response drawn from its noise, residual,
+// backward pass with the parameter step (modes 1-5). Step j of chain b takes row draws[j, b] of x_train,
+// the noise noise[j, b] and the step size gammas[j] (theta's dtype); each chain runs its steps back to
+// back (run_steps, run_steps_lanes), so a block gives the numbers of its steps taken one by one.
 int64_t steps(torch::Tensor& theta, const torch::Tensor& x_train, const torch::Tensor& draws, const torch::Tensor& noise,
            const torch::Tensor& gammas, const std::vector<int64_t>& spec, int64_t n_acts, int64_t n_args,
            int64_t out_offset, int64_t n_out, int64_t likelihood, double sigma, int64_t mode,
@@ -1328,8 +1305,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while the chains run (on other threads, Python may go on)
   m.def("forward", &forward, "forward pass of every chain", py::call_guard<py::gil_scoped_release>());
   m.def("backward", &backward, "backward pass of every chain, with the parameter step",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("step", &step, "one SMP step of every chain: forward, response, residual, backward with the step",
         py::call_guard<py::gil_scoped_release>());
   m.def("steps", &steps, "a block of SMP steps of every chain, each chain's steps on one thread",
         py::call_guard<py::gil_scoped_release>());
