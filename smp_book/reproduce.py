@@ -137,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     cells, counts = report(RESULTS, args.work, args.scale)
     name = f"reproduction-seed-{args.seed_offset}" if args.seed_offset else "reproduction"
     folder = (RESULTS if args.seed_offset else args.work) / args.scale / name
+    if args.seed_offset and (kept := read_report(args.scale, RESULTS, name)) is not None:
+        cells, counts = keep_others(kept, (cells, counts), studies)
     folder.mkdir(parents=True, exist_ok=True)
     cells.to_csv(folder / "cells.csv", index=False)
     counts.to_csv(folder / "counts.csv")
@@ -153,6 +155,17 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(old, ignore_errors=True)
     print(f"results/{args.scale} replaced by the complete run", file=sys.stderr)
     return 0
+
+
+def keep_others(kept: tuple[pd.DataFrame, pd.DataFrame], fresh: tuple[pd.DataFrame, pd.DataFrame],
+                studies: list[str]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A report whose rows of ``studies`` are ``fresh``'s and whose other studies' rows are ``kept``'s: a rerun
+    of some chapters replaces their part of a saved report and leaves the rest as it was."""
+    (old_cells, old_counts), (cells, counts) = kept, fresh
+    cells = pd.concat([old_cells[~old_cells["study"].isin(studies)], cells], ignore_index=True)
+    counts = pd.concat([old_counts.drop(index=studies, errors="ignore"), counts]).fillna(0).astype(int)
+    order = sorted(counts.index, key=lambda s: list(STUDIES).index(s) if s in STUDIES else len(STUDIES))
+    return cells, counts.reindex(index=order, columns=[v for v in VERDICTS if v in counts.columns])
 
 
 def read_report(scale: str, root: str | Path = RESULTS, name: str = "reproduction"

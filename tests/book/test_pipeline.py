@@ -172,6 +172,25 @@ def test_a_seed_offset_reruns_the_seeded_chapters_apart_and_keeps_the_results(fa
         reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "-1"])
 
 
+def test_a_partial_seed_offset_rerun_replaces_only_its_chapters_rows_of_the_report(fake, tmp_path, monkeypatch):
+    from smp_book import config
+
+    committed, work = tmp_path / "results", tmp_path / "work"
+    monkeypatch.setattr(reproduce, "RESULTS", committed)
+    monkeypatch.setitem(config.PARAMETERS, "fake", {"seed": "n"})
+    monkeypatch.setattr(reproduce, "get_config", lambda study, scale: {"seed": 3})
+    pipeline.results("fake", "ci", root=committed)
+    saved = committed / "ci" / "reproduction-seed-4"
+    saved.mkdir(parents=True)
+    pd.DataFrame([{"study": s, "table": "t", "row": "r", "column": "c", "committed": 1.0, "new": 2.0, "p": 0.5,
+                   "verdict": "within"} for s in ("fake", "other")]).to_csv(saved / "cells.csv", index=False)
+    pd.DataFrame({"within": [1, 1]}, index=pd.Index(["fake", "other"], name="study")).to_csv(saved / "counts.csv")
+    assert reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "4", "--only", "fake"]) == 0
+    cells, counts = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    assert (cells["study"] == "other").sum() == 1 and counts.loc["other", "within"] == 1  # kept as it was
+    assert (cells["study"] == "fake").sum() > 1 and counts.loc["fake"].sum() == (cells["study"] == "fake").sum()
+
+
 def test_timings_come_from_the_manifests(fake, tmp_path):
     pipeline.results("fake", "ci", root=tmp_path)
     table = timings("ci", root=tmp_path)
