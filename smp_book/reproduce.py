@@ -7,7 +7,8 @@ spread, and a report in ``results/<scale>/reproduction-seed-<N>/`` that never re
 Numbers equal to a relative 1e-6 are ``equal``; with replicates (``X_mean`` beside ``X_std`` and
 ``X_replicates``) a cell is ``within`` or ``outside`` its spread by Welch's test at level :data:`ALPHA` (one
 replicate's table beside ``X_std``: two single draws); other numbers ``equal`` or ``differs``; timings are not
-judged; verdicts and flags are ``same`` or ``changed``; criteria and evidence are ``text``.
+judged; verdicts and flags are ``same`` or ``changed``; criteria and evidence, and numbers formatted for a page
+(``X ± s``, tables named ``*_shown``: their numbers are judged where they come from), are ``text``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _judge(table: str, column: str, old, new, old_spread, new_spread) -> tuple[s
     number = (int, float, np.integer, np.floating)
     if any(w in f"{table} {column}".lower() for w in ("seconds", "wall", "time_s", "elapsed")):
         return "timing", math.nan
+    if table.endswith("_shown") or any("±" in str(v) for v in (old, new)):  # numbers formatted for a page:
+        return "text", math.nan  # they are judged in the tables they were formatted from
     if not (isinstance(old, number) and isinstance(new, number)) or isinstance(old, bool | np.bool_):
         return ("text" if column.lower() in ("claim", "criterion", "evidence", "note", "notes")
                 else "same" if str(old) == str(new) else "changed"), math.nan

@@ -138,6 +138,14 @@ def test_the_report_judges_each_cell(fake, tmp_path):
     assert verdicts.loc[("flags", "m", "resolved")] == "changed"
 
 
+def test_numbers_formatted_for_a_page_are_text_in_the_report():
+    judge = reproduce._judge
+    assert judge("ratios_mean", "ratio", 0.99, 0.98, None, None)[0] == "differs"
+    assert judge("ratios", "ratio", "0.994 ± 0.044", "0.987 ± 0.030", None, None)[0] == "text"
+    assert judge("agreement_shown", "agrees", "none", "1000", None, None)[0] == "text"
+    assert judge("agreement", "agrees", "none", "1000", None, None)[0] == "changed"
+
+
 def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monkeypatch):
     committed, work = tmp_path / "results", tmp_path / "work"
     monkeypatch.setattr(reproduce, "RESULTS", committed)
