@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.installed-stamp
 JB_CACHE    := _build/.jupyter_cache
 BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchmarks
 
-.PHONY: book reproduce test venv lint unit unit-capabilities nbval mathjax browser-deps browser-test bench bench-smoke clean
+.PHONY: book reproduce test unit-then-book venv lint unit unit-capabilities nbval mathjax browser-deps browser-test bench bench-smoke clean
 
 venv: $(STAMP)
 
@@ -48,16 +48,20 @@ reproduce: venv mathjax
 	$(BIN)/python -m smp_book.reproduce --scale $(SCALE) $(if $(SEED_OFFSET),--seed-offset $(SEED_OFFSET))
 	$(MAKE) book
 
-## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), then the book
+## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), the book
 ## readers get (make book: the laptop notebooks from the committed results only, -W -n), opened in a browser.
+## pytest then the book, and nbval, run side by side with one thread each (they share no file: nbval's JAX
+## programs go to a folder of their own, since JAX writes its cache unlocked); each line of output is kept whole.
 test: venv mathjax
 	$(BIN)/python -m smp_book.mnist data
 	$(MAKE) lint
-	$(MAKE) unit
-	$(MAKE) nbval
-	$(MAKE) book
+	OMP_NUM_THREADS=1 $(MAKE) -j2 --output-sync=line unit-then-book nbval
 	$(MAKE) browser-deps
 	$(MAKE) browser-test
+
+unit-then-book:
+	$(MAKE) unit
+	$(MAKE) book
 
 lint:
 	$(BIN)/ruff check .
@@ -85,7 +89,8 @@ nbval: venv
 	  $(BIN)/papermill --log-level WARNING --prepare-only -k python3 build/notebooks/$$nb.ipynb \
 	    build/notebooks/$$nb.ipynb -p scale ci || exit 1; \
 	done
-	$(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider $(addprefix build/notebooks/,$(addsuffix .ipynb,$(NOTEBOOKS)))
+	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax-nbval $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider \
+	  --durations=10 $(addprefix build/notebooks/,$(addsuffix .ipynb,$(NOTEBOOKS)))
 
 # MathJax 3 from the npm registry (pinned SHA-512), served from book/static so the book reads offline.
 mathjax:
