@@ -447,7 +447,8 @@ def _(ev):
         values = Results(folder).values if (folder / "manifest.json").exists() else {}
         if "fisher_zero_fraction" in values:
             fractions[f"{scale} scale's MAP (seed {values.get('map_seed', '?')})"] = values["fisher_zero_fraction"]
-    return ([Condition("more than half", [f - 0.5 for f in fractions.values()])],
+    # the fraction of one MAP is exact (no random error once the MAP is given): one condition per MAP
+    return ([Condition(f"more than half at the {k}", [f - 0.5], exact=True) for k, f in fractions.items()],
             "; ".join(f"{k}: {v:.1%}" for k, v in fractions.items()))
 
 
