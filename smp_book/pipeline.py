@@ -15,9 +15,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -114,8 +116,17 @@ def study_config(study: str, scale: str, params: dict[str, Any] | None = None) -
         raise ValueError(f"study: unknown study {study!r}; known: {', '.join(STUDIES)}")
     if scale not in SCALES:
         raise ValueError(f"scale: unknown scale {scale!r}; known: {', '.join(SCALES)}")
-    own = getattr(importlib.import_module(STUDIES[study]), "config", None)
+    own = getattr(_study_module(study), "config", None)
     return with_parameters(study, own(scale) if callable(own) else get_config(study, scale), params)
+
+
+def _study_module(study: str):
+    """``study``'s module when it defines ``config`` (imported), else ``None``: importing a study's module
+    (torch, JAX) takes seconds, which a chapter that only reads its results does not need to spend."""
+    name = STUDIES[study]
+    if name not in sys.modules and "\ndef config(" not in Path(importlib.util.find_spec(name).origin).read_text():
+        return None
+    return importlib.import_module(name)
 
 
 @dataclass
