@@ -14,9 +14,11 @@ the runs being the scale's replicates or streams). A condition is resolved again
 - one run: not resolved (there is no spread to judge the margin against);
 - an exact quantity (a formula, with no random error): by the sign of its margin.
 
-The verdict: *holds* if every condition is true, *does not hold* if every one is false, *partly* if some are
-true and some false, *not resolved* if no such split is certain because a condition is unresolved, and
-*not judged* where the register names no admissible evidence (the reason is the evidence).
+The verdict: *holds* if every condition is true; *partly* if some are true and some false; *does not hold* if
+some are false and none is true (a criterion is a conjunction: one part that fails outside the spread decides
+that the claim as stated fails, whatever the unresolved parts would show); *not resolved* if no condition is
+false and one is unresolved; *not judged* where the register names no admissible evidence (the reason is the
+evidence).
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ def verdict(conditions: list[Condition]) -> str:
         return "not judged"
     if all(f is True for f in flags):
         return "holds"
-    if all(f is False for f in flags):
-        return "does not hold"
-    return "partly" if True in flags and False in flags else "not resolved"
+    if False in flags:
+        return "partly" if True in flags else "does not hold"
+    return "not resolved"
 
 
 def count(verdicts) -> str:

@@ -35,7 +35,8 @@ def test_conditions_combine_into_one_word():
     yes, no, unsure = (Condition(n, m) for n, m in (("y", [1, 1, 1]), ("n", [-1, -1, -1]), ("u", [1, -1, 1])))
     assert verdict([yes, yes]) == "holds" and verdict([no, no]) == "does not hold"
     assert verdict([yes, no]) == "partly" and verdict([yes, no, unsure]) == "partly"
-    assert verdict([yes, unsure]) == "not resolved" and verdict([no, unsure]) == "not resolved"
+    assert verdict([yes, unsure]) == "not resolved" and verdict([unsure, unsure]) == "not resolved"
+    assert verdict([no, unsure]) == "does not hold"  # one part fails outside the spread, none holds
     assert verdict([]) == "not judged"
     assert register.count(["holds", "holds", "not resolved", "does not hold"]) == (
         "2 hold, 1 does not hold, 1 not resolved")
