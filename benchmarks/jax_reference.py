@@ -18,8 +18,9 @@ random numbers (``jax.random``), so it agrees with ``run_smp`` in distribution, 
 (``tests/book/test_jax_reference.py`` compares the two within Monte Carlo error). How it runs: the
 covariates and uniforms of a chunk of steps are drawn at once and the chunk runs as one compiled
 ``lax.scan`` (a chunk is T steps for ``periodic``, so that the Fisher is recomputed between chunks);
-``fixed`` and ``periodic`` invert each block once per Fisher, ``ema`` solves its blocks at every step,
-batched over the chains. No divergence checks: a chain that leaves the finite numbers stays NaN, and
+``fixed`` and ``periodic`` invert each block once per Fisher; ``ema`` solves its blocks at every step by a
+Cholesky factorisation unrolled over the entries of a block, each entry a vector over the chains (the statistic
+is held as ``(n, n, S)`` per block, the chains last), so that the compiled step makes no per-chain LAPACK call. No divergence checks: a chain that leaves the finite numbers stays NaN, and
 :func:`run` counts such chains.
 """
 
@@ -96,21 +97,38 @@ def _apply(inverse, structure: str, s: jax.Array) -> jax.Array:
     return jnp.concatenate(parts, axis=1)
 
 
+def _cholesky_solve(m: jax.Array, ridge: float, s: jax.Array) -> jax.Array:
+    """``(m + lambda I)^{-1} s`` for every chain: ``m`` ``(n, n, S)`` (its lower triangle is read), ``s`` ``(n, S)``;
+    the Cholesky factor, then the two triangular solves, written out entry by entry on vectors over the chains."""
+    n = m.shape[0]
+    low = {}
+    for j in range(n):
+        low[j, j] = jnp.sqrt(m[j, j] + ridge - sum((low[j, k] ** 2 for k in range(j)), 0.0))
+        for i in range(j + 1, n):
+            low[i, j] = (m[i, j] - sum((low[i, k] * low[j, k] for k in range(j)), 0.0)) / low[j, j]
+    y = []
+    for i in range(n):
+        y.append((s[i] - sum((low[i, k] * y[k] for k in range(i)), 0.0)) / low[i, i])
+    x = [None] * n
+    for i in reversed(range(n)):
+        x[i] = (y[i] - sum((low[k, i] * x[k] for k in range(i + 1, n)), 0.0)) / low[i, i]
+    return jnp.stack(x)
+
+
 def _solve(stat, structure: str, ridge: float, s: jax.Array) -> jax.Array:
-    """``(I_hat + lambda I)^{-1} s`` per chain, for the EMA's statistic of this step."""
+    """``(I_hat + lambda I)^{-1} s`` per chain, for the EMA's statistic of this step (``s`` ``(S, d)``)."""
     if structure == "diag":
         return s / (stat + ridge)
-    parts = []
-    for m, (a, n) in zip(stat, _blocks(structure), strict=True):
-        factor = jnp.linalg.cholesky(m + ridge * jnp.eye(n, dtype=m.dtype))
-        parts.append(jax.scipy.linalg.cho_solve((factor, True), s[:, a:a + n, None])[..., 0])
-    return jnp.concatenate(parts, axis=1)
+    lanes = s.T  # (d, S): the chains last, as the statistic holds them
+    return jnp.concatenate([_cholesky_solve(m, ridge, lanes[a:a + n]) for m, (a, n)
+                            in zip(stat, _blocks(structure), strict=True)]).T
 
 
 def _ema_update(stat, structure: str, beta: float, s: jax.Array):
     if structure == "diag":
         return beta * stat + (1 - beta) * s * s
-    return tuple(beta * m + (1 - beta) * s[:, a:a + n, None] * s[:, None, a:a + n]
+    lanes = s.T
+    return tuple(beta * m + (1 - beta) * lanes[a:a + n, None] * lanes[None, a:a + n]
                  for m, (a, n) in zip(stat, _blocks(structure), strict=True))
 
 
@@ -163,8 +181,10 @@ def run(variant: str, x_train, theta0, *, tau: float, n_steps: int, n_chains: in
     held = ()
     if structure != "none":
         start = _statistic(fisher(theta[0], x)[None], structure)  # one Fisher, shared by every chain
-        if strategy == "ema":
-            held = jax.tree_util.tree_map(lambda m: jnp.broadcast_to(m, (n_chains, *m.shape[1:])), start)
+        if strategy == "ema" and structure == "diag":
+            held = jnp.broadcast_to(start, (n_chains, DIM))
+        elif strategy == "ema":  # (n, n, S) per block: the chains last
+            held = tuple(jnp.broadcast_to(m[0][..., None], (*m.shape[1:], n_chains)) for m in start)
         else:
             held = _inverse(start, structure, ridge)
             if strategy == "periodic":  # per chain after the first recomputation: one shape throughout
@@ -179,5 +199,8 @@ def run(variant: str, x_train, theta0, *, tau: float, n_steps: int, n_chains: in
         if strategy == "periodic" and structure != "none" and done % period == 0:  # after step K too, as P_{K+1}
             held = _inverse(_statistic(_fisher_per_chain(theta, x), structure), structure, ridge)
     out = np.asarray(jax.block_until_ready(theta))
-    return {"theta": out, "non_finite": int((~np.isfinite(out).all(axis=1)).sum()),
-            "seconds": time.perf_counter() - started, "held": jax.tree_util.tree_map(np.asarray, held)}
+    seconds = time.perf_counter() - started
+    if strategy == "ema" and structure not in ("none", "diag"):
+        held = tuple(jnp.moveaxis(m, -1, 0) for m in held)  # (S, n, n), as the other strategies hold theirs
+    return {"theta": out, "non_finite": int((~np.isfinite(out).all(axis=1)).sum()), "seconds": seconds,
+            "held": jax.tree_util.tree_map(np.asarray, held)}
