@@ -6,6 +6,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 SCALE  ?= laptop
 # Notebooks of the book, in order (jupytext MyST sources in notebooks/; chapters notebooks/NAME of _toc.yml).
+# SCALE_FREE: notebooks that take no scale (they run the library live, at one size); make test runs them once, in
+# the book under -W, and nbval runs the others at ci scale.
+SCALE_FREE ?= usage
 NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines last_layer mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
 STAMP  := $(VENV)/.installed-stamp
 # Jupyter Book's cache of the executed notebooks (keyed by their code cells only), and what their outputs also
@@ -18,10 +21,15 @@ BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchm
 
 venv: $(STAMP)
 
+# The installed packages are byte-compiled once, on both cores (about 45 s): where PYTHONDONTWRITEBYTECODE is set,
+# as on the machines this book is built on, Python otherwise compiles torch, JAX and the rest from source in every
+# process it starts (about 8 s of CPU for `import torch, jax`), and make test starts about a hundred. The one file
+# left out is torch's test of Python 3.12 syntax, which 3.11 cannot compile.
 $(STAMP): pyproject.toml smp_book/pyproject.toml smp_book/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -c smp_book/constraints.txt -e ".[fast]" -e "./smp_book[dev]"
+	$(BIN)/python -m compileall -q -j 0 -x py312_intrinsics "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	@touch $(STAMP)
 
 ## make book: `jupyter-book build book` (sources in book/, output in _build/html). Jupyter Book runs each notebook
@@ -48,8 +56,9 @@ reproduce: venv mathjax
 	$(BIN)/python -m smp_book.reproduce --scale $(SCALE) $(if $(SEED_OFFSET),--seed-offset $(SEED_OFFSET))
 	$(MAKE) book
 
-## make test: ruff, pytest, each notebook run once at ci scale under nbval (computing results/ci/), the book
-## readers get (make book: the laptop notebooks from the committed results only, -W -n), opened in a browser.
+## make test: ruff, pytest, each notebook run once: at ci scale under nbval (computing results/ci/), or, for the
+## SCALE_FREE ones, in the book readers get (make book: the laptop notebooks from the committed results only,
+## -W -n), which is then opened in a browser.
 ## pytest then the book, and nbval, run side by side with one thread each (they share no file: nbval's JAX
 ## programs go to a folder of their own, since JAX writes its cache unlocked); each line of output is kept whole.
 test: venv mathjax
@@ -80,17 +89,18 @@ capability-%:
 	ATEN_CPU_CAPABILITY=$* JAX_COMPILATION_CACHE_DIR=.cache/jax-$* $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  tests --ignore=tests/book/test_book_browser.py
 
-# Each notebook once at ci scale: jupytext converts it (into the gitignored build folder), papermill injects
+# Each notebook but the SCALE_FREE ones once at ci scale: jupytext converts it (into the gitignored build folder), papermill injects
 # scale = "ci" without running it (--prepare-only), and nbval runs it, failing on any error (outputs not compared).
+NBVAL_NOTEBOOKS = $(filter-out $(SCALE_FREE),$(NOTEBOOKS))
 nbval: venv
 	@mkdir -p build/notebooks
-	@for nb in $(NOTEBOOKS); do \
+	@for nb in $(NBVAL_NOTEBOOKS); do \
 	  $(BIN)/jupytext --quiet --to ipynb notebooks/$$nb.md -o build/notebooks/$$nb.ipynb || exit 1; \
 	  $(BIN)/papermill --log-level WARNING --prepare-only -k python3 build/notebooks/$$nb.ipynb \
 	    build/notebooks/$$nb.ipynb -p scale ci || exit 1; \
 	done
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax-nbval $(BIN)/python -m pytest -q --nbval-lax -p no:cacheprovider \
-	  --durations=10 $(addprefix build/notebooks/,$(addsuffix .ipynb,$(NOTEBOOKS)))
+	  --durations=10 $(addprefix build/notebooks/,$(addsuffix .ipynb,$(NBVAL_NOTEBOOKS)))
 
 # MathJax 3 from the npm registry (pinned SHA-512), served from book/static so the book reads offline.
 mathjax:

@@ -1,5 +1,6 @@
-"""The registry of notebooks: every notebook in notebooks/ is run once at ci scale by `make test` (under
-nbval, the Makefile's NOTEBOOKS) and is a chapter of the book (notebooks/NAME in _toc.yml, whose paths are
+"""The registry of notebooks: every notebook in notebooks/ is run once by `make test` (at ci scale under nbval,
+the Makefile's NOTEBOOKS, or in the book's build for the SCALE_FREE ones, which take no scale) and is a chapter
+of the book (notebooks/NAME in _toc.yml, whose paths are
 relative to book/); nothing listed is missing."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _makefile_notebooks() -> list[str]:
-    match = re.search(r"^NOTEBOOKS \?= (.+)$", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
-    assert match, "the Makefile has no NOTEBOOKS ?= line"
+def _makefile_notebooks(name: str = "NOTEBOOKS") -> list[str]:
+    match = re.search(rf"^{name} \?= (.+)$", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+    assert match, f"the Makefile has no {name} ?= line"
     return match.group(1).split()
 
 
@@ -26,6 +27,12 @@ def test_every_notebook_is_run_and_in_the_book():
     sources = sorted(p.stem for p in (ROOT / "notebooks").glob("*.md"))
     listed = _makefile_notebooks()
     assert sorted(listed) == sources, "notebooks/*.md and the Makefile's NOTEBOOKS differ"
+    for name in _makefile_notebooks("SCALE_FREE"):  # nbval leaves them to the book: they must take no scale
+        assert name in sources, f"SCALE_FREE names {name}, which notebooks/ does not hold"
+        code = "\n".join(re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (ROOT / "notebooks" / f"{name}.md").read_text(),
+                                    flags=re.DOTALL))
+        assert not re.search(r"\bscale\b", code.replace('scale = "laptop"', "", 1)), (
+            f"{name} is SCALE_FREE in the Makefile but its code uses its scale: nbval must run it at ci scale")
     in_toc = _toc_notebooks()
     missing = [name for name in sources if name not in in_toc]
     assert not missing, f"notebooks missing from _toc.yml (as `file: notebooks/NAME`): {missing}"
