@@ -20,8 +20,8 @@ covariates and uniforms of a chunk of steps are drawn at once and the chunk runs
 ``lax.scan`` (a chunk is T steps for ``periodic``, so that the Fisher is recomputed between chunks);
 ``fixed`` and ``periodic`` invert each block once per Fisher; ``ema`` solves its blocks at every step by a
 Cholesky factorisation unrolled over the entries of a block, each entry a vector over the chains (the statistic
-is held as ``(n, n, S)`` per block, the chains last), so that the compiled step makes no per-chain LAPACK call. No divergence checks: a chain that leaves the finite numbers stays NaN, and
-:func:`run` counts such chains.
+is held as ``(n, n, S)`` per block, the chains last), so that the compiled step makes no per-chain LAPACK call.
+No divergence checks: a chain that leaves the finite numbers stays NaN, and :func:`run` counts such chains.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ from typing import Any
 
 from .results import ROOT
 
-PACKAGES = ("torch", "numpy", "jax", "numpyro", "scipy", "pandas", "matplotlib", "smp_core")
+PACKAGES = ("torch", "numpy", "jax", "jaxlib", "numpyro", "scipy", "pandas", "matplotlib", "laplace-torch",
+            "curvlinops-for-pytorch", "smp_core")  # laplace-torch and curvlinops fit the baselines
 
 
 def cpu_model() -> str:

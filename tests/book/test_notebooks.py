@@ -29,8 +29,8 @@ def test_every_notebook_is_run_and_in_the_book():
     assert sorted(listed) == sources, "notebooks/*.md and the Makefile's NOTEBOOKS differ"
     for name in _makefile_notebooks("SCALE_FREE"):  # nbval leaves them to the book: they must take no scale
         assert name in sources, f"SCALE_FREE names {name}, which notebooks/ does not hold"
-        code = "\n".join(re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", (ROOT / "notebooks" / f"{name}.md").read_text(),
-                                    flags=re.DOTALL))
+        text = (ROOT / "notebooks" / f"{name}.md").read_text()
+        code = "\n".join(re.findall(r"```\{code-cell\}[^\n]*\n(.*?)```", text, flags=re.DOTALL))
         assert not re.search(r"\bscale\b", code.replace('scale = "laptop"', "", 1)), (
             f"{name} is SCALE_FREE in the Makefile but its code uses its scale: nbval must run it at ci scale")
     in_toc = _toc_notebooks()

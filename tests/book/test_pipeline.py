@@ -69,6 +69,10 @@ def test_computed_once_then_read_back_equal(fake, tmp_path):
     assert again.values["best"] == pytest.approx(again.table("scores_mean")["score"].max())
     manifest = json.loads((tmp_path / "ci" / "fake" / "manifest.json").read_text())
     assert manifest["config"] == {"n": 3, "scale": "ci", "shift": 0.0} and manifest["code"] == "c0de"
+    # the versions of what computes the numbers, the baselines' laplace-torch and curvlinops included
+    packages = manifest["environment"]["packages"]
+    assert {"torch", "jax", "jaxlib", "numpyro", "laplace-torch", "curvlinops-for-pytorch"} <= set(packages)
+    assert packages["laplace-torch"] and packages["torch"]
 
 
 def test_other_settings_recompute_and_other_code_is_shown_with_a_note(fake, tmp_path, monkeypatch):
