@@ -12,6 +12,30 @@ from .register import FIXED, PERIODIC
 from .results import ROOT, Results
 
 
+def start_mismatch(scores: pd.DataFrame, still: str, images: int, tolerance: int = 10) -> str | None:
+    """A warning when the row ``still`` (a run that barely moves from its start: SMP-none) has a test accuracy
+    more than ``tolerance`` of the ``images`` test images away from the ``MAP`` row's: then the two did not
+    start from the same MAP. ``None`` when they agree."""
+    ours, theirs = scores.loc[still], scores.loc["MAP"]
+    if abs(ours["accuracy"] - theirs["accuracy"]) * images <= tolerance:
+        return None
+    return (f"The last-layer rows did not start from the MAP of the rows beside them. `{still}`, which barely "
+            f"moves from its start (mutual information {ours['mutual_info']:.1e}), has test accuracy "
+            f"{ours['accuracy']:.4f} and NLL {ours['nll']:.4f}, against the `MAP` row's {theirs['accuracy']:.4f} and "
+            f"{theirs['nll']:.4f}: their recomputation trained the MAP again, on another processor or thread count "
+            "than the MAP of the MNIST chapters' committed runs, and got another MAP (the chapter *The reproduction "
+            "report* says how). Their leads over the MAP and their verdict "
+            "`helps under shift` are measured against the MAP they started from, not the `MAP` row shown, and the "
+            "comparison with the whole-network rows mixes two MAPs until the MNIST chapters are recomputed from one.")
+
+
+def reversals(replicates: pd.Series, leader: str, other: str) -> int:
+    """In how many replicates ``other`` is below ``leader`` (a series indexed by ``(replicate, method)``, lower
+    better): how often the order of two replicate means is reversed in a single replicate."""
+    table = replicates.unstack("method")
+    return int((table[other] < table[leader]).sum())
+
+
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
     """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one
     replicate), and "-" where a method has no value."""

@@ -197,3 +197,21 @@ def test_fisher_images_in_words_pairs_the_replicates_and_says_which_way_the_gap_
     swapped = show.fisher_images_in_words(ours=1000, theirs=500, paper_run=paper_run)
     assert ("away from" in words) == (ratio.mean() < 1) and ("toward" in swapped) == (ratio.mean() < 1)
     assert show.fisher_images_in_words(ours=500, theirs=777) is None  # no such run
+
+
+def test_reversals_count_the_replicates_where_the_order_of_the_means_turns():
+    from smp_book.show import reversals
+
+    index = pd.MultiIndex.from_product([range(3), ["a", "b"]], names=["replicate", "method"])
+    values = pd.Series([0.1, 0.2, 0.3, 0.25, 0.1, 0.4], index=index)  # b below a in replicate 1 only
+    assert reversals(values, "a", "b") == 1 and reversals(values, "b", "a") == 2
+
+
+def test_a_run_that_did_not_start_from_the_maps_row_is_named():
+    from smp_book.show import start_mismatch
+
+    scores = pd.DataFrame({"accuracy": [0.9849, 0.9847, 0.9818], "nll": [0.0446, 0.0447, 0.0555],
+                           "mutual_info": [0.0, 3e-6, 3e-6]}, index=["MAP", "same start", "other start"])
+    assert start_mismatch(scores, "same start", images=10_000) is None  # 2 images apart: within 10
+    text = start_mismatch(scores, "other start", images=10_000)  # 31 images apart
+    assert "0.9818" in text and "0.9849" in text and "did not start from the MAP" in text
