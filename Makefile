@@ -12,10 +12,11 @@ SCALE_FREE ?= usage
 NOTEBOOKS ?= usage toy toy_baselines toy_kfac toy_tail mnist mnist_baselines last_layer mnist_seeds mnist_growth mnist_kfac mnist_tail regression summary how_to_run reproduction
 STAMP  := $(VENV)/.installed-stamp
 # Jupyter Book's cache of the executed notebooks (keyed by their code cells only), and what their outputs also
-# depend on (the results the book shows, at laptop and paper scale; the code; the saved benchmark outputs): when
-# anything there is newer than the cache's stamp, `make book` empties the cache first.
+# depend on (the results the book shows, at laptop and paper scale; the code; the saved benchmark outputs; the
+# venv's install stamp, so that new packages run every notebook again, usage included, which only the book runs):
+# when anything there is newer than the cache's stamp, `make book` empties the cache first.
 JB_CACHE    := _build/.jupyter_cache
-BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchmarks
+BOOK_INPUTS := $(wildcard results/laptop results/paper) smp_book smp_core benchmarks $(STAMP)
 
 .PHONY: book reproduce test unit-then-book venv lint unit unit-capabilities nbval mathjax browser-deps browser-test bench bench-smoke clean
 

@@ -24,8 +24,8 @@ def start_mismatch(scores: pd.DataFrame, still: str, images: int, tolerance: int
             f"{ours['accuracy']:.4f} and NLL {ours['nll']:.4f}, against the `MAP` row's {theirs['accuracy']:.4f} and "
             f"{theirs['nll']:.4f}: their recomputation trained the MAP again, on another processor or thread count "
             "than the MAP of the MNIST chapters' committed runs, and got another MAP (the chapter *The reproduction "
-            "report* says how). Their leads over the MAP and their verdict "
-            "`helps under shift` are measured against the MAP they started from, not the `MAP` row shown, and the "
+            "report* says how). Their leads over the MAP and their verdict `helps under shift` are measured against "
+            "the MAP they started from, not the `MAP` row shown (whose ECE sets the bar of `calibrated`), and the "
             "comparison with the whole-network rows mixes two MAPs until the MNIST chapters are recomputed from one.")
 
 
