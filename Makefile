@@ -30,7 +30,8 @@ $(STAMP): pyproject.toml smp_book/pyproject.toml smp_book/constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -c smp_book/constraints.txt -e ".[fast]" -e "./smp_book[dev]"
-	$(BIN)/python -m compileall -q -j 0 -x py312_intrinsics "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(BIN)/python -m compileall -q -j 0 -x py312_intrinsics \
+	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 	@touch $(STAMP)
 
 ## make book: `jupyter-book build book` (sources in book/, output in _build/html). Jupyter Book runs each notebook
@@ -90,8 +91,9 @@ capability-%:
 	ATEN_CPU_CAPABILITY=$* JAX_COMPILATION_CACHE_DIR=.cache/jax-$* $(BIN)/python -m pytest -q -p no:cacheprovider \
 	  tests --ignore=tests/book/test_book_browser.py
 
-# Each notebook but the SCALE_FREE ones once at ci scale: jupytext converts it (into the gitignored build folder), papermill injects
-# scale = "ci" without running it (--prepare-only), and nbval runs it, failing on any error (outputs not compared).
+# Each notebook but the SCALE_FREE ones once at ci scale: jupytext converts it (into the gitignored build folder),
+# papermill injects scale = "ci" without running it (--prepare-only), and nbval runs it, failing on any error
+# (outputs not compared).
 NBVAL_NOTEBOOKS = $(filter-out $(SCALE_FREE),$(NOTEBOOKS))
 nbval: venv
 	@mkdir -p build/notebooks
