@@ -66,19 +66,20 @@ def _canonical(value: Any) -> Any:
 
 
 @functools.cache
-def code_hash(module: str) -> str:
+def code_hash(module: str, root: Path = ROOT) -> str:
     """A hash of the code a result of ``module`` (``"smp_book.toy_study"``) rests on: every file of ``smp_core``
-    (the C++ kernel's sources too), ``module`` and, transitively, the modules :data:`DEPENDS` names for it."""
-    book, names, todo = ROOT / "smp_book", set(), [module.removeprefix("smp_book.")]
+    (the C++ kernel's sources too), ``module`` and, transitively, the modules :data:`DEPENDS` names for it (those
+    under ``root``: another checkout gives that code's hash)."""
+    book, names, todo = Path(root) / "smp_book", set(), [module.removeprefix("smp_book.")]
     while todo:
         name = todo.pop()
         if name not in names:
             names.add(name)
             todo += DEPENDS.get(name, ())
-    files = sorted(p for p in (ROOT / "smp_core").rglob("*") if p.suffix in (".py", ".cpp", ".h", ".cu"))
+    files = sorted(p for p in (Path(root) / "smp_core").rglob("*") if p.suffix in (".py", ".cpp", ".h", ".cu"))
     digest = hashlib.sha256()
     for path in files + [book / f"{name}.py" for name in sorted(names)]:
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -181,48 +181,5 @@ def read_report(scale: str, root: str | Path = RESULTS, name: str = "reproductio
     return pd.read_csv(folder / "cells.csv"), counts
 
 
-def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.DataFrame, pd.DataFrame]]:
-    """The reports of the reruns on other random streams (``--seed-offset``), by offset."""
-    found = {int(f.name.rsplit("-", 1)[1]): read_report(scale, root, f.name)
-             for f in sorted((Path(root) / scale).glob("reproduction-seed-*"))}
-    return {offset: report for offset, report in found.items() if report is not None}
-
-
-def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
-    """The MNIST cells of a rerun on other streams judged against the spread over MAPs.
-
-    A rerun with its seed moved trains another MAP, so its ``X_mean`` (the mean of its SMP replicates from
-    that MAP) and the committed one each vary by the MAP and by the streams. The MAP-seeds chapter's
-    ``X_std`` is the standard deviation of that very quantity over its MAPs (same settings, the same number
-    of replicates per MAP), so the difference of two such means has sd ``sqrt(2) X_std``, estimated with
-    ``n_maps - 1`` degrees of freedom: Student's t at level :data:`ALPHA`. Returns the MNIST ``X_mean`` cells
-    the MAP-seeds chapter has a spread for, with ``p`` and ``verdict`` (``within`` / ``outside`` / ``equal``)."""
-    from scipy.stats import t as student
-
-    seeds = Results(Path(root) / scale / "mnist_seeds")
-    mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
-    spreads = {table: _spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None
-    rows = []
-    for table, row, column, committed, new in mnist[["table", "row", "column", "committed", "new"]].itertuples(
-            index=False):
-        spread = spreads[table]
-        if spread is None or row not in spread[0].index.astype(str) or column not in spread[0].columns:
-            continue
-        sd, n = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
-        sd, n_maps = float(sd), int(n)
-        old, fresh = float(committed), float(new)
-        if np.isclose(old, fresh, rtol=1e-6, atol=1e-12, equal_nan=True):
-            p, verdict = math.nan, "equal"
-        elif not (np.isfinite(sd) and sd > 0):
-            p, verdict = math.nan, "differs"
-        else:
-            p = float(2 * student.sf(abs(fresh - old) / (math.sqrt(2) * sd), df=n_maps - 1))
-            verdict = "within" if p >= ALPHA else "outside"
-        rows.append({"table": table, "row": row, "column": column, "committed": old, "new": fresh,
-                     "sd_maps": sd, "n_maps": n_maps, "p": p, "verdict": verdict})
-    return pd.DataFrame(rows, columns=["table", "row", "column", "committed", "new", "sd_maps", "n_maps", "p",
-                                       "verdict"])
-
-
 if __name__ == "__main__":
     raise SystemExit(main())

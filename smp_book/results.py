@@ -72,20 +72,3 @@ def note(text: str) -> None:
         return
     if get_ipython() is not None:
         display(Markdown(f":::{{note}}\n{text}\n:::"))
-
-
-def timings(scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
-    """Wall time, machine and load note of every study's results at ``scale``, from their manifests."""
-    rows = []
-    from .pipeline import STUDIES
-
-    for study in STUDIES:
-        try:
-            manifest = Results(Path(root) / scale / study).manifest
-        except FileNotFoundError:
-            continue
-        env = manifest.get("environment", {})
-        rows.append({"chapter": study, "minutes": round(manifest["wall_time_s"] / 60, 1),
-                     "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
-                     "note": manifest.get("timing_note", "")})
-    return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from .register import FIXED, PERIODIC
-from .results import ROOT, Results
+from .results import RESULTS, ROOT, Results
 
 
 def start_mismatch(scores: pd.DataFrame, still: str, images: int, tolerance: int = 10) -> str | None:
@@ -122,7 +124,6 @@ def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.Da
     """``df`` for display: floats rounded to ``digits`` decimals (``significant=True``: to ``digits``
     significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)
     as ``-``."""
-    import math
 
     def cell(v):
         if isinstance(v, bool | np.bool_):
@@ -487,3 +488,67 @@ def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
         return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
     return ", ".join(f"{words.get(n, str(n))} stream{'s' * (n != 1)} of {listed(ms)}" for n, ms in groups)
+
+
+def timings(scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
+    """Wall time, machine and load note of every study's results at ``scale``, from their manifests."""
+    from .pipeline import STUDIES
+
+    rows = []
+    for study in STUDIES:
+        try:
+            manifest = Results(Path(root) / scale / study).manifest
+        except FileNotFoundError:
+            continue
+        env = manifest.get("environment", {})
+        rows.append({"chapter": study, "minutes": round(manifest["wall_time_s"] / 60, 1),
+                     "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
+                     "note": manifest.get("timing_note", "")})
+    return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")
+
+
+def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.DataFrame, pd.DataFrame]]:
+    """The reports of the reruns on other random streams (``--seed-offset``), by offset."""
+    from .reproduce import read_report
+
+    found = {int(f.name.rsplit("-", 1)[1]): read_report(scale, root, f.name)
+             for f in sorted((Path(root) / scale).glob("reproduction-seed-*"))}
+    return {offset: report for offset, report in found.items() if report is not None}
+
+
+def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
+    """The MNIST cells of a rerun on other streams judged against the spread over MAPs.
+
+    A rerun with its seed moved trains another MAP, so its ``X_mean`` (the mean of its SMP replicates from
+    that MAP) and the committed one each vary by the MAP and by the streams. The MAP-seeds chapter's
+    ``X_std`` is the standard deviation of that very quantity over its MAPs (same settings, the same number
+    of replicates per MAP), so the difference of two such means has sd ``sqrt(2) X_std``, estimated with
+    ``n_maps - 1`` degrees of freedom: Student's t at level :data:`ALPHA`. Returns the MNIST ``X_mean`` cells
+    the MAP-seeds chapter has a spread for, with ``p`` and ``verdict`` (``within`` / ``outside`` / ``equal``)."""
+    from scipy.stats import t as student
+
+    from .reproduce import ALPHA, _spread
+
+    seeds = Results(Path(root) / scale / "mnist_seeds")
+    mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
+    spreads = {table: _spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None
+    rows = []
+    for table, row, column, committed, new in mnist[["table", "row", "column", "committed", "new"]].itertuples(
+            index=False):
+        spread = spreads[table]
+        if spread is None or row not in spread[0].index.astype(str) or column not in spread[0].columns:
+            continue
+        sd, n = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
+        sd, n_maps = float(sd), int(n)
+        old, fresh = float(committed), float(new)
+        if np.isclose(old, fresh, rtol=1e-6, atol=1e-12, equal_nan=True):
+            p, verdict = math.nan, "equal"
+        elif not (np.isfinite(sd) and sd > 0):
+            p, verdict = math.nan, "differs"
+        else:
+            p = float(2 * student.sf(abs(fresh - old) / (math.sqrt(2) * sd), df=n_maps - 1))
+            verdict = "within" if p >= ALPHA else "outside"
+        rows.append({"table": table, "row": row, "column": column, "committed": old, "new": fresh,
+                     "sd_maps": sd, "n_maps": n_maps, "p": p, "verdict": verdict})
+    return pd.DataFrame(rows, columns=["table", "row", "column", "committed", "new", "sd_maps", "n_maps", "p",
+                                       "verdict"])

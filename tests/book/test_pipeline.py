@@ -10,7 +10,8 @@ import pandas as pd
 import pytest
 
 from smp_book import pipeline, reproduce
-from smp_book.results import Results, timings
+from smp_book.results import Results
+from smp_book.show import judge_by_map_seeds, timings
 
 CALLS = []
 
@@ -406,7 +407,7 @@ def test_a_rerun_with_another_map_is_judged_against_the_spread_over_maps(fake, t
                           "column": ["score", "score", "score", "seconds"],
                           "committed": 1.0, "new": [1.0 + sd, 1.0 + 40 * sd, 1.0, 9.0],
                           "verdict": ["outside", "outside", "equal", "timing"]})
-    judged = reproduce.judge_by_map_seeds(cells, "ci", root=tmp_path)
+    judged = judge_by_map_seeds(cells, "ci", root=tmp_path)
     assert list(judged["verdict"]) == ["within", "outside", "equal"]  # the timing is not judged
     assert judged["p"].iloc[0] == pytest.approx(2 * student.sf(1 / np.sqrt(2), df=2))
     assert (judged["n_maps"] == 3).all()

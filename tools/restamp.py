@@ -1,0 +1,61 @@
+"""Carry results over a change of code that moves no number: give their manifests the new code hash and re-key
+the cached runs, so that neither the book's note nor a later recomputation treats them as another code's.
+
+    python tools/restamp.py /path/to/old/checkout toy,toy_kfac    # after tools/study_check.py printed "equal"
+
+For each study named, every results folder of it (``results/<scale>/<study>``, ``results/custom/*-<study>-*``)
+whose manifest holds the old checkout's code hash gets the current one; every cached run under ``.cache/`` whose
+key holds the old hash of the study's module, or of a module it depends on, gets the new one (the file is
+rewritten under its new key). Nothing else changes; the script prints what it did.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from smp_book.pipeline import CACHE, DEPENDS, RESULTS, STUDIES, code_hash, config_key
+
+
+def closure(module: str) -> set[str]:
+    names, todo = set(), [module.removeprefix("smp_book.")]
+    while todo:
+        if (name := todo.pop()) not in names:
+            names.add(name)
+            todo += DEPENDS.get(name, ())
+    return {f"smp_book.{name}" for name in names}
+
+
+def main(old_root: Path, studies: list[str]) -> None:
+    if unknown := [s for s in studies if s not in STUDIES]:
+        raise SystemExit(f"studies: unknown {unknown}; known: {', '.join(STUDIES)}")
+    modules = set().union(*(closure(STUDIES[s]) for s in studies))
+    moved = {code_hash(m, old_root): code_hash(m) for m in sorted(modules)}
+    moved = {old: new for old, new in moved.items() if old != new}
+    for study in studies:
+        old, new = code_hash(STUDIES[study], old_root), code_hash(STUDIES[study])
+        for folder in [*RESULTS.glob(f"*/{study}"), *RESULTS.glob(f"custom/*-{study}-*")]:
+            path = folder / "manifest.json"
+            manifest = json.loads(path.read_text()) if path.exists() else {}
+            if manifest.get("code") == old and old != new:
+                path.write_text(json.dumps({**manifest, "code": new}, indent=2, default=str))
+                print(f"{folder.relative_to(RESULTS.parent)}: code {old} -> {new}")
+    for path in sorted(CACHE.rglob("*.pt")):
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+        key = payload.get("config") if isinstance(payload, dict) else None
+        if not isinstance(key, dict) or key.get("code") not in moved:
+            continue
+        key = {**key, "code": moved[key["code"]]}
+        target = path.with_name(f"{config_key(key)}.pt")
+        if target.exists():
+            raise SystemExit(f"{target} exists already: left {path} as it was")
+        torch.save({**payload, "config": key}, target)
+        path.unlink()
+        print(f"{path.relative_to(CACHE.parent)} -> {target.name}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        raise SystemExit(__doc__)
+    main(Path(sys.argv[1]), sys.argv[2].split(","))
