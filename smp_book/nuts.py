@@ -1,18 +1,16 @@
 """The NUTS baseline of the toy example (Section 3.2.2 of the paper), in JAX + NumPyro.
 
-One NUTS chain on the posterior of the 2-3-2-1 GELU network of Section 3.2.1, prior
-``theta ~ N(0, I_20)``, likelihood ``y_i ~ Bernoulli(sigma(g(x_i, theta)))``; its sample mean is the
-point estimate ``NUTS-mean`` that initialises SMP. The posterior is multimodal (at least through the
-permutations of hidden units), and the mean of a chain that wanders between symmetric modes is a poor
-classifier. Three defences: :func:`run_nuts` starts the chain at a MAP (:func:`find_map`), relabels
-every draw by the exact hidden-unit permutation (3! x 2! = 12) closest to the running mean
-(:func:`align_hidden_units`; predictions unchanged, the chain as drawn stays in ``raw_samples``), and
+One NUTS chain on the posterior of the 2-3-2-1 GELU network of Section 3.2.1, prior ``theta ~ N(0, I_20)``,
+likelihood ``y_i ~ Bernoulli(sigma(g(x_i, theta)))``; its sample mean is the point estimate ``NUTS-mean`` that
+initialises SMP. The posterior is multimodal (at least through the permutations of hidden units), and the mean of a
+chain that wanders between symmetric modes is a poor classifier. Three defences: :func:`run_nuts` starts the chain
+at a MAP (:func:`find_map`), relabels every draw by the exact hidden-unit permutation (3! x 2! = 12) closest to the
+running mean (:func:`align_hidden_units`; predictions unchanged, the chain as drawn stays in ``raw_samples``), and
 :func:`check_nuts_mean` fails loudly when the mean predicts much worse than the ensemble.
 
 Everything runs in float64 inside ``jax.enable_x64(True)`` (the global setting is untouched) on the CPU
-(``jax_platforms`` is set to ``"cpu"`` at import when no platform was chosen). Order of the flat vector
-``theta`` (20,), that of ``ParamLayout.from_module(toy_mlp())``: W1 (3x2, row-major), b1 (3), W2 (2x3),
-b2 (2), W3 (1x2), b3 (1).
+(``jax_platforms`` is set to ``"cpu"`` at import when no platform was chosen). Order of the flat vector ``theta``
+(20,), that of ``ParamLayout.from_module(toy_mlp())``: W1 (3x2, row-major), b1 (3), W2 (2x3), b2 (2), W3 (1x2), b3 (1).
 """
 
 from __future__ import annotations
@@ -34,6 +32,8 @@ D_TOY = 20
 # (name, start, stop, shape) of every parameter tensor in the flat vector.
 _SLICES = (("W1", 0, 6, (3, 2)), ("b1", 6, 9, (3,)), ("W2", 9, 15, (2, 3)), ("b2", 15, 17, (2,)),
            ("W3", 17, 19, (1, 2)), ("b3", 19, 20, (1,)))
+# How much worse than the NUTS ensemble the NUTS-mean point estimate may predict (:func:`nuts_mean_passes`).
+MAX_ACCURACY_DROP, MAX_BRIER_INCREASE = 0.05, 0.02
 
 
 @contextlib.contextmanager
@@ -104,44 +104,41 @@ def permute_hidden_units(theta, perm1, perm2) -> np.ndarray:
     return np.concatenate([a.reshape(*batch, -1) for a in parts], axis=-1)
 
 
-def align_hidden_units(samples, reference=None, max_iter: int = 50) -> tuple[np.ndarray, np.ndarray]:
+def align_hidden_units(samples, reference) -> tuple[np.ndarray, np.ndarray]:
     """Relabel every draw by the hidden-unit permutation closest (Euclidean) to a reference.
 
-    The reference starts at ``reference`` (default: the first draw), then becomes the mean of the
-    relabelled draws until the labels stop changing (at most ``max_iter`` rounds); the common labelling
-    is finally chosen so that the most frequent label is the identity. Returns the relabelled draws
-    ``(S, 20)`` and each draw's index into :data:`HIDDEN_UNIT_PERMUTATIONS` ``(S,)`` (0: unchanged).
+    The reference starts at ``reference``, then becomes the mean of the relabelled draws until the labels stop
+    changing (at most 50 rounds); the common labelling is finally chosen so that the most frequent label is the
+    identity. Returns the relabelled draws ``(S, 20)`` and each draw's index into
+    :data:`HIDDEN_UNIT_PERMUTATIONS` ``(S,)`` (0: unchanged).
     """
     samples = np.atleast_2d(np.asarray(samples, dtype=np.float64))
-    ref = samples[0] if reference is None else np.asarray(reference, dtype=np.float64).reshape(-1)
     candidates = np.stack([permute_hidden_units(samples, p1, p2) for p1, p2 in HIDDEN_UNIT_PERMUTATIONS])
     rows = np.arange(samples.shape[0])
-    labels = None
-    for _ in range(max_iter):
-        new = ((candidates - ref) ** 2).sum(axis=-1).argmin(axis=0)
-        if labels is not None and np.array_equal(new, labels):
+
+    def closest(ref):  # each draw's label nearest to ref
+        return ((candidates - ref) ** 2).sum(axis=-1).argmin(axis=0)
+
+    labels = closest(np.asarray(reference, dtype=np.float64).reshape(-1))
+    for _ in range(49):
+        new = closest(candidates[labels, rows].mean(axis=0))
+        if np.array_equal(new, labels):
             break
         labels = new
-        ref = candidates[labels, rows].mean(axis=0)
     # Undo the most frequent permutation on the reference (distances are invariant under a common
     # permutation of both arguments), so that the majority of draws keeps its labels.
     p1, p2 = HIDDEN_UNIT_PERMUTATIONS[int(np.bincount(labels).argmax())]
-    ref = permute_hidden_units(ref, np.argsort(p1), np.argsort(p2))
-    labels = ((candidates - ref) ** 2).sum(axis=-1).argmin(axis=0)
+    labels = closest(permute_hidden_units(candidates[labels, rows].mean(axis=0), np.argsort(p1), np.argsort(p2)))
     return candidates[labels, rows], labels
 
 
 @dataclass
 class MapResult:
-    """The best restart of :func:`find_map` (``theta`` (20,), float64, and the random start it came from),
-    and the final and initial log posterior of every restart."""
+    """The best restart of :func:`find_map` (``theta`` (20,), float64), and every restart's final log posterior."""
 
     theta: np.ndarray
     log_posterior: float
-    init_theta: np.ndarray
-    init_log_posterior: float
     restart_log_posteriors: np.ndarray
-    restart_init_log_posteriors: np.ndarray
     converged: bool
 
 
@@ -167,19 +164,12 @@ def find_map(x, y, seed: int, num_restarts: int = 4, prior_scale: float = 1.0, s
             v, g = value_and_grad(jnp.asarray(t))
             return float(v), np.asarray(g, dtype=np.float64)
 
-        runs = []
-        for start in starts:
-            init_value = -fun(start)[0]
-            res = scipy.optimize.minimize(fun, start, jac=True, method="L-BFGS-B",
-                                          options={"maxiter": 5000, "gtol": 1e-6})
-            runs.append((-float(res.fun), init_value, res))
-    finals = np.array([r[0] for r in runs])
+        options = {"maxiter": 5000, "gtol": 1e-6}
+        fits = [scipy.optimize.minimize(fun, start, jac=True, method="L-BFGS-B", options=options) for start in starts]
+    finals = np.array([-float(fit.fun) for fit in fits])
     best = int(np.nanargmax(finals))
-    value, init_value, res = runs[best]
-    return MapResult(theta=np.asarray(res.x, dtype=np.float64), log_posterior=value,
-                     init_theta=starts[best].copy(), init_log_posterior=init_value,
-                     restart_log_posteriors=finals, restart_init_log_posteriors=np.array([r[1] for r in runs]),
-                     converged=bool(res.success))
+    return MapResult(theta=np.asarray(fits[best].x, dtype=np.float64), log_posterior=float(finals[best]),
+                     restart_log_posteriors=finals, converged=bool(fits[best].success))
 
 
 @dataclass
@@ -228,17 +218,15 @@ class NutsDiagnostics:
 
 @dataclass
 class NutsResult:
-    """``samples`` ``(num_samples, 20)`` float64 draws after warm-up, relabelled by :func:`align_hidden_units`;
-    ``raw_samples`` the chain as drawn; ``labels`` each draw's index into :data:`HIDDEN_UNIT_PERMUTATIONS`;
-    the initial point ``init``; the per-transition ``extra_fields`` (``diverging``, ``accept_prob``,
-    ``num_steps``, ``tree_depth``)."""
+    """``samples`` ``(num_samples, 20)`` float64 draws after warm-up, relabelled by :func:`align_hidden_units`
+    (``labels``: each draw's index into :data:`HIDDEN_UNIT_PERMUTATIONS`); ``raw_samples`` the chain as drawn;
+    ``init`` its initial point."""
 
     samples: np.ndarray
     diagnostics: NutsDiagnostics
     init: np.ndarray
     raw_samples: np.ndarray
     labels: np.ndarray
-    extra_fields: dict[str, np.ndarray]
 
 
 def _toy_model(x, y, prior_scale):
@@ -283,35 +271,30 @@ def run_nuts(x, y, seed: int, num_warmup: int = 1000, num_samples: int = 1000, t
         extra = {k: np.asarray(v) for k, v in mcmc.get_extra_fields().items()}
         step_size = float(mcmc.last_state.adapt_state.step_size)
 
-    tree_depth = extra["tree_depth"] = np.floor(np.log2(extra["num_steps"].astype(np.float64) + 1.0)).astype(np.int64)
+    tree_depth = np.floor(np.log2(extra["num_steps"].astype(np.float64) + 1.0)).astype(np.int64)
     samples, labels = align_hidden_units(raw, reference=init)
     logits = predict_logits(samples, x_eval)
 
-    def ess(a):
-        return np.asarray(effective_sample_size(a[None]), dtype=np.float64)
-
-    def rhat(a):
-        return np.asarray(split_gelman_rubin(a[None]), dtype=np.float64)
-
+    ess_params, ess_raw, ess_logits = (np.asarray(effective_sample_size(a[None]), dtype=np.float64)
+                                       for a in (samples, raw, logits))
+    rhat_params, rhat_logits = (np.asarray(split_gelman_rubin(a[None]), dtype=np.float64) for a in (samples, logits))
     diagnostics = NutsDiagnostics(
         num_divergences=int(extra["diverging"].sum()), num_warmup_divergences=warmup_div,
         mean_accept_prob=float(extra["accept_prob"].mean()), step_size=step_size, max_tree_depth=max_tree_depth,
         max_tree_depth_reached=int(tree_depth.max()), num_max_tree_depth_hits=int((tree_depth >= max_tree_depth).sum()),
-        mean_num_steps=float(extra["num_steps"].mean()), ess_params=ess(samples), rhat_params=rhat(samples),
-        min_ess_params_raw=float(np.nanmin(ess(raw))), num_relabelled=int((labels != 0).sum()),
-        ess_logits=ess(logits), rhat_logits=rhat(logits), warmup_time_s=t1 - t0, sampling_time_s=t2 - t1)
-    return NutsResult(samples=samples, diagnostics=diagnostics, init=init, raw_samples=raw, labels=labels,
-                      extra_fields=extra)
+        mean_num_steps=float(extra["num_steps"].mean()), ess_params=ess_params, rhat_params=rhat_params,
+        min_ess_params_raw=float(np.nanmin(ess_raw)), num_relabelled=int((labels != 0).sum()),
+        ess_logits=ess_logits, rhat_logits=rhat_logits, warmup_time_s=t1 - t0, sampling_time_s=t2 - t1)
+    return NutsResult(samples=samples, diagnostics=diagnostics, init=init, raw_samples=raw, labels=labels)
 
 
-def check_nuts_mean(samples, x, y, max_accuracy_drop: float = 0.05, max_brier_increase: float = 0.02,
-                    raise_error: bool = True) -> dict[str, float]:
+def check_nuts_mean(samples, x, y, raise_error: bool = True) -> dict[str, float]:
     """Compare the ``NUTS-mean`` point estimate with the NUTS ensemble on ``(x, y)``; fail loudly.
 
-    The ensemble predicts ``mean_l sigma(g(x, theta_l))``, the point estimate ``sigma(g(x, mean_l theta_l))``;
-    a chain that mixed across symmetric modes gives a mean that predicts far worse. Raises ``RuntimeError``
-    (unless ``raise_error=False``) when :func:`nuts_mean_passes` fails. The Brier score is the one-class
-    ``mean (p - y)^2`` of the toy tables, half the two-class :func:`smp_core.metrics.brier`. Returns the four metrics.
+    The ensemble predicts ``mean_l sigma(g(x, theta_l))``, the point estimate ``sigma(g(x, mean_l theta_l))``; a
+    chain that mixed across symmetric modes gives a mean that predicts far worse. Returns the accuracy and the
+    one-class Brier score ``mean (p - y)^2`` of the toy tables of both; raises ``RuntimeError`` (unless
+    ``raise_error=False``) when :func:`nuts_mean_passes` fails.
     """
     samples = np.atleast_2d(np.asarray(samples, dtype=np.float64))
     y = np.asarray(y, dtype=np.float64).reshape(-1)
@@ -324,18 +307,17 @@ def check_nuts_mean(samples, x, y, max_accuracy_drop: float = 0.05, max_brier_in
         "brier_ensemble": float(np.mean((p_ens - y) ** 2)),
         "brier_mean": float(np.mean((p_mean - y) ** 2)),
     }
-    if raise_error and not nuts_mean_passes(metrics, max_accuracy_drop, max_brier_increase):
+    if raise_error and not nuts_mean_passes(metrics):
         raise RuntimeError(
             f"the NUTS-mean point estimate predicts much worse than the NUTS ensemble ({metrics}; allowed: accuracy "
-            f"drop {max_accuracy_drop}, Brier increase {max_brier_increase}). The chain probably mixed across "
+            f"drop {MAX_ACCURACY_DROP}, Brier increase {MAX_BRIER_INCREASE}). The chain probably mixed across "
             "posterior modes: start it inside one basin (run_nuts(init=find_map(...).theta)), change the seed, "
             "or inspect the trace and ESS.")
     return metrics
 
 
-def nuts_mean_passes(metrics: dict[str, float], max_accuracy_drop: float = 0.05,
-                     max_brier_increase: float = 0.02) -> bool:
-    """Whether the mean's accuracy is at most ``max_accuracy_drop`` below the ensemble's and its Brier score
-    at most ``max_brier_increase`` above (the metrics of :func:`check_nuts_mean`)."""
-    return (metrics["accuracy_mean"] >= metrics["accuracy_ensemble"] - max_accuracy_drop
-            and metrics["brier_mean"] <= metrics["brier_ensemble"] + max_brier_increase)
+def nuts_mean_passes(metrics: dict[str, float]) -> bool:
+    """Whether, in the metrics of :func:`check_nuts_mean`, the mean's accuracy is at most
+    :data:`MAX_ACCURACY_DROP` below the ensemble's and its Brier score at most :data:`MAX_BRIER_INCREASE` above."""
+    return (metrics["accuracy_mean"] >= metrics["accuracy_ensemble"] - MAX_ACCURACY_DROP
+            and metrics["brier_mean"] <= metrics["brier_ensemble"] + MAX_BRIER_INCREASE)

@@ -6,8 +6,7 @@
 median over a region's inputs of a method's epistemic standard deviation over NUTS's.
 """
 
-from __future__ import annotations
-
+import contextlib
 import math
 import time
 import warnings
@@ -91,10 +90,8 @@ def method_label(preconditioner: str, ridge: float, default_ridge: float, design
     if fisher_from not in ("data", "design"):
         raise ValueError(f"fisher_from must be 'data' or 'design', got {fisher_from!r}")
     label = f"SMP {preconditioner}" + ("" if ridge == default_ridge else f", ridge {ridge:g}")
-    if design is None:
-        return label
-    return label + f", {design} design" + (", P from the design" if fisher_from == "design"
-                                           and preconditioner != "none" else "")
+    own_p = ", P from the design" if fisher_from == "design" and preconditioner != "none" else ""
+    return label if design is None else f"{label}, {design} design{own_p}"
 
 
 def regression_mlp(hidden: int) -> nn.Sequential:
@@ -147,10 +144,8 @@ def jax_outputs(theta, x, hidden: int):
 
 def jax_minus_log_posterior(theta, x, y, hidden: int, noise: float, prior_precision: float):
     """:func:`minus_log_posterior` in JAX (NUTS's potential energy), ``x`` and ``y`` ``(n,)``."""
-    import jax.numpy as jnp
-
     residual = y - jax_outputs(theta, x, hidden)
-    return 0.5 * jnp.sum(residual**2) / noise**2 + 0.5 * prior_precision * jnp.sum(theta**2)
+    return 0.5 * (residual**2).sum() / noise**2 + 0.5 * prior_precision * (theta**2).sum()
 
 
 def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tensor, hidden: int, noise: float,
@@ -160,7 +155,6 @@ def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tenso
     """NUTS on :func:`regression_mlp`'s posterior (NumPyro, float64, chains in turn from ``theta_map`` plus jitter):
     the ``(chains * samples, d)`` draws and diagnostics (the outputs' ESS and split R-hat at ``x_eval``)."""
     import jax
-    import jax.numpy as jnp
     from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
     from numpyro.infer import MCMC, NUTS
 
@@ -175,20 +169,17 @@ def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tenso
                       target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth)
         mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
                     chain_method="sequential", progress_bar=False)
-        init_params = jnp.asarray(inits[0] if num_chains == 1 else inits)  # one chain: no leading axis
-        mcmc.run(jax.random.PRNGKey(seed), init_params=init_params, extra_fields=("diverging", "num_steps"))
+        mcmc.run(jax.random.PRNGKey(seed), init_params=inits[0] if num_chains == 1 else inits,  # 1: no chain axis
+                 extra_fields=("diverging", "num_steps"))
         draws = np.asarray(mcmc.get_samples(group_by_chain=True), dtype=np.float64)   # (C, S, d)
         extra = {k: np.asarray(v) for k, v in mcmc.get_extra_fields().items()}
-        out = np.asarray(jax.vmap(jax.vmap(lambda t: jax_outputs(t, jnp.asarray(x_eval_np), hidden)))(
-            jnp.asarray(draws)))
+        out = np.asarray(jax.vmap(jax.vmap(lambda t: jax_outputs(t, x_eval_np, hidden)))(draws))
     depth = np.floor(np.log2(extra["num_steps"].astype(np.float64) + 1.0))
     diagnostics = {
-        "divergences": int(extra["diverging"].sum()),
-        "max_tree_depth_share": float((depth >= max_tree_depth).mean()),
+        "divergences": int(extra["diverging"].sum()), "max_tree_depth_share": float((depth >= max_tree_depth).mean()),
         "min_ess_outputs": float(np.min(effective_sample_size(out))),
         "max_rhat_outputs": float(np.max(split_gelman_rubin(out))) if num_chains > 1 or num_samples >= 4 else math.nan,
-        "wall_time_s": time.perf_counter() - t0,
-    }
+        "wall_time_s": time.perf_counter() - t0}
     return torch.tensor(draws.reshape(-1, start.size), dtype=torch.float32), diagnostics
 
 
@@ -207,19 +198,19 @@ def evaluate(means: dict[str, torch.Tensor], reference_sd: dict[str, torch.Tenso
 
 def _checked_settings(cfg: dict[str, Any]) -> list[tuple[str, str | None, str, float, str]]:
     """``(label, design, preconditioner, ridge, fisher_from)`` of every SMP setting, checked before any work."""
+    settings = []
     for name, form in (("smp_variants", "[preconditioner, ridge]"),
                        ("design_variants", "[design, preconditioner, ridge, fisher_from]")):
         for variant in cfg.get(name, []):
             if len(variant) != form.count(",") + 1:
                 raise ValueError(f"each {name} entry is {form}, got {variant!r}")
-    settings = [(None, *v, "data") for v in cfg["smp_variants"]] + [tuple(v) for v in cfg.get("design_variants", [])]
-    for design, *_ in settings[len(cfg["smp_variants"]):]:
-        if design not in DESIGNS:
+            settings.append((None, *variant, "data") if name == "smp_variants" else tuple(variant))
+    for design, preconditioner, _, _ in settings:
+        if design not in (None, *DESIGNS):
             raise ValueError(f"unknown design {design!r} in design_variants; choose one of {DESIGNS}")
+        parse_preconditioner_name(preconditioner)
     if cfg.get("design_variants") and not int(cfg.get("design_pool_size", 0)) >= 1:
         raise ValueError(f"design_variants need a design_pool_size of at least 1, got {cfg.get('design_pool_size')!r}")
-    for _, preconditioner, _, _ in settings:
-        parse_preconditioner_name(preconditioner)
     labels = [method_label(p, r, cfg["ridge"], d, f) for d, p, r, f in settings]
     if len(set(labels)) < len(labels):
         raise ValueError(f"two SMP settings share a label: {labels}")
@@ -236,8 +227,7 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     design ``D``: ``base + 50 + DESIGNS.index(D)``. Every SMP run keeps ``N`` in its step size.
     """
     settings = _checked_settings(cfg)
-    base = cfg["seed"] + 1000 * index
-    noise, alpha, level, hidden = cfg["noise"], cfg["prior_precision"], cfg["level"], cfg["hidden"]
+    base, noise, alpha, hidden = cfg["seed"] + 1000 * index, cfg["noise"], cfg["prior_precision"], cfg["hidden"]
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], noise, base)
     x, y = data["train"]
     grid = torch.linspace(-4, 4, cfg["grid_points"])[:, None]
@@ -266,7 +256,7 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
                "Laplace (linearised)": (math.nan, {name: linearised_logits(net, theta_map, laplace_draws, xs)
                                                    for name, xs in inputs.items()})}
     reference_sd = {region: methods["NUTS"][1][region][..., 0].double().std(dim=0) for region in REGIONS}
-    diverged, rounding = {}, {}
+    diverged, rounding = {}, {}  # per (label, tau): diverged chains, warnings of a statistic rounded to float32
     for v, (label, design, preconditioner, ridge, fisher_from) in enumerate(settings):
         pool = x if design is None else design_pool(x, design, cfg["design_pool_size"],
                                                     base + POOL_SEED_OFFSET + DESIGNS.index(design))
@@ -274,28 +264,26 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
         precond = preconditioner_from_name(preconditioner, ridge=ridge,
                                            statistic_dtype=cfg["statistic_dtype"] if structured else None)
         for t, tau in enumerate(cfg["tau_grid"] if design is None else cfg.get("design_tau_grid", cfg["tau_grid"])):
-            t0, draws = time.perf_counter(), None
-            with warnings.catch_warnings(record=True) as caught:  # diverged chains are counted in `diverged`
+            t0, draws, key = time.perf_counter(), None, (label, tau)
+            diverged[key] = cfg["n_chains"]  # unless run_smp returns: it raises when every chain diverged
+            with warnings.catch_warnings(record=True) as caught, contextlib.suppress(DivergenceError):
                 warnings.simplefilter("always")
-                try:
-                    run = run_smp(net, Gaussian(noise), pool, preconditioner=precond, tau=tau, n_steps=cfg["n_steps"],
-                                  n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t, n_obs=len(x),
-                                  fisher=Fisher("model", pool if fisher_from == "design" else x), progress=progress)
-                    draws = run.samples()
-                    diverged[(label, tau)] = int(run.diverged.sum())
-                except DivergenceError:
-                    diverged[(label, tau)] = cfg["n_chains"]
-            rounding[(label, tau)] = sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught)
+                run = run_smp(net, Gaussian(noise), pool, preconditioner=precond, tau=tau, n_steps=cfg["n_steps"],
+                              n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t, n_obs=len(x),
+                              fisher=Fisher("model", pool if fisher_from == "design" else x), progress=progress)
+                draws, diverged[key] = run.samples(), int(run.diverged.sum())
+            rounding[key] = sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught)
             timings[f"{label}, tau {tau:g}"] = time.perf_counter() - t0
             methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if draws is not None and len(draws) >= 2 else None)
 
     rows, bands = [], {}
     for key, (tau, means) in methods.items():
-        scored = evaluate(means, reference_sd, data, noise, level) if means is not None else dict.fromkeys(REGIONS, {})
-        rows += [{"method": key.split("|")[0], "tau": tau, "region": region, **row} for region, row in scored.items()]
-        if means is not None:  # for the figures: the 5 %, 50 % and 95 % predictive quantiles on the grid
+        scored = dict.fromkeys(REGIONS, {})
+        if means is not None:  # and, for the figures, the 5 %, 50 % and 95 % predictive quantiles on the grid
+            scored = evaluate(means, reference_sd, data, noise, cfg["level"])
             bands[key] = {f"q{round(100 * q):02d}": metrics.predictive_quantile(means["grid"], noise, q).float()
                           for q in (0.05, 0.5, 0.95)}
+        rows += [{"method": key.split("|")[0], "tau": tau, "region": region, **row} for region, row in scored.items()]
     table = pd.DataFrame(rows).assign(data_set=index)
     for column, counts in (("diverged", diverged), ("rounding_warnings", rounding)):
         table[column] = [counts.get((m, t), 0) for m, t in zip(table["method"], table["tau"], strict=True)]
@@ -311,8 +299,7 @@ def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     median["data_sets"] = grouped["coverage"].count()
     median["max_diverged"] = grouped["diverged"].max()
     median = median.reset_index()
-    median["tau"] = median["tau"].where(median["tau"] >= 0)
-    return median.set_index(keys)
+    return median.assign(tau=median["tau"].where(median["tau"] >= 0)).set_index(keys)
 
 
 def eligible(summary: pd.DataFrame, n_data_sets: int) -> pd.Series:
@@ -322,21 +309,16 @@ def eligible(summary: pd.DataFrame, n_data_sets: int) -> pd.Series:
 
 def best_tau(summary: pd.DataFrame, n_data_sets: int, region: str = "in range") -> pd.DataFrame:
     """Per SMP method, the :func:`eligible` ``tau`` whose median ``sd_ratio`` in ``region`` is nearest 1 (log scale)."""
-    ok = eligible(summary, n_data_sets)
-    smp = summary[summary.index.get_level_values("method").str.startswith("SMP")]
-    out = []
-    for method in dict.fromkeys(smp.index.get_level_values("method")):
-        one = smp.xs(method, level="method")
+    ok, out = eligible(summary, n_data_sets), []
+    for method in dict.fromkeys(m for m in summary.index.get_level_values("method") if m.startswith("SMP")):
+        one = summary.xs(method, level="method")
         fine = ok.xs(method, level="method").groupby(level="tau").all()
         ratio = one.xs(region, level="region")["sd_ratio"][fine].dropna()
-        if ratio.empty:
-            out.append({"method": method, "tau": math.nan, "within 2x": False, "eligible taus": 0})
-            continue
-        tau = float(np.log(ratio).abs().idxmin())
-        row = {"method": method, "tau": tau, "within 2x": bool(abs(math.log(ratio[tau])) <= math.log(2.0)),
-               "eligible taus": len(ratio)}
-        for r in REGIONS:
-            row.update({f"{column} ({r})": one.loc[(tau, r), column] for column in ("sd_ratio", "coverage", "nll")})
+        row = {"method": method, "tau": math.nan, "within 2x": False, "eligible taus": len(ratio)}
+        if len(ratio):
+            row["tau"] = tau = float(np.log(ratio).abs().idxmin())
+            row["within 2x"] = bool(abs(math.log(ratio[tau])) <= math.log(2.0))
+            row |= {f"{c} ({r})": one.loc[(tau, r), c] for r in REGIONS for c in ("sd_ratio", "coverage", "nll")}
         out.append(row)
     return pd.DataFrame(out).set_index("method")
 
@@ -355,13 +337,10 @@ def spread_shape(rows: pd.DataFrame, n_data_sets: int) -> pd.DataFrame:
 
 def matched_in_both(summary: pd.DataFrame, n_data_sets: int, factor: float = 2.0) -> list[tuple[str, float]]:
     """The :func:`eligible` SMP ``(method, tau)`` whose median ``sd_ratio`` is within ``factor`` of 1 in each region."""
-    out = []
-    for (method, tau), group in summary[eligible(summary, n_data_sets)].groupby(level=("method", "tau"), sort=False):
-        ratios = group["sd_ratio"]
-        if (method.startswith("SMP") and len(group) == len(REGIONS) and ratios.notna().all()
-                and all(r > 0 and abs(math.log(r)) <= math.log(factor) for r in ratios)):
-            out.append((method, tau))
-    return out
+    groups = summary[eligible(summary, n_data_sets)].groupby(level=("method", "tau"), sort=False)["sd_ratio"]
+    return [(method, tau) for (method, tau), ratios in groups
+            if method.startswith("SMP") and len(ratios) == len(REGIONS) and ratios.notna().all()
+            and all(r > 0 and abs(math.log(r)) <= math.log(factor) for r in ratios)]
 
 
 def wide_table(summary: pd.DataFrame, metric_names, extra=("max_diverged", "data_sets")) -> pd.DataFrame:
@@ -380,7 +359,6 @@ def prior_table(runs: list[tuple[float, pd.DataFrame]]) -> pd.DataFrame:
         index=["method", "region"], columns="prior precision", values=["median sd", "coverage"], sort=False)
 
 
-# ----------------------------------------------------------------------------------------------
 # The prose's findings (Markdown bullets) and the figures
 
 READING = (("The design with $P = I$ or a diagonal $P$",
@@ -391,10 +369,10 @@ READING = (("The design with $P = I$ or a diagonal $P$",
            ("The design's own $P$", "smallest $\\tau$, against the data's $P$ with the same design and ridge"))
 
 
-def _first_order(shape: pd.DataFrame, method: str) -> tuple[float, float] | None:
-    """``(tau, gap share)`` of ``method`` at its smallest eligible ``tau``, or None."""
+def _first_order(shape: pd.DataFrame, method: str) -> tuple[float, float] | tuple[None, None]:
+    """``(tau, gap share)`` of ``method`` at its smallest eligible ``tau``, or ``(None, None)``."""
     values = shape.loc[method].dropna() if method in shape.index else ()
-    return (float(values.index[0]), float(values.iloc[0])) if len(values) else None
+    return (float(values.index[0]), float(values.iloc[0])) if len(values) else (None, None)
 
 
 def _value(summary: pd.DataFrame, method: str, column: str, region: str) -> float:
@@ -405,8 +383,8 @@ def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, 
              empirical_shape: pd.DataFrame | None = None) -> str:
     """Markdown bullets per SMP setting at the ``tau`` of ``matched`` (with ``empirical_shape``: its gap shares too)."""
     def first(table, method):
-        found = _first_order(table, method)
-        return (f"{found[1]:.3f} at tau = {found[0]:g}" if found else
+        tau, share = _first_order(table, method)
+        return (f"{share:.3f} at tau = {tau:g}" if tau is not None else
                 "none eligible" if method in table.index else "not run")
 
     lines = []
@@ -436,17 +414,15 @@ def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, 
 
 def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: pd.DataFrame) -> str:
     """The design runs' gap shares in the groups of :data:`READING`, with what each is read against (Markdown)."""
-    def first(table, method):
-        return (_first_order(table, method) or (None, None))[1]
-
     groups = [[], [], [], []]
     for method, row in matched.iterrows():
-        share, empirical = first(shape, method), first(empirical_shape, empirical_counterpart(method))
-        kind = empirical_counterpart(method).removeprefix("SMP ").split(",")[0]
+        counterpart = empirical_counterpart(method)
+        share, empirical = _first_order(shape, method)[1], _first_order(empirical_shape, counterpart)[1]
+        kind = counterpart.removeprefix("SMP ").split(",")[0]
         if share is None:
             continue
         if method.endswith(", P from the design"):
-            data_share = first(shape, method.removesuffix(", P from the design"))
+            data_share = _first_order(shape, method.removesuffix(", P from the design"))[1]
             groups[3].append(f"{method}: {share:.3f} (the data's P: "
                              + ("not run" if data_share is None else f"{data_share:.3f}")
                              + ("" if empirical is None else f"; the empirical design's: {empirical:.3f}") + ")")
@@ -500,15 +476,14 @@ def spread_ratio_figure(summary: pd.DataFrame):
     return fig
 
 
-def bands_figure(run: dict[str, Any], keys: list[str], columns: int = 4, fontsize: float = 8, wrap: bool = False):
-    """The 5-95 % predictive bands of the methods ``keys`` (``"NUTS"``, ``"<label>|<tau>"``) of one data set."""
+def bands_figure(run: dict[str, Any], keys: list[str], fontsize: float = 8, wrap: bool = False):
+    """The 5-95 % predictive bands of the methods ``keys`` (``"NUTS"``, ``"<label>|<tau>"``) of one data set, four
+    to a row (``wrap``: a line break before the design in the titles)."""
     import matplotlib.pyplot as plt
 
-    keys = [key for key in keys if key in run["bands"]]
-    n_rows = max(1, math.ceil(len(keys) / columns))
-    fig, axes = plt.subplots(n_rows, columns, figsize=(3.4 * columns, 2.9 * n_rows), sharex=True, sharey=True,
-                             squeeze=False)
-    grid = run["grid"]
+    keys, grid = [key for key in keys if key in run["bands"]], run["grid"]
+    n_rows = max(1, math.ceil(len(keys) / 4))
+    fig, axes = plt.subplots(n_rows, 4, figsize=(13.6, 2.9 * n_rows), sharex=True, sharey=True, squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
         band = run["bands"][key]
         ax.axvspan(*GAP, color="0.92", lw=0)
@@ -517,7 +492,7 @@ def bands_figure(run: dict[str, Any], keys: list[str], columns: int = 4, fontsiz
         ax.plot(grid, curve(grid), "k--", lw=0.7)
         ax.plot(*run["train"], "k.", ms=2)
         label, _, tau = key.partition("|")
-        for design in DESIGNS if wrap else ():  # a line break before the design
+        for design in DESIGNS if wrap else ():
             label = label.replace(f", {design}", f",\n{design}")
         ax.set_title(label + (f", tau {tau}" if tau else ""), fontsize=fontsize)
         ax.set_ylim(-4, 4)
@@ -553,18 +528,17 @@ def compute(ctx) -> None:
     ctx.table("scores_wide", wide_table(summary, ("sd_ratio", "coverage", "interval_width", "nll", "crps"),
                                         ("max_diverged", "data_sets", "rounding_warnings")))
     ctx.figure("spread_ratio", spread_ratio_figure(summary))
-    matched = {region: ctx.table(f"tau_matched_{region.replace(' ', '_')}", best_tau(summary, n, region))
-               for region in REGIONS}
+    matched, _ = (ctx.table(f"tau_matched_{r.replace(' ', '_')}", best_tau(summary, n, r)) for r in REGIONS)
     shape = ctx.table("spread_shape", spread_shape(rows, n))
-    ctx.value("matched_text", findings(summary, matched["in range"], shape, n))
-    ctx.figure("bands", bands_figure(runs[0], list(REFERENCES) + matched_keys(matched["in range"])))
+    ctx.value("matched_text", findings(summary, matched, shape, n))
+    ctx.figure("bands", bands_figure(runs[0], list(REFERENCES) + matched_keys(matched)))
 
     # the reference under the other priors: data set 0 without the SMP runs
     reference_cfg = {k: v for k, v in cfg.items() if not k.startswith("design_")} | {"smp_variants": []}
     others = [(alpha, run(reference_cfg | {"prior_precision": alpha}, 0)) for alpha in cfg["prior_sensitivity"]]
     priors = ctx.table("prior_sensitivity", prior_table([(cfg["prior_precision"], rows)]
                                                         + [(alpha, r["rows"]) for alpha, r in others]))
-    ctx.value("prior_text", prior_findings(priors, rows, matched["in range"], [(a, r["nuts"]) for a, r in others]))
+    ctx.value("prior_text", prior_findings(priors, rows, matched, [(a, r["nuts"]) for a, r in others]))
 
     design_rows = all_rows[from_a_design | all_rows["method"].isin(REFERENCES)]
     design_summary = summary_table(design_rows)
@@ -577,11 +551,11 @@ def compute(ctx) -> None:
 
     # the settings and numbers the prose quotes
     settings = _checked_settings(cfg)
-    x = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], cfg["seed"])["train"][0]
+    x = runs[0]["train"][0][:, None]  # the first data set's training inputs
     pools = {d: design_pool(x, d, cfg["design_pool_size"], cfg["seed"] + POOL_SEED_OFFSET + DESIGNS.index(d))
              for d in DESIGNS[1:]}
     healthy = (nuts["divergences"] == 0) & (nuts["max_rhat_outputs"] < 1.05) & (nuts["min_ess_outputs"] > 100)
-    fine = matched["in range"][matched["in range"]["within 2x"]]["sd_ratio (in the gap)"]
+    fine = matched[matched["within 2x"]]["sd_ratio (in the gap)"]
     laplace_gap = _value(summary, REFERENCES[2], "sd_ratio", "in the gap")
     answer = (f"Matched to NUTS's spread where the data are, the {len(fine)} SMP setting(s) that come within a "
               f"factor 2 of it spread {fine.min():.2g} to {fine.max():.2g} times as much as NUTS in the gap, against "

@@ -19,7 +19,6 @@ from different seeds (the notebooks use ``seed=0`` for training and ``seed=1`` f
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -30,13 +29,11 @@ import torch
 
 from smp_core import metrics
 from smp_core.models import as_chain_model, predict, toy_mlp
-from smp_core.preconditioners import preconditioner_from_name
+from smp_core.preconditioners import STRATEGIES, preconditioner_from_name
 from smp_core.recursion import residual_variance_ratio, run_smp
 
 from .config import TOY_VARIANTS
 from .summaries import summarise_replicates
-
-__all__ = ["p_true", "make_toy_data", "make_grid"]
 
 
 def p_true(x):
@@ -78,19 +75,7 @@ def make_grid(n_per_axis: int = 101) -> tuple[torch.Tensor, torch.Tensor, torch.
         raise ValueError(f"n_per_axis must be at least 2, got {n_per_axis}")
     axis = torch.linspace(-1.0, 1.0, n_per_axis, dtype=torch.float32)
     yy, xx = torch.meshgrid(axis, axis, indexing="ij")
-    points = torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
-    return xx, yy, points
-
-
-SCORE_COLUMNS = list(metrics.SCORE_KEYS)
-
-
-VARIANCE_COLUMNS = ["params_variance", "logits_variance"]
-
-
-def method_names(variants=TOY_VARIANTS) -> list[str]:
-    """Row names exactly as the paper's tables: NUTS, NUTS-mean, SMP-none, SMP-fixed-diag, ..."""
-    return ["NUTS", "NUTS-mean"] + [f"SMP-{v}" for v in variants]
+    return xx, yy, torch.stack([xx.reshape(-1), yy.reshape(-1)], dim=1)
 
 
 def replicate_seeds(base_seed: int, replicate: int) -> dict[str, int]:
@@ -113,9 +98,8 @@ def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bin
              logits_of=None) -> Evaluation:
     """Metrics of Appendix A for parameter samples ``theta`` ``(S, 20)`` (S = 1 for a point estimate).
 
-    ``logits_of(points)`` ``-> (S, n)``, when given, replaces the network's logits at the samples
-    (e.g. the linearised network of :func:`smp_book.baselines.linearised_logits`); the parameter
-    variance is still that of ``theta``.
+    ``logits_of(points) -> (S, n)``, when given, replaces the network's logits at the samples (e.g. the
+    linearised network of :func:`smp_book.baselines.linearised_logits`); the parameter variance is still ``theta``'s.
     """
     model = as_chain_model(toy_mlp())
     theta = theta.to(torch.float32)
@@ -129,27 +113,24 @@ def evaluate(theta: torch.Tensor, x_test, y_test, grid_points, grid_shape, n_bin
     variances = {"params_variance": metrics.params_variance(theta), "logits_variance": metrics.logits_variance(logits)}
     curve = metrics.calibration_curve(probs, labels, n_bins=n_bins)
     grid_probs = metrics.binary_probs(torch.sigmoid(logits_of(grid_points).double()))
-    surfaces = {
-        "prob": metrics.predictive(grid_probs)[:, 1].numpy().reshape(grid_shape).astype(np.float32),
-        "mi": metrics.mutual_information(grid_probs, per_point=True).numpy().reshape(grid_shape).astype(np.float32),
-        "exp_entropy": metrics.expected_entropy(grid_probs, per_point=True).numpy().reshape(grid_shape).astype(
-            np.float32),
-    }
+    per_point = {"prob": metrics.predictive(grid_probs)[:, 1],
+                 "mi": metrics.mutual_information(grid_probs, per_point=True),
+                 "exp_entropy": metrics.expected_entropy(grid_probs, per_point=True)}
+    surfaces = {name: v.numpy().reshape(grid_shape).astype(np.float32) for name, v in per_point.items()}
     return Evaluation(scores, variances, curve, surfaces)
 
 
 def variant_seed(seeds: dict[str, int], variant: str, position: int, seed_offset: int = 0) -> int:
-    """The chain seed of an SMP variant run at ``position`` of a list: ``seeds["smp"] + seed_offset + i``,
-    with ``i`` the variant's place in the paper's ``TOY_VARIANTS`` when it is one of them, so that a
-    paper variant draws the toy chapter's chains whatever list it is run in."""
+    """The chain seed of an SMP variant at ``position`` of a list: ``seeds["smp"] + seed_offset + i``, with ``i``
+    its place in the paper's ``TOY_VARIANTS`` if it is one (it then draws the toy chapter's chains in any list)."""
     index = TOY_VARIANTS.index(variant) if variant in TOY_VARIANTS else position
     return seeds["smp"] + seed_offset + index
 
 
 def run_variant(cfg: dict[str, Any], x: torch.Tensor, theta0: torch.Tensor, variant: str, seed: int,
                 progress: bool = True):
-    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and its ``tau``
-    (``cfg["tau"]``; the paper's for its structure unless a chapter's parameters change it)."""
+    """One SMP variant on the toy MLP from ``theta0`` with the study's settings and its ``tau`` (``cfg["tau"]``;
+    the paper's for its structure unless a chapter's parameters change it)."""
     return run_smp(toy_mlp(), "bernoulli", x, theta0=theta0, preconditioner=toy_preconditioner(cfg, variant),
                    tau=cfg["tau"][variant], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"], seed=seed,
                    progress=progress)
@@ -170,19 +151,14 @@ def nuts_init(seeds: dict[str, int], start: str) -> np.ndarray | None:
 def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, progress: bool = True,
                   seed_offset: int = 0) -> dict[str, Any]:
     """One whole pipeline: new data, NUTS (from a MAP, or ``cfg["nuts_start"] = "uniform"``), NUTS-mean, every SMP
-    variant, evaluation.
+    variant (seeded by :func:`variant_seed`), evaluation. Variants other than the paper's, run on the same
+    replicates, pass ``seed_offset = len(TOY_VARIANTS)`` so that their chains draw other random numbers.
 
-    Each variant runs with the seed of :func:`variant_seed` (a paper variant draws the toy chapter's
-    chains whatever list it is run in): a study of other variants on the same replicates (the same
-    data and NUTS) passes ``seed_offset = len(TOY_VARIANTS)`` so that its chains draw other random
-    numbers than the paper's variants.
-
-    SMP starts from NUTS-mean, as in the paper, even where :func:`smp_book.nuts.check_nuts_mean`
-    finds that it predicts far worse than the NUTS ensemble (a chain that crossed between modes):
-    the replicate is kept, not replaced by a luckier seed, with a warning, and its check's metrics
-    are in ``nuts_mean_check`` (:func:`smp_book.nuts.nuts_mean_passes` judges them). One NUTS chain
-    of 2,000 iterations is chaotic in rounding, so which replicate crosses can differ between
-    processors (JAX compiles for the host's CPU).
+    SMP starts from NUTS-mean, as in the paper, even where :func:`smp_book.nuts.check_nuts_mean` finds that it
+    predicts far worse than the NUTS ensemble (a chain that crossed between modes): the replicate is kept, not
+    replaced by a luckier seed, with a warning, and the check's metrics are in ``nuts_mean_check``. One NUTS chain
+    of 2,000 iterations is chaotic in rounding, so which replicate crosses can differ between processors (JAX
+    compiles for the host's CPU).
     """
     from .nuts import check_nuts_mean, nuts_mean_passes, run_nuts
 
@@ -194,12 +170,13 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     x, y = make_toy_data(cfg["n_train"], seeds["train"])
     x_test, y_test = make_toy_data(cfg["n_test"], seeds["test"])
     gx, gy, grid = make_grid(cfg["grid_per_axis"])
-    shape = tuple(gx.shape)
 
-    init = nuts_init(seeds, cfg.get("nuts_start", "map"))
+    def evaluated(theta):
+        return evaluate(theta, x_test, y_test, grid, tuple(gx.shape), cfg["n_bins"])
+
     nuts = run_nuts(x.numpy(), y.numpy(), seed=seeds["nuts"], num_warmup=cfg["nuts_warmup"],
                     num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
-                    x_eval=x_test.numpy(), init=init)
+                    x_eval=x_test.numpy(), init=nuts_init(seeds, cfg.get("nuts_start", "map")))
     sanity = check_nuts_mean(nuts.samples, x.numpy(), y.numpy(), raise_error=False)
     if not nuts_mean_passes(sanity):
         warnings.warn(f"toy replicate {replicate}: NUTS-mean predicts much worse than the NUTS ensemble ({sanity}); "
@@ -208,24 +185,19 @@ def run_replicate(cfg: dict[str, Any], replicate: int, variants=TOY_VARIANTS, pr
     nuts_samples = torch.as_tensor(nuts.samples, dtype=torch.float32)
     theta_hat = nuts_samples.mean(0)
 
-    evals: dict[str, Evaluation] = {}
-    elapsed: dict[str, float] = {"NUTS": nuts.diagnostics.wall_time_s, "NUTS-mean": 0.0}
-    diverged: dict[str, int] = {}
-    evals["NUTS"] = evaluate(nuts_samples, x_test, y_test, grid, shape, cfg["n_bins"])
-    evals["NUTS-mean"] = evaluate(theta_hat[None], x_test, y_test, grid, shape, cfg["n_bins"])
+    evals = {"NUTS": evaluated(nuts_samples), "NUTS-mean": evaluated(theta_hat[None])}
+    elapsed, diverged = {"NUTS": nuts.diagnostics.wall_time_s, "NUTS-mean": 0.0}, {}
     for i, variant in enumerate(variants):
         res = run_variant(cfg, x, theta_hat, variant, variant_seed(seeds, variant, i, seed_offset), progress)
         name = f"SMP-{variant}"
-        elapsed[name] = res.elapsed
-        diverged[name] = res.n_diverged
-        evals[name] = evaluate(res.theta[~res.diverged], x_test, y_test, grid, shape, cfg["n_bins"])
+        elapsed[name], diverged[name] = res.elapsed, res.n_diverged
+        evals[name] = evaluated(res.theta[~res.diverged])
     return {
         "replicate": replicate, "seeds": seeds, "evals": evals, "elapsed": elapsed, "diverged": diverged,
         "nuts_diagnostics": nuts.diagnostics.summary(), "nuts_mean_check": sanity,
         "train": (x.numpy(), y.numpy()), "grid": (gx.numpy(), gy.numpy()), "theta_hat": theta_hat.numpy(),
-        "nuts_init": nuts.init,
-        "r_ratio": residual_variance_ratio(cfg["n_train"], cfg["n_steps"]),
-        "threads": torch.get_num_threads(), "created": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "nuts_init": nuts.init, "r_ratio": residual_variance_ratio(cfg["n_train"], cfg["n_steps"]),
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -242,13 +214,11 @@ def one_class_brier(two_class_brier: pd.Series) -> pd.Series:
 
 def tables(run: dict[str, Any]) -> dict[str, pd.DataFrame]:
     """The three tables of one replicate, rows and columns named as the paper's."""
-    names = list(run["evals"])
-    scores = pd.DataFrame([run["evals"][n].scores for n in names], index=names)[SCORE_COLUMNS]
+    evals, names = run["evals"], pd.Index(list(run["evals"]), name="method")
+    scores = pd.DataFrame([e.scores for e in evals.values()], index=names)[list(metrics.SCORE_KEYS)]
     scores["brier"] = one_class_brier(scores["brier"])
-    variances = pd.DataFrame([run["evals"][n].variances for n in names], index=names)[VARIANCE_COLUMNS]
+    variances = pd.DataFrame([e.variances for e in evals.values()], index=names)[["params_variance", "logits_variance"]]
     elapsed = pd.DataFrame({"seconds": [run["elapsed"][n] for n in names]}, index=names)
-    for df in (scores, variances, elapsed):
-        df.index.name = "method"
     return {"scores": scores, "variances": variances, "elapsed": elapsed}
 
 
@@ -259,40 +229,33 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, pd.DataFrame]:
 
 def structure_comparison(mean: pd.DataFrame, var_mean: pd.DataFrame, elapsed: pd.DataFrame,
                          structures=("block", "dense", "kfac")) -> pd.DataFrame:
-    """Per temporal strategy and structure, the numbers that tell the structures apart (replicate means):
-    accuracy, NLL, ECE, mutual information and logit variance as multiples of NUTS's, and seconds.
-
-    ``mean``, ``var_mean`` and ``elapsed`` hold rows ``NUTS`` and ``SMP-<strategy>-<structure>``
-    (rows of several studies on the same replicates may be concatenated).
-    """
-    from smp_core.preconditioners import STRATEGIES
-
+    """Per temporal strategy and structure, from the replicate means ``mean``, ``var_mean`` and ``elapsed`` (rows
+    ``NUTS`` and ``SMP-<strategy>-<structure>``, possibly of several studies on the same replicates): accuracy, NLL,
+    ECE, mutual information and logit variance as multiples of NUTS's, and seconds."""
     nuts_mi, nuts_lv = mean.loc["NUTS", "mutual_info"], var_mean.loc["NUTS", "logits_variance"]
     rows = []
     for strategy in STRATEGIES:
         for structure in structures:
             name = f"SMP-{strategy}-{structure}"
-            if name not in mean.index:
-                continue
-            rows.append({"strategy": strategy, "structure": structure, "accuracy": mean.loc[name, "accuracy"],
-                         "nll": mean.loc[name, "nll"], "ece": mean.loc[name, "ece"],
-                         "mi_over_nuts": mean.loc[name, "mutual_info"] / nuts_mi,
-                         "logits_variance_over_nuts": var_mean.loc[name, "logits_variance"] / nuts_lv,
-                         "seconds": elapsed.loc[name, "seconds"]})
+            if name in mean.index:
+                rows.append({"strategy": strategy, "structure": structure, **mean.loc[name, ["accuracy", "nll", "ece"]],
+                             "mi_over_nuts": mean.loc[name, "mutual_info"] / nuts_mi,
+                             "logits_variance_over_nuts": var_mean.loc[name, "logits_variance"] / nuts_lv,
+                             "seconds": elapsed.loc[name, "seconds"]})
     return pd.DataFrame(rows).set_index(["strategy", "structure"])
 
 
 def structure_findings(comparison: pd.DataFrame) -> pd.DataFrame:
     """Per temporal strategy: the structure whose mutual information is closest to NUTS's (smallest
     ``|log(MI / MI_NUTS)|``), the one with the lowest NLL, and where KFAC ranks on each (1 = best)."""
+    def kfac_rank(values: pd.Series) -> int | None:
+        return int(values.rank(method="min")["kfac"]) if "kfac" in values.index else None
+
     rows = []
     for strategy, group in comparison.groupby(level="strategy", sort=False):
         group = group.droplevel("strategy")
         distance = np.log(group["mi_over_nuts"]).abs()
         rows.append({"strategy": strategy, "closest to NUTS by MI": distance.idxmin(),
-                     "kfac rank by MI distance": int(distance.rank(method="min")["kfac"]) if "kfac" in group.index
-                     else None,
-                     "lowest NLL": group["nll"].idxmin(),
-                     "kfac rank by NLL": int(group["nll"].rank(method="min")["kfac"]) if "kfac" in group.index
-                     else None})
+                     "kfac rank by MI distance": kfac_rank(distance), "lowest NLL": group["nll"].idxmin(),
+                     "kfac rank by NLL": kfac_rank(group["nll"])})
     return pd.DataFrame(rows).set_index("strategy")

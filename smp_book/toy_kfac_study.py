@@ -3,7 +3,7 @@
 The toy chapter's replicates (the same data, NUTS and NUTS-mean) with the three KFAC variants
 ``fixed-kfac``, ``ema-kfac`` and ``periodic-kfac`` (:data:`smp_book.config.TOY_KFAC_VARIANTS`), whose
 chains draw other random numbers than the paper's ten variants (``seed_offset = len(TOY_VARIANTS)``,
-see :func:`smp_book.toy_study.run_replicate`). The ``block`` and ``dense`` rows they are compared with
+see :func:`smp_book.toy.run_replicate`). The ``block`` and ``dense`` rows they are compared with
 are the toy chapter's results at the same scale.
 """
 
@@ -28,10 +28,9 @@ def stored_numbers() -> pd.DataFrame:
     def stored(model):
         return {name: structure_for(model, name).stat_numel() for name in STRUCTURES}
 
-    sizes = pd.DataFrame({"toy MLP (d = 20)": stored(as_chain_model(toy_mlp())),
-                          "LeNet-5 (d = 47,154)": stored(SequentialChainModel(lenet5(), (1, 28, 28)))})
-    sizes.index.name = "structure"
-    return sizes
+    sizes = {"toy MLP (d = 20)": stored(as_chain_model(toy_mlp())),
+             "LeNet-5 (d = 47,154)": stored(SequentialChainModel(lenet5(), (1, 28, 28)))}
+    return pd.DataFrame(sizes).rename_axis("structure")
 
 
 def compute(ctx) -> None:
@@ -54,9 +53,7 @@ def compute(ctx) -> None:
     for key in ("scores", "variances", "elapsed"):
         for part in ("mean", "std", "replicates"):
             ctx.table(f"{key}_{part}", summary[f"{key}_{part}"])
-    diverged = pd.DataFrame([r["diverged"] for r in runs])
-    diverged.index.name = "replicate"
-    ctx.table("diverged", diverged)
+    ctx.table("diverged", pd.DataFrame([r["diverged"] for r in runs]).rename_axis("replicate"))
 
     # block and dense from the toy chapter, on the same replicates (the same data and NUTS)
     toy_res = ctx.read("toy")

@@ -29,9 +29,7 @@ def compute(ctx) -> None:
     diagnostics = pd.DataFrame([{"replicate": r["replicate"], **r["nuts_diagnostics"], **r["nuts_mean_check"],
                                  "passed": nuts_mean_passes(r["nuts_mean_check"])} for r in runs])
     ctx.table("nuts_diagnostics", diagnostics.set_index("replicate"))
-    diverged = pd.DataFrame([r["diverged"] for r in runs])
-    diverged.index.name = "replicate"
-    ctx.table("diverged", diverged)
+    ctx.table("diverged", pd.DataFrame([r["diverged"] for r in runs]).rename_axis("replicate"))
 
     first = runs[0]
     gx, gy = first["grid"]
@@ -41,18 +39,13 @@ def compute(ctx) -> None:
     ctx.figure("calibration_all", plots.calibration_all({n: e.curve for n, e in first["evals"].items()},
                                                         "Calibration, toy example", xlim=(0.45, 1.0)))
     m = summary["scores_mean"]
-    ctx.value("replicates", len(runs))
-    ctx.value("r_ratio", first["r_ratio"])
-    ctx.value("n_train", cfg["n_train"])
-    ctx.value("n_steps", cfg["n_steps"])
-    ctx.value("threads", first["threads"])
-    ctx.value("crossed", int((~diagnostics["passed"]).sum()))
-    ctx.value("nuts_accuracy", m.loc["NUTS", "accuracy"])
-    ctx.value("accuracy_bar", m.loc["NUTS", "accuracy"] - 0.005)
-    ctx.value("nuts_mean_accuracy", m.loc["NUTS-mean", "accuracy"])
-    ctx.value("ema_block_nll", m.loc["SMP-ema-block", "nll"])
-    ctx.value("ema_block_ece", m.loc["SMP-ema-block", "ece"])
-    ctx.value("nuts_nll", m.loc["NUTS", "nll"])
-    ctx.value("nuts_ece", m.loc["NUTS", "ece"])
+    values = {"replicates": len(runs), "r_ratio": first["r_ratio"], "n_train": cfg["n_train"],
+              "n_steps": cfg["n_steps"], "threads": first["threads"], "crossed": int((~diagnostics["passed"]).sum()),
+              "nuts_accuracy": m.loc["NUTS", "accuracy"], "accuracy_bar": m.loc["NUTS", "accuracy"] - 0.005,
+              "nuts_mean_accuracy": m.loc["NUTS-mean", "accuracy"], "ema_block_nll": m.loc["SMP-ema-block", "nll"],
+              "ema_block_ece": m.loc["SMP-ema-block", "ece"], "nuts_nll": m.loc["NUTS", "nll"],
+              "nuts_ece": m.loc["NUTS", "ece"]}
+    for name, value in values.items():
+        ctx.value(name, value)
     ctx.record(seeds={f"replicate_{r['replicate']}": r["seeds"] for r in runs},
                nuts_wall_time_s=[r["elapsed"]["NUTS"] for r in runs])
