@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-TIMING = ("seconds", "wall", "time_s", "time_ratio", "elapsed", "_s_per", "minutes")
+TIMING = ("seconds", "wall", "time_s", "time_ratio", "elapsed", "_s_per", "minutes", "hours")
 
 
 def _timing(name: str) -> bool:
