@@ -1,4 +1,4 @@
-"""Tables for the chapters' pages: our numbers beside the paper's and beside other scales, rounded for a reader."""
+"""Tables and sentences for the chapters' pages: our numbers beside the paper's and other scales', for a reader."""
 
 from __future__ import annotations
 
@@ -10,14 +10,121 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .register import FIXED, PERIODIC
+from .config import get_config
+from .paper import paper_table
+from .register import FIXED, PERIODIC, WORDS, count
 from .results import RESULTS, ROOT, Results
 
 
+def with_spread(mean: pd.DataFrame, std: pd.DataFrame | None = None, digits: int = 4) -> pd.DataFrame:
+    """Each cell as ``mean ± sd`` (no spread where the sd is NaN, as with one replicate), "-" without a value."""
+    out = mean.map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
+    if std is None:
+        return out
+    return out + std.reindex_like(mean).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
+
+
+def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
+                  digits: int = 4) -> pd.DataFrame:
+    """Per column of the first scale's mean (and on its rows): the paper's number, ``(column, "paper")``, where it
+    has the column, then ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (:func:`with_spread`;
+    ``std`` may be None), "-" where that scale lacks the column."""
+    if not scaled:
+        raise ValueError("scaled: give at least one scale's (mean, std)")
+    rows = next(iter(scaled.values()))[0].index
+    parts = {name: with_spread(mean.reindex(rows), std, digits) for name, (mean, std) in scaled.items()}
+    cols = {}
+    for c in next(iter(parts.values())).columns:
+        if c in paper.columns:
+            cols[(c, "paper")] = with_spread(paper[[c]].reindex(rows), digits=digits)[c]
+        cols.update({(c, name): part[c] if c in part.columns else "-" for name, part in parts.items()})
+    return pd.DataFrame(cols, index=rows)
+
+
+def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | None = None,
+                 digits: int = 4) -> pd.DataFrame:
+    """Per column, the paper's number (where it has one) and ours (``mean ± sd`` with ``std``)."""
+    return beside_scales(paper, {"ours": (ours, std)}, digits)
+
+
+def ratio_to_paper(ours: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
+    """Each of our cells over the paper's, on the rows and columns both tables have (``ours``' order):
+    1 is the paper's number. NaN where either is missing or the paper's is 0."""
+    rows = [r for r in ours.index if r in paper.index]
+    columns = [c for c in ours.columns if c in paper.columns]
+    theirs = paper.loc[rows, columns].astype(float)
+    return ours.loc[rows, columns].astype(float) / theirs.where(theirs != 0)
+
+
+def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
+    """``df`` for display: floats rounded to ``digits`` decimals (``significant``: significant digits), booleans
+    as yes/no, missing cells and labels (of the index and the columns) as "-"."""
+
+    def label(v):
+        return "-" if isinstance(v, float | np.floating) and math.isnan(v) else v
+
+    def cell(v):
+        if isinstance(v, bool | np.bool_):
+            return "yes" if v else "no"
+        if isinstance(v, float | np.floating) and not math.isnan(v):
+            return f"{v:.{digits}g}" if significant else round(float(v), digits)
+        return "-" if v is None or (isinstance(v, str) and v == "") else label(v)
+
+    out = df.map(cell)
+    if isinstance(out.index, pd.MultiIndex):
+        out.index = pd.MultiIndex.from_tuples([tuple(map(label, key)) for key in out.index], names=out.index.names)
+    else:
+        out.index = pd.Index([label(v) for v in out.index], name=out.index.name)
+    if not isinstance(out.columns, pd.MultiIndex):
+        out.columns = [label(c) for c in out.columns]
+    return out
+
+
+def claims_table(claims: pd.DataFrame) -> str:
+    """A claims table as Markdown, each verdict right after its claim (then the rest), missing cells as ``-``."""
+    verdicts = [c for c in claims.columns if str(c).startswith("verdict")]
+    first = ["claim", *verdicts] if "claim" in claims.columns else verdicts
+    return claims[first + [c for c in claims.columns if c not in first]].fillna("-").to_markdown(index=False)
+
+
+def settings_table(config: dict) -> pd.DataFrame:
+    """A study's settings for the page, one per row: each SMP variant's tau on a row of its own
+    (``tau of SMP-<variant>``), lists written out, the variants' list left out (their tau rows name them)."""
+    rows = {key: ", ".join(map(str, value)) if isinstance(value, list) else value
+            for key, value in config.items() if key not in ("tau", "variants") and not isinstance(value, dict)}
+    rows.update({f"tau of SMP-{variant}": tau for variant, tau in config.get("tau", {}).items()
+                 if variant in config.get("variants", config.get("tau", {}))})
+    return pd.Series(rows, name="value", dtype=object).to_frame().rename_axis("setting")
+
+
+# The chapters whose claims the summary judges: their page in the book and what they reproduce.
+CHAPTERS = {"toy": ("notebooks/toy", "Section 3.2: NUTS, NUTS-mean and ten SMP variants on a 2-3-2-1 network; "
+                    "Tables ex1_scores, ex1_variances, ex1_elapsed and the figures"),
+            "mnist": ("notebooks/mnist", "Section 3.3: a MAP LeNet-5 and four SMP variants on MNIST; Tables "
+                      "ex2_scores, ex2_variances, ex2_elapsed and the figures")}
+
+
+def at_a_glance(claims: pd.DataFrame) -> str:
+    """The front page's table, as Markdown: per chapter of the paper, what it reproduces, the scale its claims
+    are judged at and how many of each verdict the register gives (``claims``: :func:`smp_book.register.table`)."""
+
+    def judged_at(study, scale):  # "(the paper's sizes)": a scale whose settings are the paper's
+        sizes = [{k: v for k, v in get_config(study, s).items() if k != "scale"} for s in (scale, "paper")]
+        return f"{scale} scale" + (" (the paper's sizes)" if sizes[0] == sizes[1] and scale != "paper" else "")
+
+    rows = []
+    for chapter, (page, what) in CHAPTERS.items():
+        mine = claims[claims["chapter"] == chapter]
+        counts, scales = mine["verdict"].value_counts(), mine["scale"].str.split(",").str[0].unique()
+        rows.append({"chapter": f"{{doc}}`{page}`", "what is reproduced": what,
+                     "judged at": ", ".join(judged_at(chapter, s) for s in scales),
+                     **{w: int(counts.get(w, 0)) for w in WORDS}})
+    return pd.DataFrame(rows).to_markdown(index=False)
+
+
 def start_mismatch(scores: pd.DataFrame, still: str, images: int, tolerance: int = 10) -> str | None:
-    """A warning when the row ``still`` (a run that barely moves from its start: SMP-none) has a test accuracy
-    more than ``tolerance`` of the ``images`` test images away from the ``MAP`` row's: then the two did not
-    start from the same MAP. ``None`` when they agree."""
+    """A warning when the row ``still`` (one that barely moves from its start: SMP-none) is more than ``tolerance``
+    of the ``images`` test images away from the ``MAP`` row's accuracy: they did not start from the same MAP."""
     ours, theirs = scores.loc[still], scores.loc["MAP"]
     if abs(ours["accuracy"] - theirs["accuracy"]) * images <= tolerance:
         return None
@@ -38,220 +145,80 @@ def reversals(replicates: pd.Series, leader: str, other: str) -> int:
     return int((table[other] < table[leader]).sum())
 
 
-def with_spread(mean: pd.DataFrame, std: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
-    """Each cell as ``mean ± sd`` over the replicates (no spread where the sd is NaN, as with one
-    replicate), and "-" where a method has no value."""
-
-    return beside_paper(mean, pd.DataFrame(), std, digits).droplevel(1, axis=1)
-
-
-def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
-                  digits: int = 4) -> pd.DataFrame:
-    """The paper's table beside ours at several scales, per column: ``(column, "paper")`` then
-    ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (``std`` None or NaN: no spread shown),
-    rows and columns those of the first scale's mean. A cell without a value shows "-"."""
-
-    if not scaled:
-        raise ValueError("scaled: give at least one scale's (mean, std)")
-    first = next(iter(scaled.values()))[0]
-    rows = first.index
-    theirs = beside_paper(first, paper, None, digits)  # its (column, "paper") cells, formatted as everywhere
-    parts = {name: beside_paper(mean.reindex(rows), pd.DataFrame(), None if std is None else std.reindex(rows),
-                                digits).droplevel(1, axis=1) for name, (mean, std) in scaled.items()}
-    cols = {}
-    for column in first.columns:
-        if (column, "paper") in theirs.columns:
-            cols[(column, "paper")] = theirs[(column, "paper")]
-        for name, part in parts.items():
-            cols[(column, name)] = part[column] if column in part.columns else "-"
-    return pd.DataFrame(cols, index=rows)
-
-
-def ratio_to_paper(ours: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """Each of our cells over the paper's, on the rows and columns both tables have (``ours``' order):
-    1 is the paper's number. NaN where either is missing or the paper's is 0."""
-    rows = [r for r in ours.index if r in paper.index]
-    columns = [c for c in ours.columns if c in paper.columns]
-    theirs = paper.loc[rows, columns].astype(float)
-    return ours.loc[rows, columns].astype(float) / theirs.where(theirs != 0)
-
-
 def paper_scale_choices(run: Results) -> str:
-    """The two settings of ours in an MNIST run at the paper scale (``run``: its :class:`Results`), in
-    words from its manifest and values: which MAP starts the chains (the rule, the candidates' validation
-    losses and the one chosen) and how many validation images the periodic Fisher uses (the paper: all)."""
-    config, values = run.config, run.values
+    """Our two choices in the paper-scale MNIST run, in words: which MAP starts the chains (the rule, the candidates'
+    validation losses, the one chosen) and how many validation images the periodic Fisher uses (the paper: all)."""
+    config, seed = run.config, run.values["map_seed"]
     n_val, n_fisher = config["n_val"], config.get("n_fisher_periodic") or config["n_val"]
     seeds = config.get("select_map_from_seeds")
+    start = f"The chains start from the MAP of seed {seed} (the paper names no seed)."
     if seeds and run.has("map_candidates"):
-        candidates = run.table("map_candidates")
-        losses = ", ".join(f"{int(s)}: {v:.4f}" for s, v in zip(candidates["seed"], candidates["val_loss"],
-                                                                    strict=True))
-        start = (f"The chains start from the MAP of seed {values['map_seed']}, the lowest validation loss after "
-                 f"the last epoch among the seeds {', '.join(map(str, seeds))} ({losses}), a rule fixed before "
-                 "any paper-scale SMP run (the paper names no seed).")
-    else:
-        start = f"The chains start from the MAP of seed {values['map_seed']} (the paper names no seed)."
-    fisher = ("The periodic Fisher is recomputed on all "
-              f"{n_val:,} validation images, as in the paper." if n_fisher >= n_val else
-              f"The periodic Fisher is recomputed on the first {n_fisher:,} of the {n_val:,} validation images "
-              "(the paper: all of them).")
+        candidates = run.table("map_candidates")[["seed", "val_loss"]].itertuples(index=False)
+        losses = ", ".join(f"{int(s)}: {v:.4f}" for s, v in candidates)
+        start = (f"The chains start from the MAP of seed {seed}, the lowest validation loss after the last epoch "
+                 f"among the seeds {', '.join(map(str, seeds))} ({losses}), a rule fixed before any paper-scale SMP "
+                 "run (the paper names no seed).")
+    fisher = (f"The periodic Fisher is recomputed on all {n_val:,} validation images, as in the paper."
+              if n_fisher >= n_val else f"The periodic Fisher is recomputed on the first {n_fisher:,} of the "
+              f"{n_val:,} validation images (the paper: all of them).")
     return f"{start} {fisher}"
 
 
 def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | None = None) -> pd.DataFrame:
-    """The tail chapter's table ``beside`` (rows ``(method, sampler)``; columns NLL, ECE, MI, logit
-    variance, accuracy) with one more row per method: the recursion itself at the paper scale (``run``,
-    the MNIST chapter's results there: its first replicate, as the tail's runs are), labelled with its
-    ``K`` and, when it started from another MAP than the tail's (``map_seed``), with its MAP's seed."""
-    columns = {"NLL": ("scores", "nll"), "ECE": ("scores", "ece"), "MI": ("scores", "mutual_info"),
-               "logit variance": ("variances", "logits_variance"), "accuracy": ("scores", "accuracy")}
-    tables = {name: run.table(name) for name in {t for t, _ in columns.values()}}
+    """The tail chapter's table ``beside`` (rows ``(method, sampler)``) with, under each method, the recursion at
+    the paper scale (``run``'s first replicate, as the tail's runs are), labelled with its ``K`` and, when it
+    started from another MAP than the tail's (``map_seed``), its MAP's seed."""
+    columns = {"NLL": "nll", "ECE": "ece", "MI": "mutual_info", "logit variance": "logits_variance",
+               "accuracy": "accuracy"}
+    ours = run.table("scores").join(run.table("variances"))
     other_map = map_seed is not None and run.values.get("map_seed") != map_seed
     label = (f"recursion at the paper scale (K = {run.config['n_steps']:,}"
              + (f", MAP of seed {run.values.get('map_seed')})" if other_map else ")"))
     rows = []
     for method in beside.index.get_level_values("method").unique():
         rows.append(beside.loc[[method]])
-        if method in tables["scores"].index:
-            cells = {c: tables[t].loc[method, col] for c, (t, col) in columns.items() if c in beside.columns}
-            rows.append(pd.DataFrame([cells], index=pd.MultiIndex.from_tuples([(method, label)],
-                                                                               names=beside.index.names)))
+        if method in ours.index:
+            rows.append(pd.DataFrame([{c: ours.loc[method, col] for c, col in columns.items() if c in beside.columns}],
+                                     index=pd.MultiIndex.from_tuples([(method, label)], names=beside.index.names)))
     return pd.concat(rows)
-
-
-def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
-    """``df`` for display: floats rounded to ``digits`` decimals (``significant=True``: to ``digits``
-    significant digits), yes/no for booleans, and missing cells (in the index and the column labels too)
-    as ``-``."""
-
-    def cell(v):
-        if isinstance(v, bool | np.bool_):
-            return "yes" if v else "no"
-        if isinstance(v, float | np.floating):
-            return "-" if math.isnan(v) else (f"{v:.{digits}g}" if significant else round(float(v), digits))
-        return "-" if v is None or (isinstance(v, str) and v == "") else v
-
-    def label(v):
-        return "-" if isinstance(v, float | np.floating) and math.isnan(v) else v
-
-    out = df.map(cell)
-    if isinstance(out.index, pd.MultiIndex):
-        out.index = pd.MultiIndex.from_tuples([tuple(label(v) for v in key) for key in out.index],
-                                              names=out.index.names)
-    else:
-        out.index = pd.Index([label(v) for v in out.index], name=out.index.name)
-    if not isinstance(out.columns, pd.MultiIndex):
-        out.columns = [label(c) for c in out.columns]
-    return out
 
 
 def benchmark(name: str, table: str, index: list[str] | None = None,
               measured: str | None = None) -> pd.DataFrame | None:
-    """A benchmark's saved table, ``benchmarks/<name>/<table>.csv`` (written by the script's ``--csv``), with
-    its heading line in ``attrs["heading"]`` and the machine it ran on in ``attrs["machine"]``; with
-    ``measured``, only the rows whose ``measured`` column is a number (a run left out of a budget says so in
-    words). ``None`` when the file or every row is missing."""
-    folder = ROOT / "benchmarks" / name
-    if not (folder / f"{table}.csv").exists():
+    """A benchmark's table ``benchmarks/<name>/<table>.csv`` (its ``--csv``), its heading and machine in ``attrs``;
+    with ``measured``, only the rows where that column is a number (not a run left out of a budget, in words).
+    ``None`` when the file or every row is missing."""
+    file = ROOT / "benchmarks" / name / f"{table}.csv"
+    if not file.exists():
         return None
-    df = pd.read_csv(folder / f"{table}.csv", dtype=str, keep_default_na=False)
+    df = pd.read_csv(file, dtype=str, keep_default_na=False)
     if measured is not None:
         df = df[pd.to_numeric(df[measured], errors="coerce").notna()]
     if df.empty:
         return None
-    file = folder / "headings.json"
-    headings = json.loads(file.read_text()) if file.exists() else {}
+    headings = file.with_name("headings.json")
+    headings = json.loads(headings.read_text()) if headings.exists() else {}
     df.attrs["heading"], df.attrs["machine"] = headings.get(table, ""), headings.get("machine", "")
     return df.set_index(index) if index else df
 
 
 def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
-    """How one GPU's SMP-fixed-diag step with CUDA graphs (``steps``: ``bench_mnist.py``'s step table on a
-    GPU, indexed by device, variant and what ran the step, its heading naming S) compares with the most
-    processes of ``scaling`` (``bench_scaling.py``, the same variant on this CPU): a sentence, an estimate
-    from the two tables and labelled so; ``None`` when a row it needs is missing."""
-    found = re.search(r"S = (\d+)", steps.attrs.get("heading", ""))
+    """A sentence, labelled an estimate: one GPU's SMP-fixed-diag step with CUDA graphs (``steps``, the GPU's step
+    table, indexed by device, variant and what ran the step, its heading naming S) against the most processes of
+    ``scaling`` (``bench_scaling.py`` on this CPU). ``None`` when a row it needs is missing."""
     try:
+        chains = int(re.search(r"S = (\d+)", steps.attrs.get("heading", "")).group(1))
         graphs, eager = (float(steps.loc[("cuda", "SMP-fixed-diag", mode), "ms / step"])
                          for mode in ("CUDA graphs", "batched torch, one by one"))
-    except (KeyError, ValueError):
+    except (AttributeError, KeyError, ValueError):
         return None
-    cpu = float(scaling["chain-steps / s"].iloc[-1])
-    if found is None:
-        return None
-    gpu = int(found.group(1)) / (graphs / 1000)
+    gpu, cpu = chains / (graphs / 1000), float(scaling["chain-steps / s"].iloc[-1])
     return (f"An estimate from these tables and `benchmarks/gpu_h200/`, not a run: with CUDA graphs one H200 "
-            f"steps {found.group(1)} chains of SMP-fixed-diag in {graphs} ms, {gpu:,.0f} chain-steps per second, "
+            f"steps {chains} chains of SMP-fixed-diag in {graphs} ms, {gpu:,.0f} chain-steps per second, "
             f"{gpu / cpu:.0f} times the {scaling.index[-1]} processes here. Without the graphs, which take away "
             f"the overhead of launching each kernel, the step takes {eager} ms ({eager / graphs:.1f} times as "
             "long): it is bound by launches more than by arithmetic, so we expect that splitting these chains "
             "over more GPUs would shorten a run little, and that more GPUs pay for more chains or a larger network.")
-
-
-def claims_table(claims: pd.DataFrame) -> str:
-    """A claims table as Markdown for the page, each verdict right after its claim (then the criterion and the
-    evidence), missing cells as ``-``."""
-    verdicts = [c for c in claims.columns if str(c).startswith("verdict")]
-    first = ["claim", *verdicts] if "claim" in claims.columns else verdicts
-    ordered = claims[first + [c for c in claims.columns if c not in first]]
-    return ordered.fillna("-").to_markdown(index=False)
-
-
-# The chapters whose claims the summary judges: their page in the book and what they reproduce.
-CHAPTERS = {"toy": ("notebooks/toy", "Section 3.2: NUTS, NUTS-mean and ten SMP variants on a 2-3-2-1 network; "
-                    "Tables ex1_scores, ex1_variances, ex1_elapsed and the figures"),
-            "mnist": ("notebooks/mnist", "Section 3.3: a MAP LeNet-5 and four SMP variants on MNIST; Tables "
-                      "ex2_scores, ex2_variances, ex2_elapsed and the figures")}
-
-
-def _scale_words(study: str, scale: str) -> str:
-    from .config import get_config
-
-    same = {k: v for k, v in get_config(study, scale).items() if k != "scale"} == {
-        k: v for k, v in get_config(study, "paper").items() if k != "scale"}
-    return f"{scale} scale" + (" (the paper's sizes)" if same and scale != "paper" else "")
-
-
-def at_a_glance(claims: pd.DataFrame) -> str:
-    """The front page's table, as Markdown: per chapter of the paper, what it reproduces, the scale its claims
-    are judged at and how many of each verdict the register gives (``claims``: :func:`smp_book.register.table`)."""
-    from .register import WORDS
-
-    rows = []
-    for chapter, (page, what) in CHAPTERS.items():
-        mine = claims[claims["chapter"] == chapter]
-        counts = mine["verdict"].value_counts()
-        scales = mine["scale"].str.split(",").str[0].unique()
-        rows.append({"chapter": f"{{doc}}`{page}`", "what is reproduced": what,
-                     "judged at": ", ".join(_scale_words(chapter, s) for s in scales),
-                     **{w: int(counts.get(w, 0)) for w in WORDS}})
-    return pd.DataFrame(rows).to_markdown(index=False)
-
-
-def settings_table(config: dict) -> pd.DataFrame:
-    """A study's settings for the page, one per row: each SMP variant's tau on a row of its own
-    (``tau of SMP-<variant>``), lists written out, the variants' list left out (their tau rows name them)."""
-    rows = {key: ", ".join(map(str, value)) if isinstance(value, list) else value
-            for key, value in config.items() if key not in ("tau", "variants") and not isinstance(value, dict)}
-    rows.update({f"tau of SMP-{variant}": tau for variant, tau in config.get("tau", {}).items()
-                 if variant in config.get("variants", config.get("tau", {}))})
-    return pd.Series(rows, name="value", dtype=object).to_frame().rename_axis("setting")
-
-
-def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | None = None,
-                 digits: int = 4) -> pd.DataFrame:
-    """One table with, per column, the paper's number and ours (mean ± sd over replicates if given;
-    a NaN sd, as with one replicate, shows no spread)."""
-    cols = {}
-    for c in ours.columns:
-        if c in paper.columns:
-            cols[(c, "paper")] = paper[c].reindex(ours.index).map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
-        mine = ours[c].map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
-        if std is not None:  # no spread to show where it is NaN (one replicate, or a row without values)
-            mine = mine + std[c].reindex(ours.index).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
-        cols[(c, "ours")] = mine
-    return pd.DataFrame(cols, index=ours.index)
 
 
 # The settings that make the MAP-seeds chapter's runs comparable with a paper-scale run: the same data and
@@ -260,12 +227,11 @@ SAME_MAP = ("n_train", "n_val", "split_seed", "map_batch", "map_epochs", "map_lr
 
 
 def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
-    """Per SMP variant, the paper-scale mutual information (``run``) beside the paper's, their ``ratio`` and our
-    ``largest chain's share``. Where the MAP-seeds chapter's ``seeds`` have the data, MAP training and S of
-    ``run``: ``MAP sd`` and ``stream sd`` of the log MI there, ``gap in sds`` (the log ratio over the sd of the
-    difference of two runs from independent MAPs and streams: the paper's and ours are one draw each) and
-    ``growth`` from the same MAP (periodic only with as many Fisher images) beside ``linear growth``, the
-    ratio of the reached shares ``1 - r_K^2 / r_0^2`` at the two K."""
+    """Per SMP variant, the paper-scale MI (``run``) beside the paper's, their ``ratio`` and our ``largest chain's
+    share``. Where the MAP-seeds chapter's ``seeds`` share ``run``'s data, MAP training and S: ``MAP sd`` and
+    ``stream sd`` of the log MI there, ``gap in sds`` (the log ratio over the sd of the difference of two runs
+    from independent MAPs and streams) and ``growth`` from the same MAP (periodic only with as many Fisher
+    images) beside ``linear growth``, the ratio of the reached shares ``1 - r_K^2 / r_0^2`` at the two K."""
     from smp_core.recursion import residual_variance_ratio
 
     scores, tails = run.table("scores"), run.table("tails")
@@ -294,8 +260,6 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     return table
 
 
-
-
 def _times(x: float) -> str:
     """``x`` to two significant figures, without an exponent, and "times"."""
     if not np.isfinite(x):
@@ -305,16 +269,12 @@ def _times(x: float) -> str:
 
 def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
                          scale: str, n_chains: int) -> str:
-    """What the paper-scale results say, in Markdown: the verdict counts (``verdicts``:
-    columns ``claim``, ``verdict (paper scale)`` and ``verdict (<scale>)``),
-    the verdicts that change, and per SMP variant its accuracy, MI and logit variance (``ours``, ``paper``)
-    against the paper's with what ``gaps`` (:func:`paper_scale_gaps`) says of the gap. Fixed thresholds set
-    the words: a gap within two sds is one that another MAP and stream could give; a growth above twice the
-    linear one is faster than a fixed Fisher gives (for SMP-fixed-diag: its chains left the region where the
-    MAP's Fisher holds), below half less; a largest chain's share below ``5 / n_chains`` says that the bulk
-    of the chains carries the MI, one from 0.25 that much of it is one chain's excursion."""
-    from .register import count
-
+    """What the paper-scale results say, in Markdown: the verdict counts of ``verdicts`` (columns ``claim``,
+    ``verdict (paper scale)``, ``verdict (<scale>)``) and those that change; per SMP variant, its accuracy, MI and
+    logit variance (``ours``) against the paper's and what ``gaps`` (:func:`paper_scale_gaps`) says. Fixed
+    thresholds: a gap within two sds another MAP and stream could give; a growth above twice the linear one is
+    faster than a fixed Fisher gives, below half less; a largest chain's share below ``5 / n_chains`` is the
+    bulk of the chains', from 0.25 one chain's excursion."""
     at_paper, here = "verdict (paper scale)", f"verdict ({scale})"
     changed = verdicts[verdicts[at_paper] != verdicts[here]]
     head = (f"Of the {len(verdicts)} claims, at the paper scale {count(verdicts[at_paper])}; at the "
@@ -333,7 +293,8 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
                  f"{row['paper']:.4g} ({_times(row['ratio'])} it"
                  + (", the paper's number having one significant figure" if coarse else "")
                  + f"), logit variance {_times(logit)} the paper's"]
-        gap, growth, linear = (row.get(c, np.nan) for c in ("gap in sds", "growth", "linear growth"))
+        gap, growth, linear, share = (row.get(c, np.nan) for c in ("gap in sds", "growth", "linear growth",
+                                                                   "largest chain's share"))
         if np.isfinite(gap):
             parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's: "
                          + ("within what another MAP and stream could give" if abs(gap) <= 2
@@ -344,7 +305,6 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
             parts.append(f"it grew {_times(growth)} from the MAP-seeds chapter's K on the same MAP, a fixed Fisher "
                          f"{_times(linear)}: " + (faster if growth > 2 * linear else "less than a fixed Fisher gives"
                                                   if growth < linear / 2 else "about what a fixed Fisher gives"))
-        share = row.get("largest chain's share", np.nan)
         if np.isfinite(share):
             parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
                          + ("so the bulk of the chains carries it" if share < 5 / n_chains else
@@ -354,32 +314,28 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
     return "\n".join([head, "", *bullets])
 
 
-# The MNIST chapter's run on periodic-diag alone (its parameters variants and fisher_images), at the laptop scale.
+# The MNIST chapter's runs on periodic-diag alone (its parameters variants and fisher_images), at the laptop scale.
 FISHER_IMAGES = (500, 1000, 6000)
-FISHER_SHOWN = {"mutual_info": "scores", "epistemic_std": "scores", "logits_variance": "variances",
-                "accuracy": "scores", "nll": "scores", "ece": "scores"}
+FISHER_SHOWN = ("mutual_info", "epistemic_std", "logits_variance", "accuracy", "nll", "ece")
 
 
 def _periodic_run(images: int, root=None) -> Results | None:
     """The MNIST chapter's laptop run on periodic-diag alone with its Fisher on ``images`` validation images, or
     ``None`` when it is not committed."""
-    from .pipeline import RESULTS, folder_of, results
+    from .pipeline import folder_of, results
 
-    params = {"variants": [PERIODIC], "fisher_images": images}
-    if not (folder_of("mnist", "laptop", params, root or RESULTS) / "manifest.json").exists():
+    params, root = {"variants": [PERIODIC], "fisher_images": images}, root or RESULTS
+    if not (folder_of("mnist", "laptop", params, root) / "manifest.json").exists():
         return None
-    return results("mnist", "laptop", params, root=root or RESULTS)  # a note if its code is older
+    return results("mnist", "laptop", params, root=root)  # a note if its code is older
 
 
 def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame | None:
-    """SMP-periodic-diag at the laptop scale with its Fisher recomputed on 500, 1,000 and 6,000 validation images
-    (those committed), mean ± sd over its replicates (the same MAP and random streams: only the Fisher's images
-    differ), beside the paper's (6,000 images, K = 10^6) and the paper-scale run's, each row with the accuracy
-    of the MAP it started from; ``None`` before any such run is committed."""
-    from .paper import paper_table
+    """SMP-periodic-diag at the laptop scale with its Fisher on each committed count of :data:`FISHER_IMAGES`
+    (mean ± sd over replicates of one MAP and the same streams), beside the paper-scale run's and the paper's,
+    each with its MAP's accuracy; ``None`` before any such run is committed."""
 
     def row(table: pd.DataFrame, std: pd.DataFrame | None = None) -> dict[str, str]:
-        """Periodic's cells (``mean ± sd`` with ``std``) and the accuracy of the MAP it started from."""
         cells = {c: f"{table.loc[PERIODIC, c]:.4g}" + ("" if std is None else f" ± {std.loc[PERIODIC, c]:.2g}")
                  for c in FISHER_SHOWN}
         return {**cells, "MAP accuracy": f"{table.loc['MAP', 'accuracy']:.4f}"}
@@ -387,45 +343,34 @@ def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame |
     rows = {}
     for n in FISHER_IMAGES:
         if (res := _periodic_run(n, root)) is not None:
-            mean = res.table("scores_mean").join(res.table("variances_mean"))
-            std = res.table("scores_std").join(res.table("variances_std"))
-            rows[f"{n:,}"] = row(mean, std)
+            rows[f"{n:,}"] = row(*(res.table(f"scores_{s}").join(res.table(f"variances_{s}")) for s in ("mean", "std")))
     if not rows:
         return None
     if paper_run is not None:
-        ours = paper_run.table("scores").join(paper_run.table("variances"))
         images = paper_run.config.get("n_fisher_periodic") or paper_run.config["n_val"]
-        rows[f"{images:,}, K = 10^6 (ours)"] = row(ours)
-    theirs = paper_table("ex2_scores").join(paper_table("ex2_variances"))
-    rows["6,000, K = 10^6 (the paper)"] = row(theirs)
+        rows[f"{images:,}, K = 10^6 (ours)"] = row(paper_run.table("scores").join(paper_run.table("variances")))
+    rows["6,000, K = 10^6 (the paper)"] = row(paper_table("ex2_scores").join(paper_table("ex2_variances")))
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("images")
 
 
 def fisher_images_in_words(root=None, ours: int = 1000, theirs: int = 6000,
                            paper_run: Results | None = None) -> str | None:
-    """What the paper's ``theirs`` validation images for the periodic Fisher do against the paper-scale run's
-    ``ours``, in words: per replicate of the laptop runs (one MAP, the same random streams, so the replicates pair),
-    the ratio of periodic's mutual information and epistemic std at ``theirs`` to those at ``ours``; with
-    ``paper_run``, also which way that moves the paper-scale run's mutual information against the paper's.
-    ``None`` until both runs are committed."""
+    """In words, periodic's MI and epistemic std with its Fisher on ``theirs`` images over those on ``ours``, per
+    paired replicate of the laptop runs; with ``paper_run``, which way that moves the paper-scale MI against the
+    paper's. ``None`` until both runs are committed."""
     runs = [_periodic_run(n, root) for n in (ours, theirs)]
     if any(run is None for run in runs):
         return None
     low, high = (run.table("scores_replicates").xs(PERIODIC, level="method") for run in runs)
     ratios = {metric: high[metric] / low[metric] for metric in ("mutual_info", "epistemic_std")}
-    parts = []
-    for metric, label in (("mutual_info", "mutual information"), ("epistemic_std", "epistemic std")):
-        ratio = ratios[metric]
-        parts.append(f"{'its ' * bool(parts)}{label} by {ratio.mean():.2f} (replicates "
-                     f"{', '.join(f'{r:.2f}' for r in ratio)})")
-    words = (f"At the `laptop` scale ($K = 10^4$, {len(ratio)} paired replicates), a Fisher on {theirs:,} images in "
-             f"place of {ours:,} multiplies SMP-periodic-diag's " + " and ".join(parts) + ".")
+    parts = [f"{label} by {ratios[m].mean():.2f} (replicates {', '.join(f'{r:.2f}' for r in ratios[m])})"
+             for m, label in (("mutual_info", "mutual information"), ("epistemic_std", "epistemic std"))]
+    words = (f"At the `laptop` scale ($K = 10^4$, {len(ratios['mutual_info'])} paired replicates), a Fisher on "
+             f"{theirs:,} images in place of {ours:,} multiplies SMP-periodic-diag's " + " and its ".join(parts) + ".")
     if paper_run is None:
         return words
-    from .paper import paper_table
-
-    gap = paper_run.table("scores").loc[PERIODIC, "mutual_info"] / paper_table("ex2_scores").loc[PERIODIC,
-                                                                                                  "mutual_info"]
+    gap = (paper_run.table("scores").loc[PERIODIC, "mutual_info"]
+           / paper_table("ex2_scores").loc[PERIODIC, "mutual_info"])
     toward = (ratios["mutual_info"].mean() > 1) == (gap < 1)
     verdict = ("it may account for part of the gap (whether the factor holds at $K = 10^6$ is not measured)"
                if toward else "the image count widens the gap rather than explaining it (at $K = 10^4$; $K = 10^6$ "
@@ -440,12 +385,9 @@ TURING_SHOWN = (("NUTS", "accuracy"), ("NUTS-mean", "accuracy"), ("SMP-none", "m
 
 
 def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The toy chapter's run with NUTS started as the paper did (uniform on [-2, 2]), replicate by replicate: the
-    numbers its gaps turn on, the paper's row first; and per number, how many replicates land near the paper's
-    (an accuracy within 0.01, 50 of its 5,000 test points; a mutual information within 25 %): the paper's run is
-    one draw, and the share says how ordinary it is under that start."""
-    from .paper import paper_table
-
+    """The toy chapter's run with the paper's NUTS start (uniform on [-2, 2]), per replicate, the paper's row
+    first; and per number, how many replicates land near the paper's (accuracy within 0.01, MI within 25 %): the
+    paper's run is one draw, and the share says how ordinary it is under that start."""
     scores, paper = run.table("scores_replicates"), paper_table("ex1_scores")
     table = pd.DataFrame({f"{m} {c}": scores[c].xs(m, level="method") for m, c in TURING_SHOWN})
     table.index = [f"replicate {r}" for r in table.index]
@@ -481,13 +423,12 @@ def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
     if not runs:
         return "no stream yet"
     counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
-    words = {1: "one", 2: "two", 3: "three", 4: "four"}
-    groups = [(n, [m for m in counts.index if counts[m] == n]) for n in sorted(set(counts), reverse=True)]
-
-    def listed(names):
-        return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
-
-    return ", ".join(f"{words.get(n, str(n))} stream{'s' * (n != 1)} of {listed(ms)}" for n, ms in groups)
+    words, parts = {1: "one", 2: "two", 3: "three", 4: "four"}, []
+    for n in sorted(set(counts), reverse=True):
+        names = list(counts.index[counts == n])
+        listed = ", ".join(names[:-1]) + " and " * (len(names) > 1) + names[-1]
+        parts.append(f"{words.get(n, str(n))} stream{'s' * (n != 1)} of {listed}")
+    return ", ".join(parts)
 
 
 def timings(scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
@@ -517,14 +458,10 @@ def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.D
 
 
 def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
-    """The MNIST cells of a rerun on other streams judged against the spread over MAPs.
-
-    A rerun with its seed moved trains another MAP, so its ``X_mean`` (the mean of its SMP replicates from
-    that MAP) and the committed one each vary by the MAP and by the streams. The MAP-seeds chapter's
-    ``X_std`` is the standard deviation of that very quantity over its MAPs (same settings, the same number
-    of replicates per MAP), so the difference of two such means has sd ``sqrt(2) X_std``, estimated with
-    ``n_maps - 1`` degrees of freedom: Student's t at level :data:`ALPHA`. Returns the MNIST ``X_mean`` cells
-    the MAP-seeds chapter has a spread for, with ``p`` and ``verdict`` (``within`` / ``outside`` / ``equal``)."""
+    """The MNIST ``X_mean`` cells of a rerun on other streams (another MAP) that the MAP-seeds chapter has a
+    spread for, judged against it: its ``X_std`` is the sd of that very mean over MAPs, so two such means differ
+    with sd ``sqrt(2) X_std`` (``n_maps - 1`` degrees of freedom): Student's t at level ``ALPHA``, giving ``p``
+    and ``verdict`` (``within`` / ``outside`` / ``equal``, or ``differs`` without a spread)."""
     from scipy.stats import t as student
 
     from .reproduce import ALPHA, _spread
@@ -532,15 +469,13 @@ def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESUL
     seeds = Results(Path(root) / scale / "mnist_seeds")
     mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
     spreads = {table: _spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None
-    rows = []
-    for table, row, column, committed, new in mnist[["table", "row", "column", "committed", "new"]].itertuples(
-            index=False):
+    columns, rows = ["table", "row", "column", "committed", "new", "sd_maps", "n_maps", "p", "verdict"], []
+    for table, row, column, committed, new in mnist[columns[:5]].itertuples(index=False):
         spread = spreads[table]
         if spread is None or row not in spread[0].index.astype(str) or column not in spread[0].columns:
             continue
-        sd, n = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
-        sd, n_maps = float(sd), int(n)
-        old, fresh = float(committed), float(new)
+        sd, n_maps = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
+        sd, n_maps, old, fresh = float(sd), int(n_maps), float(committed), float(new)
         if np.isclose(old, fresh, rtol=1e-6, atol=1e-12, equal_nan=True):
             p, verdict = math.nan, "equal"
         elif not (np.isfinite(sd) and sd > 0):
@@ -548,7 +483,5 @@ def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESUL
         else:
             p = float(2 * student.sf(abs(fresh - old) / (math.sqrt(2) * sd), df=n_maps - 1))
             verdict = "within" if p >= ALPHA else "outside"
-        rows.append({"table": table, "row": row, "column": column, "committed": old, "new": fresh,
-                     "sd_maps": sd, "n_maps": n_maps, "p": p, "verdict": verdict})
-    return pd.DataFrame(rows, columns=["table", "row", "column", "committed", "new", "sd_maps", "n_maps", "p",
-                                       "verdict"])
+        rows.append((table, row, column, old, fresh, sd, n_maps, p, verdict))
+    return pd.DataFrame(rows, columns=columns)
