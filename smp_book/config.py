@@ -17,12 +17,8 @@ from typing import Any
 SCALES = ("ci", "laptop", "paper")
 
 # Section 3.2.3: tau per structure, lambda, beta, T; model-expected Fisher over the training set.
-TOY_VARIANTS = [
-    "none",
-    "fixed-diag", "fixed-block", "fixed-dense",
-    "ema-diag", "ema-block", "ema-dense",
-    "periodic-diag", "periodic-block", "periodic-dense",
-]
+TOY_VARIANTS = ["none", *(f"{strategy}-{structure}" for strategy in ("fixed", "ema", "periodic")
+                          for structure in ("diag", "block", "dense"))]  # fixed-diag, fixed-block, ..., periodic-dense
 TOY_TAU = {"none": 1.0, "diag": 0.3, "block": 0.3, "dense": 0.1}  # paper
 # Beyond the paper (notebooks/toy_kfac.md): Kronecker-factored blocks, one per layer. tau is ours: the
 # paper's value for the other per-layer blocks (block), since KFAC keeps one block per layer too.
@@ -70,8 +66,6 @@ TOY: dict[str, dict[str, Any]] = {
 MNIST_VARIANTS = ["none", "fixed-diag", "ema-diag", "periodic-diag"]
 MNIST_TAU = {"none": 1.0, "fixed-diag": 0.05, "ema-diag": 0.08, "periodic-diag": 0.05}  # paper
 MNIST_KFAC_VARIANTS = ["fixed-kfac", "ema-kfac", "periodic-kfac"]
-# ours (notebooks/mnist_kfac.md): the paper's diagonal tau for the same strategy, so that only the structure changes
-MNIST_TAU_KFAC = {v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}
 
 _MNIST_PAPER: dict[str, Any] = {
     "n_train": 54_000, "n_val": 6_000, "n_test": 10_000,  # paper
@@ -88,79 +82,74 @@ _MNIST_PAPER: dict[str, Any] = {
     **_taus(MNIST_VARIANTS, MNIST_TAU.get),  # paper
 }
 
-# ours, at the paper scale: the MAP with the lowest validation loss after its last epoch among five seeds
-# (those of the MAP-seeds chapter, seed + 100 m), a rule that looks at no SMP result; the paper names no seed.
-# The laptop and ci scales start from the seed's MAP (mnist_study.chapter_map). The SMP seeds stay seed's.
-# Periodic's Fisher from the first 1,000 validation images (ours; the paper: all 6,000): on the 2-core CPU the
-# book is computed on, one recomputation over 6,000 takes 19 s by layers (benchmarks/mnist_cpu.md), so the
-# 2,000 of K = 10^6 would take about 10.6 hours, against the four variants' 3.4 hours of steps.
+# ours, at the paper scale: the MAP with the lowest validation loss after its last epoch among five seeds (those of
+# the MAP-seeds chapter, seed + 100 m), a rule that looks at no SMP result; the paper names no seed. The laptop and
+# ci scales start from the seed's MAP (mnist_study.chapter_map). The SMP seeds stay seed's. Periodic's Fisher from
+# the first 1,000 validation images (ours; the paper: all 6,000): on the 2-core CPU the book is computed on, one
+# recomputation over 6,000 takes 19 s by layers (benchmarks/mnist_cpu.md), so the 2,000 of K = 10^6 would take
+# about 10.6 hours, against the four variants' 3.4 hours of steps.
 _MNIST_PAPER_SCALE = {**_MNIST_PAPER, "select_map_from_seeds": [_MNIST_PAPER["seed"] + 100 * m for m in range(5)],
                       "n_fisher_periodic": 1_000}
 
 MNIST: dict[str, dict[str, Any]] = {
     "paper": _MNIST_PAPER_SCALE,
-    # laptop: the paper's data, MAP and S, but K = 10^4 (r_K^2 / r_0^2 = 84 % instead of 5 %), the
-    # periodic Fisher from the first 500 validation images and 3 SMP replicates, so that the chapter
-    # runs in about 30 minutes on 2 cores (MAP 3 min, then about 8 min per replicate of the 4 variants).
+    # laptop: the paper's data, MAP and S, but K = 10^4 (r_K^2 / r_0^2 = 84 % instead of 5 %), the periodic Fisher
+    # from the first 500 validation images and 3 SMP replicates, so that the chapter runs in about 30 minutes on
+    # 2 cores (MAP 3 min, then about 8 min per replicate of the 4 variants).
     "laptop": {**_MNIST_PAPER, "n_steps": 10_000, "n_fisher_periodic": 500, "checkpoint_every": 2_000,
                "smp_replicates": 3},
     "ci": {**_MNIST_PAPER, "n_train": 2_000, "n_val": 500, "n_test": 1_000, "map_epochs": 2, "n_chains": 8,
            "n_steps": 200, "period": 50, "checkpoint_every": None, "smp_replicates": 2},
 }
 
-# Beyond the paper (notebooks/mnist_growth.md): one run per MNIST variant, extended through a grid of K
-# (each run resumes from its checkpoint at the next K), to see how the dispersion grows with K. The
-# MAP and every SMP setting but S and K are those of the MNIST study at the same scale.
+# Beyond the paper (notebooks/mnist_growth.md): one run per MNIST variant, extended through a grid of K (each run
+# resumes from its checkpoint at the next K), to see how the dispersion grows with K. The MAP and every SMP setting
+# but S and K are those of the MNIST study at the same scale.
 _GROWTH_GRID = [1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000]
 
 
 def _growth(scale: str, **changes: Any) -> dict[str, Any]:
-    settings = {k: v for k, v in MNIST[scale].items() if k not in ("n_steps", "smp_replicates")}
-    return {**settings, **changes}
+    return {**{k: v for k, v in MNIST[scale].items() if k not in ("n_steps", "smp_replicates")}, **changes}
 
 
 MNIST_GROWTH: dict[str, dict[str, Any]] = {
     "paper": _growth("paper", growth_steps=_GROWTH_GRID),  # the paper's S and K: hours, best on a GPU
-    # laptop: 10 chains (jackknife errors over them) to K = 10^5, about 13 minutes on 2 cores; the
-    # periodic Fisher's recomputation (every T = 500 steps, 500 images) is most of that time.
+    # laptop: 10 chains (jackknife errors over them) to K = 10^5, about 13 minutes on 2 cores; the periodic
+    # Fisher's recomputation (every T = 500 steps, 500 images) is most of that time.
     "laptop": _growth("laptop", n_chains=10, growth_steps=_GROWTH_GRID[:5]),
     "ci": _growth("ci", n_chains=4, growth_steps=[50, 100, 200]),
 }
 
-# Beyond the paper (notebooks/mnist_kfac.md): the MNIST study with Kronecker-factored preconditioners
-# in place of the diagonal ones: the same MAP, data, S, K, lambda, T and Fisher data; tau is ours, the
-# paper's diagonal value for the same strategy, so that only the structure changes. Seeds follow the
-# four variants of the MNIST study (seed_offset). ema_refresh (ours): the EMA's factors are
-# eigendecomposed every 50 steps (1 / (1 - beta), the EMA's memory) instead of every step, which costs
-# more than the rest of the step for LeNet-5's 257 x 257 input factor (benchmarks/bench_kfac.py).
+# Beyond the paper (notebooks/mnist_kfac.md): the MNIST study with Kronecker-factored preconditioners in place of the
+# diagonal ones: the same MAP, data, S, K, lambda, T and Fisher data; tau is ours, the paper's diagonal value for the
+# same strategy, so that only the structure changes. Seeds follow the four variants of the MNIST study (seed_offset).
+# ema_refresh (ours): the EMA's factors are eigendecomposed every 50 steps (1 / (1 - beta), the EMA's memory) instead
+# of every step, which costs more than the rest of the step for LeNet-5's 257 x 257 input factor
+# (benchmarks/bench_kfac.py). The law of one step at the MAP for none and the two fixed preconditioners
+# (notebooks/mnist_kfac.md, "Why KFAC stays near the MAP"; smp_book.step_law): step_law_draws steps drawn per
+# structure, their output change measured on the first step_law_eval test images. All ours.
 _MNIST_KFAC_CHANGES: dict[str, Any] = {
     "variants": MNIST_KFAC_VARIANTS,
-    "tau": {**MNIST_TAU, **MNIST_TAU_KFAC},  # the diagonal's beside the step law's none and fixed-diag
+    # ours: the paper's diagonal tau for the same strategy, beside the step law's none and fixed-diag
+    "tau": {**MNIST_TAU, **{v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}},
     "ema_refresh": 50,  # ours
     "seed_offset": len(MNIST_VARIANTS),
 }
+_STEP_LAW = {"step_law_draws": 1000, "step_law_eval": 500}  # ours
 MNIST_KFAC: dict[str, dict[str, Any]] = {
-    "paper": {**_MNIST_PAPER_SCALE, **_MNIST_KFAC_CHANGES},
-    # laptop: the MNIST laptop settings (K = 10^4) with one replicate: each kfac
-    # run takes 7 to 21 times a diagonal one on 2 cores (594, 1221 and 719 s for fixed, EMA and periodic)
-    "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1},
-    "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES},
+    "paper": {**_MNIST_PAPER_SCALE, **_MNIST_KFAC_CHANGES, **_STEP_LAW},
+    # laptop: the MNIST laptop settings (K = 10^4) with one replicate: each kfac run takes 7 to 21 times a diagonal
+    # one on 2 cores (594, 1221 and 719 s for fixed, EMA and periodic)
+    "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1, **_STEP_LAW},
+    "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES, "step_law_draws": 40, "step_law_eval": 20},
 }
-# The law of one step at the MAP for none and the two fixed preconditioners (notebooks/mnist_kfac.md, "Why KFAC stays
-# near the MAP"; smp_book.step_law): step_law_draws steps drawn per structure, their output change measured on
-# the first step_law_eval test images. All ours.
-_STEP_LAW = {"paper": {"step_law_draws": 1000, "step_law_eval": 500},
-             "laptop": {"step_law_draws": 1000, "step_law_eval": 500},
-             "ci": {"step_law_draws": 40, "step_law_eval": 20}}
-for _scale, _settings in MNIST_KFAC.items():
-    _settings.update(_STEP_LAW[_scale])
 
-# Beyond the paper (notebooks/mnist_seeds.md): the MNIST study's four SMP variants, in the MNIST study's
-# smp_replicates replicates (3 at laptop: about 8 minutes per MAP and replicate), from each of map_seeds MAPs
-# trained with the same settings and the seeds seed + 100 m (MAP 0 is the MNIST chapter's at the laptop and ci
-# scales, with its runs; the MAPs are the MNIST baselines chapter's ensemble members, so they are shared): how
-# much the paper's verdicts depend on the training run of the MAP, and how much on the SMP random stream. The
-# number of MAPs is ours (5, as the ensemble).
+# Beyond the paper (notebooks/mnist_seeds.md): the MNIST study's four SMP variants, in the MNIST study's smp_replicates
+# replicates (3 at laptop: about 8 minutes per MAP and replicate), from each of map_seeds MAPs trained with the same
+# settings and the seeds seed + 100 m (MAP 0 is the MNIST chapter's at the laptop and ci scales, with its runs; the
+# MAPs are the MNIST baselines chapter's ensemble members, so they are shared): how much the paper's verdicts depend
+# on the training run of the MAP, and how much on the SMP random stream. The number of MAPs is ours (5, as the
+# ensemble).
 MNIST_SEEDS: dict[str, dict[str, Any]] = {
     scale: {**{k: v for k, v in settings.items() if k != "select_map_from_seeds"},
             "map_seeds": 2 if scale == "ci" else 5}
@@ -170,36 +159,31 @@ MNIST_SEEDS: dict[str, dict[str, Any]] = {
 TOY_KFAC: dict[str, dict[str, Any]] = {scale: {**settings, **_taus(TOY_KFAC_VARIANTS, toy_tau)}
                                        for scale, settings in TOY.items()}
 
-# Beyond the paper (notebooks/toy_tail.md): the Gaussian tail of smp_core.tail (hybrid sampling) against
-# the recursion itself. The toy study's data, NUTS, S, K and SMP settings and the same chain seeds (so
-# the recursion's rows are the toy chapter's runs); each run stops at every K0 of tail_from, where the
-# tail to K is drawn, and goes on to K, where the tail to infinity is drawn. All ours: the K0 grid,
-# M (tail_scores) and the replicates (three at the laptop scale, about 6 minutes on 2 cores).
-_TAIL_CHANGES: dict[str, dict[str, Any]] = {
-    "paper": {"tail_from": [50, 500, 1000], "tail_scores": 1000, "replicates": 3},
-    "laptop": {"tail_from": [50, 500, 1000], "tail_scores": 1000, "replicates": 3},
-    "ci": {"tail_from": [50, 100], "tail_scores": 100, "replicates": 2},
-}
-TOY_TAIL: dict[str, dict[str, Any]] = {scale: {**settings, "variants": TOY_VARIANTS, **_TAIL_CHANGES[scale]}
-                                       for scale, settings in TOY.items()}
+# Beyond the paper (notebooks/toy_tail.md): the Gaussian tail of smp_core.tail (hybrid sampling) against the
+# recursion itself. The toy study's data, NUTS, S, K and SMP settings and the same chain seeds (so the recursion's
+# rows are the toy chapter's runs); each run stops at every K0 of tail_from, where the tail to K is drawn, and goes
+# on to K, where the tail to infinity is drawn. All ours: the K0 grid, M (tail_scores) and the replicates (three at
+# the laptop scale, about 6 minutes on 2 cores).
+_TAIL_CHANGES: dict[str, Any] = {"tail_from": [50, 500, 1000], "tail_scores": 1000, "replicates": 3}
+TOY_TAIL: dict[str, dict[str, Any]] = {
+    scale: {**settings, "variants": TOY_VARIANTS,
+            **({"tail_from": [50, 100], "tail_scores": 100, "replicates": 2} if scale == "ci" else _TAIL_CHANGES)}
+    for scale, settings in TOY.items()}
 
-# Beyond the paper (notebooks/mnist_tail.md): the MNIST study's runs (replicate 0, the same cache) carried on
-# by the Gaussian tail to the paper's K = 10^6 and to infinity, and checked against the recursion on the
-# same chains from check_from (a multiple of 50, a fifth of K) to K. These keys only; the MNIST settings
-# are get_config("mnist", scale). All ours. At the paper scale the run already reaches 10^6: that row is
-# the recursion itself.
+# Beyond the paper (notebooks/mnist_tail.md): the MNIST study's runs (replicate 0, the same cache) carried on by the
+# Gaussian tail to the paper's K = 10^6 and to infinity, and checked against the recursion on the same chains from
+# check_from (a multiple of 50, a fifth of K) to K. These keys only; the MNIST settings are get_config("mnist",
+# scale). All ours. At the paper scale the run already reaches 10^6: that row is the recursion itself.
 MNIST_TAIL: dict[str, dict[str, Any]] = {
-    "paper": {"check_from": 200_000, "tail_to": 1_000_000, "tail_scores": 1000},
-    "laptop": {"check_from": 2_000, "tail_to": 1_000_000, "tail_scores": 1000},
-    "ci": {"check_from": 100, "tail_to": 1_000_000, "tail_scores": 20},
-}
+    scale: {"check_from": check_from, "tail_to": 1_000_000, "tail_scores": tail_scores}
+    for scale, check_from, tail_scores in [("paper", 200_000, 1000), ("laptop", 2_000, 1000), ("ci", 100, 20)]}
 
-# Beyond the paper (notebooks/toy_baselines.md): the approximate methods the paper leaves out (its
-# Section 4.5) beside NUTS and SMP on the toy chapter's replicates (the same data, NUTS, NUTS-mean and,
-# for SMP-none and SMP-ema-block, the same chains). All ours: a MAP under NUTS's prior N(0, I) from
-# NUTS-mean (L-BFGS, so in NUTS's basin); Laplace approximations at it with the prior's precision and
-# the model-expected GGN of every structure, S samples each; a deep ensemble of MAPs from random starts
-# (Lakshminarayanan et al. use 5 members; 10 cost seconds here).
+# Beyond the paper (notebooks/toy_baselines.md): the approximate methods the paper leaves out (its Section 4.5)
+# beside NUTS and SMP on the toy chapter's replicates (the same data, NUTS, NUTS-mean and, for SMP-none and
+# SMP-ema-block, the same chains). All ours: a MAP under NUTS's prior N(0, I) from NUTS-mean (L-BFGS, so in NUTS's
+# basin); Laplace approximations at it with the prior's precision and the model-expected GGN of every structure,
+# S samples each; a deep ensemble of MAPs from random starts (Lakshminarayanan et al. use 5 members; 10 cost
+# seconds here).
 _BASELINE_CHANGES: dict[str, Any] = {"smp_variants": ["none", "ema-block"], "prior_precision": 1.0,
                                      "laplace_structures": ["diag", "block", "kfac", "dense"],
                                      "ensemble_members": 10}
@@ -216,16 +200,14 @@ TOY_BASELINES: dict[str, dict[str, Any]] = {
 # the MAP's settings, the rate chosen by the validation NLL of S = n_chains passes; Gal and Ghahramani
 # 2016), the angles and the number of rotated images.
 MNIST_BASELINE_KEYS = ("laplace_structures", "ensemble_members", "dropout_rates", "shift_angles", "shift_images")
-_MNIST_BASELINE_CHANGES: dict[str, dict[str, Any]] = {
-    "paper": {"laplace_structures": ["diag", "kfac"], "ensemble_members": 5,
-              "dropout_rates": [0.1, 0.25, 0.5], "shift_angles": [30, 60], "shift_images": 10_000},
-    "laptop": {"laplace_structures": ["diag", "kfac"], "ensemble_members": 5,
-               "dropout_rates": [0.1, 0.25, 0.5], "shift_angles": [30, 60], "shift_images": 2_000},
-    "ci": {"laplace_structures": ["diag", "kfac"], "ensemble_members": 2,
-           "dropout_rates": [0.1, 0.5], "shift_angles": [45], "shift_images": 200},
+_MNIST_BASELINE_CHANGES: dict[str, Any] = {"laplace_structures": ["diag", "kfac"], "ensemble_members": 5,
+                                           "dropout_rates": [0.1, 0.25, 0.5], "shift_angles": [30, 60]}
+MNIST_BASELINES: dict[str, dict[str, Any]] = {
+    "paper": {**MNIST["paper"], **_MNIST_BASELINE_CHANGES, "shift_images": 10_000},
+    "laptop": {**MNIST["laptop"], **_MNIST_BASELINE_CHANGES, "shift_images": 2_000},
+    "ci": {**MNIST["ci"], **_MNIST_BASELINE_CHANGES, "ensemble_members": 2, "dropout_rates": [0.1, 0.5],
+           "shift_angles": [45], "shift_images": 200},
 }
-MNIST_BASELINES: dict[str, dict[str, Any]] = {scale: {**settings, **_MNIST_BASELINE_CHANGES[scale]}
-                                              for scale, settings in MNIST.items()}
 
 # Beyond the paper (notebooks/regression.md; smp_book.regression_study): a one-dimensional regression whose data
 # leave a gap, SMP beside NUTS, the MAP and the linearised Laplace approximation. The paper has no regression, so
@@ -244,10 +226,9 @@ MNIST_BASELINES: dict[str, dict[str, Any]] = {scale: {**settings, **_MNIST_BASEL
 REGRESSION_VARIANTS = [["none", 1e-4], ["fixed-diag", 1e-4], ["ema-diag", 1e-4], ["fixed-kfac", 1e-4],
                        ["fixed-kfac", 1.0], ["fixed-dense", 1e-4], ["fixed-dense", 1.0]]
 REGRESSION_DESIGN_VARIANTS = [  # [design, preconditioner, ridge, Fisher from "data" or "design"]
-    ["uniform", "none", 1e-4, "data"], ["uniform", "fixed-diag", 1e-4, "data"],
-    ["uniform", "fixed-dense", 1.0, "data"], ["uniform", "fixed-dense", 0.1, "data"],
-    ["uniform", "fixed-dense", 0.01, "data"], ["uniform", "fixed-dense", 1.0, "design"],
-    ["uniform", "fixed-dense", 0.01, "design"],
+    ["uniform", "none", 1e-4, "data"], ["uniform", "fixed-diag", 1e-4, "data"], ["uniform", "fixed-dense", 1.0, "data"],
+    ["uniform", "fixed-dense", 0.1, "data"], ["uniform", "fixed-dense", 0.01, "data"],
+    ["uniform", "fixed-dense", 1.0, "design"], ["uniform", "fixed-dense", 0.01, "design"],
     ["smoothed", "none", 1e-4, "data"], ["smoothed", "fixed-dense", 1.0, "data"]]
 _REGRESSION_LAPTOP: dict[str, Any] = {
     "n_train": 120, "n_in": 1000, "n_gap": 500, "grid_points": 401, "noise": 0.1, "hidden": 50,
@@ -276,9 +257,8 @@ REGRESSION: dict[str, dict[str, Any]] = {
 }
 
 _TABLES = {"toy": TOY, "toy_baselines": TOY_BASELINES, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST,
-           "mnist_growth": MNIST_GROWTH,
-           "mnist_kfac": MNIST_KFAC, "mnist_tail": MNIST_TAIL, "mnist_baselines": MNIST_BASELINES,
-           "mnist_seeds": MNIST_SEEDS, "regression": REGRESSION}
+           "mnist_baselines": MNIST_BASELINES, "mnist_growth": MNIST_GROWTH, "mnist_kfac": MNIST_KFAC,
+           "mnist_seeds": MNIST_SEEDS, "mnist_tail": MNIST_TAIL, "regression": REGRESSION}
 
 
 def get_config(study: str, scale: str) -> dict[str, Any]:
@@ -332,13 +312,12 @@ def with_parameters(study: str, config: dict[str, Any], params: dict[str, Any] |
             config["variants"], config["tau"] = names, {v: config["tau"][v] for v in names}
         elif name == "nuts_start" and value not in ("map", "uniform"):
             raise ValueError(f"nuts_start: 'map' (ours) or 'uniform' (Turing's default) is needed, got {value!r}")
-        elif name == "nuts_start":
-            config["nuts_start"] = value
         elif name == "fisher_images" and not (isinstance(value, int) and not isinstance(value, bool)
                                               and 1 <= value <= config["n_val"]):
             raise ValueError(f"fisher_images: an integer from 1 to the {config['n_val']:,} validation images is "
                              f"needed, got {value!r}")
-        elif isinstance(value, bool) or not isinstance(value, int) or value < (0 if "seed" in name else 1):
+        elif name != "nuts_start" and (isinstance(value, bool) or not isinstance(value, int)
+                                       or value < (0 if "seed" in name else 1)):
             raise ValueError(f"{name}: a {'non-negative' if 'seed' in name else 'positive'} integer is needed, "
                              f"got {value!r}")
         else:

@@ -1,17 +1,16 @@
 """The checks and bookkeeping of the chapter "Using SMP on your own model" (``notebooks/usage.md``).
 
 That chapter is a tutorial of the :mod:`smp_core` API, so the calls a user writes (building a model,
-:func:`smp_core.run_smp`, :func:`smp_core.tail.add_gaussian_tail`, :mod:`smp_core.metrics`) stay in
-the notebook; what is here is what checks their answers or lays them out:
+:func:`smp_core.run_smp`, :func:`smp_core.tail.add_gaussian_tail`, :mod:`smp_core.metrics`) stay in the notebook;
+what is here is what checks their answers or lays them out:
 
-* :func:`step_law_table`: the variances a fixed-``P`` run is predicted to reach from the law of one
-  step (:mod:`smp_book.step_law`) beside the observed ones;
-* :func:`least_squares_linear` and :func:`linear_gaussian_check`: a linear-Gaussian regression started
-  at least squares, whose SMP has a closed-form mean and covariance at every ``K`` (and at
-  ``K = infinity``), checked by z-scores;
+* :func:`step_law_table`: the variances a fixed-``P`` run is predicted to reach from the law of one step
+  (:mod:`smp_book.step_law`) beside the observed ones;
+* :func:`least_squares_linear` and :func:`linear_gaussian_check`: a linear-Gaussian regression started at least
+  squares, whose SMP has a closed-form mean and covariance at every ``K`` (and at ``K = infinity``), by z-scores;
 * :func:`fit_map`: the MAP of a network under a ``N(0, I / alpha)`` prior (Adam, then L-BFGS in float64);
-* :func:`regression_table` and :func:`bands_figure`: the predictive scores of several sets of
-  parameter draws of a regression network in several regions, and their 90 % bands.
+* :func:`regression_table` and :func:`bands_figure`: the predictive scores of several sets of parameter draws of a
+  regression network in two regions, and their 90 % bands.
 """
 
 from __future__ import annotations
@@ -38,11 +37,9 @@ def step_law_table(predicted: Mapping[str, float], samples: torch.Tensor, logits
     """The two variance columns of the paper's tables, as :func:`smp_book.step_law.predicted_variances`
     predicts them (with their standard errors) and as the run gave them: ``samples`` ``(S, d)``, ``logits``
     ``(S, n)`` or ``(S, n, C)`` on the evaluation inputs."""
-    columns = ("params_variance", "logits_variance")
     observed = {"params_variance": metrics.params_variance(samples), "logits_variance": metrics.logits_variance(logits)}
-    return pd.DataFrame({"predicted": {c: float(predicted[c]) for c in columns},
-                         "standard error": {c: float(predicted[f"{c}_se"]) for c in columns},
-                         "observed": observed})
+    return pd.DataFrame({"predicted": {c: float(predicted[c]) for c in observed},
+                         "standard error": {c: float(predicted[f"{c}_se"]) for c in observed}, "observed": observed})
 
 
 def least_squares_linear(x: torch.Tensor, y: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:
@@ -54,9 +51,7 @@ def least_squares_linear(x: torch.Tensor, y: torch.Tensor) -> tuple[nn.Linear, t
     design = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], dim=1).double()
     solution = torch.linalg.lstsq(design, y.double()[:, None]).solution[:, 0]
     linear = nn.Linear(x.shape[1], 1)
-    with torch.no_grad():
-        linear.weight.copy_(solution[None, :-1])
-        linear.bias.copy_(solution[-1:])
+    nn.utils.vector_to_parameters(solution.float(), linear.parameters())  # the weights, then the bias
     return linear, design
 
 
@@ -79,13 +74,12 @@ def verdict(worst: float, n_checks: int) -> str:
 class LinearGaussianCheck:
     """The result of :func:`linear_gaussian_check`.
 
-    ``table``: per group of draws (the chains at ``K``, the tail alone, both) and parameter, the observed and
-    expected standard deviations, the z-scores of the variance and of the mean, and (at ``K = infinity``)
-    the flat-prior Bayesian posterior's standard deviation. ``z``: every z-score (the means', the variances'
-    and the covariances'); ``worst``: the largest ``|z|``. ``share_at_k``: the share of the limiting
-    variance that the chains at ``K`` hold; ``bayes_ratio``: ``N sum_{k >= 1} (N + k)^-2``, SMP's limiting
-    variance over the Bayesian one (at ``tau = 1``); ``variance_se``: the relative standard error of a
-    sample variance of the ``S`` draws, ``sqrt(2 / (S - 1))``.
+    ``table``: per group of draws (the chains at ``K``, the tail alone, both) and parameter, the observed and expected
+    standard deviations, the z-scores of the variance and of the mean, and (at ``K = infinity``) the flat-prior
+    Bayesian posterior's standard deviation. ``z``: every z-score (the means', the variances' and the covariances');
+    ``worst``: the largest ``|z|``. ``share_at_k``: the share of the limiting variance that the chains at ``K`` hold;
+    ``bayes_ratio``: ``N sum_{k >= 1} (N + k)^-2``, SMP's limiting variance over the Bayesian one (at ``tau = 1``);
+    ``variance_se``: the relative standard error of a sample variance of the ``S`` draws, ``sqrt(2 / (S - 1))``.
     """
 
     table: pd.DataFrame
@@ -121,54 +115,43 @@ class LinearGaussianCheck:
                 "one_in": round(1 / chance_beyond_3(self.n_checks))}
 
 
-def _flat_start(start: nn.Module | torch.Tensor) -> torch.Tensor:
-    if isinstance(start, nn.Module):
-        chain = as_chain_model(start)
-        start = chain.layout.flatten(start)
-    return start.detach().double()
-
-
 def linear_gaussian_check(run: SMPResult, limit: torch.Tensor, design: torch.Tensor, noise: float,
-                          start: nn.Module | torch.Tensor, tau: float | None = None,
-                          names: tuple[str, ...] | None = None) -> LinearGaussianCheck:
+                          start: nn.Module | torch.Tensor, tau: float | None = None) -> LinearGaussianCheck:
     """SMP of a linear-Gaussian model against its closed form.
 
     ``run``: :func:`smp_core.run_smp` of a linear model ``y = x^T w + b + noise * eps`` with the fixed dense
-    preconditioner and the model-expected Fisher; ``limit``: ``run.theta`` plus the Gaussian tail to
-    ``K = infinity`` (:func:`smp_core.tail.add_gaussian_tail`); ``design``: the ``(N, d)`` rows ``(x_i, 1)``
-    in the order of the flattened parameters; ``start``: the model the run started from, or its ``(d,)``
-    parameters. ``tau`` (default: the run's) is the step size of the closed form: a run with another has
-    its variances off by ``(tau_run / tau)^2``.
+    preconditioner and the model-expected Fisher; ``limit``: ``run.theta`` plus the Gaussian tail to ``K = infinity``
+    (:func:`smp_core.tail.add_gaussian_tail`); ``design``: the ``(N, d)`` rows ``(x_i, 1)`` in the order of the
+    flattened parameters (named ``weight 1, ..., weight p, bias``); ``start``: the model the run started from, or its
+    ``(d,)`` parameters. ``tau`` (default: the run's) is the step size of the closed form: a run with another has its
+    variances off by ``(tau_run / tau)^2``.
 
-    The scores of resampled pairs do not depend on ``theta``, so ``theta_K`` has mean ``theta_0`` and
-    covariance ``tau^2 P^{-1} F P^{-1} sum_{k <= K} (N + k)^-2``, ``F = X^T X / (N sigma^2)``,
-    ``P = F + lambda I``; the tail alone has mean 0 and the rest of the sum. Each variance's z-score uses
-    the standard error of a sample variance of ``S`` normal draws, ``sigma_theta^2 sqrt(2 / (S - 1))``,
-    each covariance's ``sqrt((S_ii S_jj + S_ij^2) / (S - 1))``, each mean's ``sigma_theta / sqrt(S)``.
-    Diverged chains (NaN rows) are left out.
+    The scores of resampled pairs do not depend on ``theta``, so ``theta_K`` has mean ``theta_0`` and covariance
+    ``tau^2 P^{-1} F P^{-1} sum_{k <= K} (N + k)^-2``, ``F = X^T X / (N sigma^2)``, ``P = F + lambda I``; the tail
+    alone has mean 0 and the rest of the sum. Each variance's z-score uses the standard error of a sample variance of
+    ``S`` normal draws, ``sigma_theta^2 sqrt(2 / (S - 1))``, each covariance's ``sqrt((S_ii S_jj + S_ij^2) / (S - 1))``,
+    each mean's ``sigma_theta / sqrt(S)``. Diverged chains (NaN rows) are left out.
     """
     cfg = run.config
     n, dim = design.shape
     if cfg["n_obs"] != n or run.theta.shape[1] != dim or limit.shape != run.theta.shape:
         raise ValueError(f"a run of d = {run.theta.shape[1]} on N = {cfg['n_obs']} points and a tail of shape "
                          f"{tuple(limit.shape)} do not match a design of shape {tuple(design.shape)}")
-    tau = cfg["tau"] if tau is None else tau
-    names = names or tuple(f"weight {i + 1}" for i in range(dim - 1)) + ("bias",)
+    names = [f"weight {i + 1}" for i in range(dim - 1)] + ["bias"]
     design = design.double()
     fisher = design.T @ design / (n * noise**2)
     p_inv = torch.linalg.inv(fisher + cfg["ridge"] * torch.eye(dim, dtype=torch.float64))
-    core = tau**2 * p_inv @ fisher @ p_inv
-    n_steps = cfg["n_steps"]
-    sum_to_k = float(polygamma(1, n + 1) - polygamma(1, n + n_steps + 1))  # sum_{k <= K} (N + k)^-2
-    sum_all = float(polygamma(1, n + 1))                                     # sum_{k >= 1} (N + k)^-2
+    core = (cfg["tau"] if tau is None else tau) ** 2 * p_inv @ fisher @ p_inv
+    sum_to_k = float(polygamma(1, n + 1) - polygamma(1, n + cfg["n_steps"] + 1))  # sum_{k <= K} (N + k)^-2
+    sum_all = float(polygamma(1, n + 1))                                            # sum_{k >= 1} (N + k)^-2
     bayes = noise**2 * torch.diagonal(torch.linalg.inv(design.T @ design))
-    theta0 = _flat_start(start)
+    theta0 = (as_chain_model(start).layout.flatten(start) if isinstance(start, nn.Module) else start).detach().double()
     kept = ~torch.isnan(limit).any(1)
-    groups = ((f"SMP at K = {n_steps}", run.theta, theta0, sum_to_k),
+    groups = ((f"SMP at K = {cfg['n_steps']}", run.theta, theta0, sum_to_k),
               ("the tail alone (K to infinity)", limit - run.theta, torch.zeros_like(theta0), sum_all - sum_to_k),
               ("SMP + tail (K = infinity)", limit, theta0, sum_all))  # the last: Bayes's sd beside it
     rows, z_all = {}, []
-    off = torch.triu_indices(dim, dim, offset=1)
+    upper = tuple(torch.triu_indices(dim, dim, offset=1))
     for g, (label, draws, centre, share) in enumerate(groups):
         draws = draws[kept].double()
         s = len(draws)
@@ -177,7 +160,7 @@ def linear_gaussian_check(run: SMPResult, limit: torch.Tensor, design: torch.Ten
         z_var = (draws.var(0) - expected) / (expected * math.sqrt(2 / (s - 1)))
         z_mean = (draws.mean(0) - centre) / (expected / s).sqrt()
         se_cov = ((expected[:, None] * expected[None, :] + sigma**2) / (s - 1)).sqrt()
-        z_cov = ((torch.cov(draws.T) - sigma) / se_cov)[off[0], off[1]]
+        z_cov = ((torch.cov(draws.T) - sigma) / se_cov)[upper]
         z_all += [*z_mean.tolist(), *z_var.tolist(), *z_cov.tolist()]
         for i, name in enumerate(names):
             rows[(label, name)] = {"sd observed": draws[:, i].std().item(), "sd expected": expected[i].sqrt().item(),
@@ -191,11 +174,11 @@ def linear_gaussian_check(run: SMPResult, limit: torch.Tensor, design: torch.Ten
 
 def fit_map(net: nn.Module, likelihood, x: torch.Tensor, y: torch.Tensor, prior_precision: float, *,
             adam_steps: int = 0, lr: float = 1e-2, max_iter: int = 5000, tolerance_grad: float = 1e-9) -> float:
-    """Fit ``net`` in place to the MAP under the prior ``N(0, I / prior_precision)``: ``adam_steps`` of Adam
-    on the minus log posterior over ``N`` (in the network's dtype), then L-BFGS (strong Wolfe line search)
-    in float64 on the minus log posterior ``-sum_i log f(y_i | x_i) + alpha |theta|^2 / 2``; the network is
-    handed back in its own dtype. ``likelihood``: a name or a likelihood of :mod:`smp_core.likelihoods`.
-    Returns the norm of the minus log posterior's gradient at the end (float64)."""
+    """Fit ``net`` in place to the MAP under the prior ``N(0, I / prior_precision)``: ``adam_steps`` of Adam on the
+    minus log posterior over ``N`` (in the network's dtype), then L-BFGS (strong Wolfe line search) in float64 on the
+    minus log posterior ``-sum_i log f(y_i | x_i) + alpha |theta|^2 / 2``; the network is handed back in its own
+    dtype. ``likelihood``: a name or a likelihood of :mod:`smp_core.likelihoods`. Returns the norm of the minus log
+    posterior's gradient at the end (float64)."""
     lik = get_likelihood(likelihood)
     dtype = next(net.parameters()).dtype
 
@@ -227,17 +210,16 @@ def fit_map(net: nn.Module, likelihood, x: torch.Tensor, y: torch.Tensor, prior_
     return gradient_norm
 
 
-def regression_table(net: nn.Module, draws: Mapping[str, torch.Tensor],
-                     data: Mapping[str, tuple[torch.Tensor, torch.Tensor]], noise: float,
-                     regions: tuple[str, ...] = ("in range", "in the gap"), level: float = 0.9) -> pd.DataFrame:
-    """:func:`smp_core.metrics.regression_scores` of each method's parameter draws (``draws``: label ->
-    ``(S, d)``; a point estimate is ``S = 1``) in each region (``data``: region -> ``(x, y)``), with the
-    z-score of the coverage against ``level``: under a calibrated predictive the coverage of ``n`` points is
-    binomial, with standard error ``sqrt(level (1 - level) / n)``. Rows ``(method, region)``."""
+def regression_table(net: nn.Module, draws: Mapping[str, torch.Tensor], data: Mapping[str, tuple[torch.Tensor, ...]],
+                     noise: float, level: float = 0.9) -> pd.DataFrame:
+    """:func:`smp_core.metrics.regression_scores` of each method's parameter draws (``draws``: label -> ``(S, d)``;
+    a point estimate is ``S = 1``) in the regions ``"in range"`` and ``"in the gap"`` (``data``: region ->
+    ``(x, y)``), with the z-score of the coverage against ``level``: under a calibrated predictive the coverage of
+    ``n`` points is binomial, with standard error ``sqrt(level (1 - level) / n)``. Rows ``(method, region)``."""
     chain = as_chain_model(net)
     rows = {}
     for label, theta in draws.items():
-        for region in regions:
+        for region in ("in range", "in the gap"):
             x, y = data[region]
             row = metrics.regression_scores(predict(chain, theta, x), y, noise, level=level)
             row["coverage z"] = (row["coverage"] - level) / math.sqrt(level * (1 - level) / len(x))
@@ -255,13 +237,12 @@ def bands_figure(net: nn.Module, draws: Mapping[str, torch.Tensor], train: tuple
 
     chain = as_chain_model(net)
     grid = torch.linspace(*span, 401)[:, None]
-    fig, axes = plt.subplots(1, len(draws), figsize=(3.6 * len(draws), 3.3), sharey=True, squeeze=False)
-    axes = axes[0]
+    fig, (axes,) = plt.subplots(1, len(draws), figsize=(3.6 * len(draws), 3.3), sharey=True, squeeze=False)
     for ax, (label, theta) in zip(axes, draws.items(), strict=True):
         means = predict(chain, theta, grid)
-        low, high = (metrics.predictive_quantile(means, noise, q) for q in (0.05, 0.95))
         ax.axvspan(*gap, color="0.92", lw=0)
-        ax.fill_between(grid[:, 0], low, high, alpha=0.35, label="central 90 % interval")
+        ax.fill_between(grid[:, 0], *(metrics.predictive_quantile(means, noise, q) for q in (0.05, 0.95)), alpha=0.35,
+                        label="central 90 % interval")
         ax.plot(grid[:, 0], metrics.predictive_mean(means)[:, 0], lw=1.2, label="predictive mean")
         ax.plot(grid[:, 0], truth(grid[:, 0]), "k--", lw=0.8, label="truth")
         ax.plot(train[0][:, 0], train[1], "k.", ms=3)

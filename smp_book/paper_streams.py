@@ -1,22 +1,21 @@
 """More SMP streams at the paper's scale: the MNIST chapter's run again with other chains of the same seed.
 
-The committed paper-scale MNIST run (``results/paper/mnist/``) holds one stream per variant: chains
-0-99 of the variant's seed, from the MAP its manifest names. Stream ``j`` here is chains
-``100 j, ..., 100 j + 99`` of the same seed (``RunOptions.first_chain``), from the same MAP, with the
-same settings. The committed run kept no MAP parameters, and refitting its MAP seed on another CPU need not
-give the same MAP (20 epochs of Adam turn a rounding difference into another optimum), so the streams share
-one MAP of that seed saved as ``results/paper/mnist_streams/map.pt``; each manifest says whether it is the
-committed one (same validation loss). Streams of that MAP differ by the SMP random stream alone; against
-the committed run they differ by the MAP's refit too.
+The committed paper-scale MNIST run (``results/paper/mnist/``) holds one stream per variant: chains 0-99 of the
+variant's seed, from the MAP its manifest names. Stream ``j`` here is chains ``100 j, ..., 100 j + 99`` of the same
+seed (``RunOptions.first_chain``), from the same MAP, with the same settings. The committed run kept no MAP
+parameters, and refitting its MAP seed on another CPU need not give the same MAP (20 epochs of Adam turn a rounding
+difference into another optimum), so the streams share one MAP of that seed, refit with the committed run's torch
+threads and saved as ``results/paper/mnist_streams/map.pt``; each manifest says whether it is the committed one (same
+validation loss). Streams of that MAP differ by the SMP random stream alone; against the committed run they differ by
+the MAP's refit too.
 
     python -m smp_book.paper_streams --variant fixed-diag --stream 1 --threads 1
     python -m smp_book.paper_streams --map-scores  # the saved MAP's own row, once
 
-Each run saves a checkpoint every ``--checkpoint-every`` steps under ``--work`` (outside the work tree by
-default, so that a fresh checkout keeps it) and resumes from it; once done it writes
-``results/paper/mnist_streams/<variant>/stream_<j>/`` (the MNIST chapter's tables for that run and a
-manifest: code revision, settings with tau, seeds, chains, machine, wall time and the load average when
-the run started and ended). Progress goes to the terminal.
+Each run saves a checkpoint every ``--checkpoint-every`` steps under ``--work`` (outside the work tree by default, so
+that a fresh checkout keeps it) and resumes from it; once done it writes ``results/paper/mnist_streams/<variant>/
+stream_<j>/`` (the MNIST chapter's tables for that run and a manifest: code revision, settings with tau, seeds, chains,
+machine, wall time and the load average when the run started and ended). Progress goes to the terminal.
 """
 
 from __future__ import annotations
@@ -37,43 +36,37 @@ from .pipeline import RESULTS, stale_reason, study_config
 from .results import Results
 
 WORK = Path(os.environ.get("SMP_BOOK_WORK", Path.home() / ".cache" / "smp-book" / "paper_streams"))
-
-
-def committed_run(root: Path = RESULTS) -> dict:
-    """The committed paper-scale MNIST manifest (its MAP seed and the seed of each variant)."""
-    return json.loads((root / "paper" / "mnist" / "manifest.json").read_text())
+CPU = torch.device("cpu")
 
 
 def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULTS,
                progress: bool = True, checkpoint_every: int = 10_000) -> Path:
     """Stream ``stream`` (chains ``100 stream`` onwards) of ``variant`` at the paper scale; returns its folder."""
-    if variant not in MNIST_VARIANTS:
-        raise ValueError(f"variant: unknown MNIST variant {variant!r}; known: {', '.join(MNIST_VARIANTS)}")
-    if not isinstance(stream, int) or stream < 1:
-        raise ValueError(f"stream: a positive integer is needed (stream 0 is the committed run), got {stream!r}")
-    if not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every: a positive integer is needed, got {checkpoint_every!r}")
-    manifest, cfg = committed_run(root), study_config("mnist", "paper")
+    if stream < 1 or checkpoint_every < 1:
+        raise ValueError(f"stream ({stream}) and checkpoint_every ({checkpoint_every}) must be positive (stream 0 is "
+                         "the committed run)")
+    cfg = study_config("mnist", "paper")
     if (why := stale_reason(root / "paper" / "mnist", cfg)) is not None:
         raise ValueError(f"the committed paper-scale run cannot be extended: {why}")
-    out = root / "paper" / "mnist_streams" / variant / f"stream_{stream}"
+    streams = root / "paper" / "mnist_streams"
+    out = streams / variant / f"stream_{stream}"
     if (out / "manifest.json").exists():
         print(f"{out} is there already")
         return out
     load_start, started = os.getloadavg(), time.perf_counter()
+    manifest = json.loads((root / "paper" / "mnist" / "manifest.json").read_text())
     map_seed, seed = manifest["seeds"]["map"], manifest["seeds"]["smp"]["replicate_0"][variant]
+    index = mnist_runs.study_variants(cfg).index(variant)
+    if (chapter_seed := mnist_runs.smp_seed(cfg, index)) != seed:
+        raise ValueError(f"the committed run's seed of {variant} is {seed}, not the chapter's {chapter_seed}")
     data, _ = mnist_runs.load_data(cfg)
-    # The streams share one MAP, saved beside them. The committed run kept no parameters, and a refit of its
-    # seed (with its thread count) need not give its MAP: Adam's float32 reductions round by the CPU's kernels,
-    # and 20 epochs make a rounding difference a different MAP. The manifest says which MAP a stream used.
-    saved = root / "paper" / "mnist_streams" / "map.pt"
-    if saved.exists():
+    if (saved := streams / "map.pt").exists():
         fit = torch.load(saved, weights_only=False)
     else:
         threads, map_threads = torch.get_num_threads(), manifest["environment"]["torch_threads"]
         torch.set_num_threads(map_threads)
         try:
-            fit = mnist_runs.fit_map({**cfg, "seed": map_seed}, data, torch.device("cpu"), progress=progress,
+            fit = mnist_runs.fit_map({**cfg, "seed": map_seed}, data, CPU, progress=progress,
                                       cache_root=str(work / f"map-threads-{map_threads}"))
         finally:
             torch.set_num_threads(threads)
@@ -81,28 +74,22 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
                "environment": environment()}
         saved.parent.mkdir(parents=True, exist_ok=True)
         torch.save(fit, saved)
-    committed, ours = (Results(root / "paper" / "mnist").table("map_history")["val_loss"].iloc[-1],
-                       fit["history"]["val_loss"].iloc[-1])
-    map_record = {"seed": map_seed, "val_loss": float(ours), "committed_val_loss": float(committed),
-                  "same_as_committed": bool(abs(committed - ours) <= 1e-6), "file": str(saved.relative_to(root))}
-    theta_map = fit["theta"]
-    index = mnist_runs.study_variants(cfg).index(variant)
-    if mnist_runs.smp_seed(cfg, index) != seed:
-        raise ValueError(f"the committed run's seed of {variant} is {seed}, not the chapter's "
-                         f"{mnist_runs.smp_seed(cfg, index)}")
+    committed = Results(root / "paper" / "mnist").table("map_history")["val_loss"].iloc[-1]
+    ours = fit["history"]["val_loss"].iloc[-1]
     work.mkdir(parents=True, exist_ok=True)
     cfg = {**cfg, "checkpoint_every": checkpoint_every}  # where to resume from; the draws do not depend on it
     first = cfg["n_chains"] * stream
-    res = mnist_runs.run_variant(cfg, variant, theta_map, data, index, torch.device("cpu"), progress=progress,
+    res = mnist_runs.run_variant(cfg, variant, fit["theta"], data, index, CPU, progress=progress,
                                  checkpoint=work / f"{variant}-stream{stream}.checkpoint.pt", first_chain=first)
     name = f"SMP-{variant}"
-    evals = {name: mnist_runs.evaluate(res.theta[~res.diverged], data, device=torch.device("cpu"))}
-    tables = mnist_runs.tables(evals, {name: res.elapsed})
+    tables = mnist_runs.tables({name: mnist_runs.evaluate(res.theta[~res.diverged], data, device=CPU)},
+                               {name: res.elapsed})
     save(out, tables, {
         "git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {**cfg, "variant": variant},  # its tau: config["tau"][variant]
         "seeds": {"map": map_seed, "smp": seed, "chains": [first, first + cfg["n_chains"] - 1]},
-        "map": map_record,
+        "map": {"seed": map_seed, "val_loss": float(ours), "committed_val_loss": float(committed),
+                "same_as_committed": bool(abs(committed - ours) <= 1e-6), "file": str(saved.relative_to(root))},
         "diverged_chains": int(res.n_diverged),
         "wall_time_s": round(time.perf_counter() - started, 1),
         "load_average": {"start": load_start[0], "end": os.getloadavg()[0]},
@@ -127,13 +114,11 @@ def save(out: Path, tables: dict[str, pd.DataFrame], record: dict) -> None:
 def map_scores(root: Path = RESULTS) -> Path:
     """The scores of the streams' saved MAP on the test set (``mnist_streams/map_scores.csv``, the MAP row of every
     stream beyond the first, which :mod:`smp_book.register` pairs with the stream's SMP rows)."""
-    saved = root / "paper" / "mnist_streams" / "map.pt"
-    if not saved.exists():
+    if not (saved := root / "paper" / "mnist_streams" / "map.pt").exists():
         raise FileNotFoundError(f"{saved}: no saved MAP yet (the first stream run saves it)")
     data, _ = mnist_runs.load_data(study_config("mnist", "paper"))
-    fit = torch.load(saved, weights_only=False)
-    tables = mnist_runs.tables({"MAP": mnist_runs.evaluate(fit["theta"][None], data, device=torch.device("cpu"))},
-                               {"MAP": 0.0})
+    theta = torch.load(saved, weights_only=False)["theta"]
+    tables = mnist_runs.tables({"MAP": mnist_runs.evaluate(theta[None], data, device=CPU)}, {"MAP": 0.0})
     out = saved.with_name("map_scores.csv")
     tables["scores"].to_csv(out)
     print(f"wrote {out}")
@@ -145,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variant", choices=MNIST_VARIANTS)
     parser.add_argument("--stream", type=int, help="chains 100 STREAM to 100 STREAM + 99")
     parser.add_argument("--map-scores", action="store_true", help="only score the saved MAP on the test set")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--work", type=Path, default=WORK, help="checkpoints and the MAP cache")
     parser.add_argument("--checkpoint-every", type=int, default=10_000, help="steps between checkpoints")
     args = parser.parse_args(argv)
