@@ -65,17 +65,24 @@ def _canonical(value: Any) -> Any:
     return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
-@functools.cache
-def code_hash(module: str, root: Path = ROOT) -> str:
-    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``) rests on: every file of ``smp_core``
-    (the C++ kernel's sources too), ``module`` and, transitively, the modules :data:`DEPENDS` names for it (those
-    under ``root``: another checkout gives that code's hash)."""
-    book, names, todo = Path(root) / "smp_book", set(), [module.removeprefix("smp_book.")]
+def rests_on(module: str) -> set[str]:
+    """The names of the book's modules ``module`` (``"smp_book.toy_study"``) rests on: itself and, transitively,
+    the modules :data:`DEPENDS` names for it (``{"toy_study", "toy", "nuts", "summaries"}``)."""
+    names, todo = set(), [module.removeprefix("smp_book.")]
     while todo:
         name = todo.pop()
         if name not in names:
             names.add(name)
             todo += DEPENDS.get(name, ())
+    return names
+
+
+@functools.cache
+def code_hash(module: str, root: Path = ROOT) -> str:
+    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``) rests on: every file of ``smp_core``
+    (the C++ kernel's sources too) and of :func:`rests_on` (those under ``root``: another checkout gives that
+    code's hash)."""
+    book, names = Path(root) / "smp_book", rests_on(module)
     files = sorted(p for p in (Path(root) / "smp_core").rglob("*") if p.suffix in (".py", ".cpp", ".h", ".cu"))
     digest = hashlib.sha256()
     for path in files + [book / f"{name}.py" for name in sorted(names)]:

@@ -27,6 +27,7 @@ from .pipeline import RESULTS, STUDIES, compute, results
 from .results import Results
 
 ALPHA = 0.01
+TIMING = ("seconds", "wall", "time_s", "elapsed")  # a table or column of timings holds one of these
 COLUMNS = ["table", "row", "column", "committed", "new", "p", "verdict"]
 VERDICTS = ("within", "outside", "equal", "differs", "same", "changed", "timing", "text", "only committed", "only new")
 
@@ -45,7 +46,7 @@ def _spread(res: Results, name: str) -> tuple[pd.DataFrame, pd.DataFrame] | None
 
 def _judge(table: str, column: str, old, new, old_spread, new_spread) -> tuple[str, float]:
     number = (int, float, np.integer, np.floating)
-    if any(w in f"{table} {column}".lower() for w in ("seconds", "wall", "time_s", "elapsed")):
+    if any(w in f"{table} {column}".lower() for w in TIMING):
         return "timing", math.nan
     if table.endswith("_shown") or any("±" in str(v) for v in (old, new)):  # numbers formatted for a page:
         return "text", math.nan  # they are judged in the tables they were formatted from

@@ -15,22 +15,13 @@ from pathlib import Path
 
 import torch
 
-from smp_book.pipeline import CACHE, DEPENDS, RESULTS, STUDIES, code_hash, config_key
-
-
-def closure(module: str) -> set[str]:
-    names, todo = set(), [module.removeprefix("smp_book.")]
-    while todo:
-        if (name := todo.pop()) not in names:
-            names.add(name)
-            todo += DEPENDS.get(name, ())
-    return {f"smp_book.{name}" for name in names}
+from smp_book.pipeline import CACHE, RESULTS, STUDIES, code_hash, config_key, rests_on
 
 
 def main(old_root: Path, studies: list[str]) -> None:
     if unknown := [s for s in studies if s not in STUDIES]:
         raise SystemExit(f"studies: unknown {unknown}; known: {', '.join(STUDIES)}")
-    modules = set().union(*(closure(STUDIES[s]) for s in studies))
+    modules = {f"smp_book.{name}" for s in studies for name in rests_on(STUDIES[s])}
     moved = {code_hash(m, old_root): code_hash(m) for m in sorted(modules)}
     moved = {old: new for old, new in moved.items() if old != new}
     for study in studies:

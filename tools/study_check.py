@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-TIMING = ("seconds", "wall", "time_s", "time_ratio", "elapsed", "_s_per", "minutes", "hours")
+from smp_book import reproduce
+
+# the reproduction report's timing words, and names of wall-clock values written into the studies' values
+TIMING = (*reproduce.TIMING, "time_ratio", "_s_per", "minutes", "hours")
 
 
 def _timing(name: str) -> bool:
