@@ -1,13 +1,10 @@
 """The book's pipeline: a study computes files, a chapter shows them.
 
-A study (``smp_book.<name>_study``, ``STUDIES``) has ``compute(ctx)``: it writes tables, figures and the
-values its prose quotes through the ``Context`` it gets, and reads earlier studies with ``ctx.read``; it
-knows nothing of caching. ``results`` reads ``results/<scale>/<study>/`` when its manifest holds the
-settings asked for, else computes it, unless ``SMP_BOOK_READ_ONLY`` is set (``make book``): then it raises.
-Results of other code are shown with a note. A chapter's parameters (``smp_book.config.PARAMETERS``) change
-its settings; such results go to ``results/custom/``. The expensive leaves (a NUTS run, a MAP fit, one SMP
-run) are memoised by ``cached``, keyed by their settings and ``code_hash``: the content of
-``smp_core`` and of the modules ``DEPENDS`` declares (a test checks it against the imports).
+A study (``STUDIES``) has ``compute(ctx)``: it writes tables, figures and the values its prose quotes through
+its ``Context`` and reads earlier studies with ``ctx.read``. ``results`` reads ``results/<scale>/<study>/`` when
+its manifest holds the settings asked for, else computes it (unless ``SMP_BOOK_READ_ONLY`` is set: ``make
+book``); a chapter's parameters send changed settings to ``results/custom/``. ``cached`` memoises the expensive
+leaves (a NUTS run, a MAP fit, one SMP run) by their settings and ``code_hash``.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
-import importlib.util
 import json
 import os
 import shutil
@@ -45,6 +41,7 @@ STUDIES = {name: f"smp_book.{module}" for name, module in [
     ("mnist_seeds", "mnist_seeds_study"), ("mnist_growth", "mnist_growth_study"),
     ("mnist_kfac", "mnist_kfac_study"), ("mnist_tail", "mnist_tail_study"), ("regression", "regression_study"),
     ("summary", "summary_study")]}
+OWN_CONFIG = {"toy_gaps", "last_layer", "mnist_tail", "summary"}  # their modules define config(scale)
 
 # The smp_book modules whose code each module's numbers rest on: its own imports, but for the pipeline,
 # the settings (they reach the numbers through the keys) and what only draws or shows (plots, paper, show).
@@ -68,20 +65,14 @@ def _canonical(value: Any) -> Any:
 def rests_on(module: str) -> set[str]:
     """The names of the book's modules ``module`` (``"smp_book.toy_study"``) rests on: itself and, transitively,
     the modules :data:`DEPENDS` names for it (``{"toy_study", "toy", "nuts", "summaries"}``)."""
-    names, todo = set(), [module.removeprefix("smp_book.")]
-    while todo:
-        name = todo.pop()
-        if name not in names:
-            names.add(name)
-            todo += DEPENDS.get(name, ())
-    return names
+    name = module.removeprefix("smp_book.")
+    return {name}.union(*(rests_on(other) for other in DEPENDS.get(name, ())))
 
 
 @functools.cache
 def code_hash(module: str, root: Path = ROOT) -> str:
-    """A hash of the code a result of ``module`` (``"smp_book.toy_study"``) rests on: every file of ``smp_core``
-    (the C++ kernel's sources too) and of :func:`rests_on` (those under ``root``: another checkout gives that
-    code's hash)."""
+    """A hash of the code a result of ``module`` rests on: every file of ``smp_core`` (the kernel's sources too)
+    and of :func:`rests_on`, under ``root`` (another checkout gives that code's hash)."""
     book, names = Path(root) / "smp_book", rests_on(module)
     files = sorted(p for p in (Path(root) / "smp_core").rglob("*") if p.suffix in (".py", ".cpp", ".h", ".cu"))
     digest = hashlib.sha256()
@@ -118,23 +109,16 @@ def cached(study: str, key: dict[str, Any], compute: Callable[[], Any], root: st
 
 
 def study_config(study: str, scale: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The settings of ``study`` at ``scale`` (its module's ``config(scale)``, else ``get_config``), changed by a
-    chapter's ``params`` (:func:`smp_book.config.with_parameters`)."""
+    """The settings of ``study`` at ``scale`` (its module's ``config(scale)`` for those of :data:`OWN_CONFIG`,
+    else ``get_config``), changed by a chapter's ``params`` (:func:`smp_book.config.with_parameters`)."""
     if study not in STUDIES:
         raise ValueError(f"study: unknown study {study!r}; known: {', '.join(STUDIES)}")
     if scale not in SCALES:
         raise ValueError(f"scale: unknown scale {scale!r}; known: {', '.join(SCALES)}")
-    own = getattr(_study_module(study), "config", None)
+    module = sys.modules.get(STUDIES[study]) or (importlib.import_module(STUDIES[study]) if study in OWN_CONFIG
+                                                 else None)  # a chapter that only reads need not import torch
+    own = getattr(module, "config", None)
     return with_parameters(study, own(scale) if callable(own) else get_config(study, scale), params)
-
-
-def _study_module(study: str):
-    """``study``'s module when it defines ``config`` (imported), else ``None``: importing a study's module
-    (torch, JAX) takes seconds, which a chapter that only reads its results does not need to spend."""
-    name = STUDIES[study]
-    if name not in sys.modules and "\ndef config(" not in Path(importlib.util.find_spec(name).origin).read_text():
-        return None
-    return importlib.import_module(name)
 
 
 @dataclass
@@ -204,28 +188,39 @@ class Context:
         return res
 
 
+def _manifest(folder: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((folder / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def stale_reason(folder: Path, config: dict[str, Any]) -> str | None:
     """Why ``folder`` does not hold a study's results for ``config`` (``None`` when it does)."""
-    try:
-        manifest = json.loads((folder / "manifest.json").read_text())
-    except (OSError, ValueError):
+    if (manifest := _manifest(folder)) is None:
         return "it holds no readable manifest.json"
     if manifest.get("format") != FORMAT:
         return f"its manifest has format {manifest.get('format')}, not {FORMAT}"
     if manifest.get("config") != _canonical(config):
         return "it was computed with other settings"
     for source, run_id in manifest.get("sources", {}).items():
-        try:
-            if json.loads((folder.parent / source / "manifest.json").read_text()).get("id") != run_id:
-                return f"the {source} results it read have changed since"
-        except (OSError, ValueError):
-            if run_id is not None:
-                return f"the {source} results it read are missing"
+        if (_manifest(folder.parent / source) or {}).get("id") != run_id:
+            return f"the {source} results it read have changed since"
     for name, stored in manifest.get("settings_read", {}).items():
         if _canonical(get_config(*name.split("/"))) != stored:
             return f"the {name} settings it quotes have changed"
     missing = [name for name in manifest.get("tables", {}) if not (folder / f"{name}.csv").exists()]
     return f"its tables {missing} are missing" if missing else None
+
+
+def replace(target: Path, new: Path) -> None:
+    """Move the folder ``new`` to ``target``, replacing what was there only once ``new`` is in place."""
+    old = target.with_name(f".{target.name}.old.{os.getpid()}")
+    if target.exists():
+        target.rename(old)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(new, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def compute(study: str, scale: str, params: dict[str, Any] | None = None, root: str | Path = RESULTS,
@@ -251,12 +246,7 @@ def compute(study: str, scale: str, params: dict[str, Any] | None = None, root: 
                 "code": code_hash(STUDIES[study]), "tables": ctx.tables, "figures": ctx.figures,
                 "sources": ctx.sources, **extra}
     (scratch / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-    old = folder.with_name(f".{folder.name}.old.{os.getpid()}")
-    if folder.exists():
-        folder.rename(old)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
+    replace(folder, scratch)
     return Results(folder)
 
 

@@ -455,33 +455,3 @@ def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.D
     found = {int(f.name.rsplit("-", 1)[1]): read_report(scale, root, f.name)
              for f in sorted((Path(root) / scale).glob("reproduction-seed-*"))}
     return {offset: report for offset, report in found.items() if report is not None}
-
-
-def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
-    """The MNIST ``X_mean`` cells of a rerun on other streams (another MAP) that the MAP-seeds chapter has a
-    spread for, judged against it: its ``X_std`` is the sd of that very mean over MAPs, so two such means differ
-    with sd ``sqrt(2) X_std`` (``n_maps - 1`` degrees of freedom): Student's t at level ``ALPHA``, giving ``p``
-    and ``verdict`` (``within`` / ``outside`` / ``equal``, or ``differs`` without a spread)."""
-    from scipy.stats import t as student
-
-    from .reproduce import ALPHA, _spread
-
-    seeds = Results(Path(root) / scale / "mnist_seeds")
-    mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
-    spreads = {table: _spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None
-    columns, rows = ["table", "row", "column", "committed", "new", "sd_maps", "n_maps", "p", "verdict"], []
-    for table, row, column, committed, new in mnist[columns[:5]].itertuples(index=False):
-        spread = spreads[table]
-        if spread is None or row not in spread[0].index.astype(str) or column not in spread[0].columns:
-            continue
-        sd, n_maps = (part.set_axis(part.index.astype(str)).at[row, column] for part in spread)
-        sd, n_maps, old, fresh = float(sd), int(n_maps), float(committed), float(new)
-        if np.isclose(old, fresh, rtol=1e-6, atol=1e-12, equal_nan=True):
-            p, verdict = math.nan, "equal"
-        elif not (np.isfinite(sd) and sd > 0):
-            p, verdict = math.nan, "differs"
-        else:
-            p = float(2 * student.sf(abs(fresh - old) / (math.sqrt(2) * sd), df=n_maps - 1))
-            verdict = "within" if p >= ALPHA else "outside"
-        rows.append((table, row, column, old, fresh, sd, n_maps, p, verdict))
-    return pd.DataFrame(rows, columns=columns)

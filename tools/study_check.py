@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from smp_book import reproduce
+from smp_book import judge
 
 # the reproduction report's timing words, and names of wall-clock values written into the studies' values
-TIMING = (*reproduce.TIMING, "time_ratio", "_s_per", "minutes", "hours")
+TIMING = (*judge.TIMING, "time_ratio", "_s_per", "minutes", "hours")
 
 
 def _timing(name: str) -> bool:

@@ -9,9 +9,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from smp_book import pipeline, reproduce
+from smp_book import judge, pipeline, reproduce
+from smp_book.judge import judge_by_map_seeds
 from smp_book.results import Results
-from smp_book.show import judge_by_map_seeds, timings
+from smp_book.show import timings
 
 CALLS = []
 
@@ -54,6 +55,7 @@ def fake(monkeypatch, tmp_path):
     install()
     monkeypatch.setattr(pipeline, "STUDIES", {"fake": "fake_study"})
     monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
+    monkeypatch.setattr(judge, "STUDIES", {"fake": "fake_study"})
     monkeypatch.setattr(pipeline, "code_hash", lambda module: "c0de")
     CALLS.clear()
     return install
@@ -125,7 +127,7 @@ def test_bad_names_are_refused(fake, tmp_path):
 def test_the_report_judges_each_cell(fake, tmp_path):
     old = pipeline.results("fake", "ci", root=tmp_path / "old")
     same = pipeline.results("fake", "ci", root=tmp_path / "same")
-    cells = reproduce.compare_study(old, same)
+    cells = judge.compare_study(old, same)
     verdicts = cells.set_index(["table", "row", "column"])["verdict"]
     assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"equal"}
     assert set(verdicts.loc["scores_mean"].loc[:, "seconds"]) == {"timing"}
@@ -136,7 +138,7 @@ def test_the_report_judges_each_cell(fake, tmp_path):
     assert verdicts.loc[("flags", "m", "resolved")] == "same"  # a yes/no cell is judged, not passed as text
     fake(shift=5.0, verdict="does not hold")  # 50 standard deviations away
     moved = pipeline.results("fake", "ci", root=tmp_path / "moved")
-    verdicts = reproduce.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
+    verdicts = judge.compare_study(old, moved).set_index(["table", "row", "column"])["verdict"]
     assert set(verdicts.loc["scores_mean"].loc[:, "score"]) == {"outside"}
     assert set(verdicts.loc["scores"].loc[:, "score"]) == {"outside"}  # one replicate, 35 sds away
     assert verdicts.loc[("claims", "c", "verdict")] == "changed"
@@ -144,11 +146,10 @@ def test_the_report_judges_each_cell(fake, tmp_path):
 
 
 def test_numbers_formatted_for_a_page_are_text_in_the_report():
-    judge = reproduce._judge
-    assert judge("ratios_mean", "ratio", 0.99, 0.98, None, None)[0] == "differs"
-    assert judge("ratios", "ratio", "0.994 ± 0.044", "0.987 ± 0.030", None, None)[0] == "text"
-    assert judge("agreement_shown", "agrees", "none", "1000", None, None)[0] == "text"
-    assert judge("agreement", "agrees", "none", "1000", None, None)[0] == "changed"
+    assert judge.judge("ratios_mean", "ratio", 0.99, 0.98, None, None)[0] == "differs"
+    assert judge.judge("ratios", "ratio", "0.994 ± 0.044", "0.987 ± 0.030", None, None)[0] == "text"
+    assert judge.judge("agreement_shown", "agrees", "none", "1000", None, None)[0] == "text"
+    assert judge.judge("agreement", "agrees", "none", "1000", None, None)[0] == "changed"
 
 
 def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monkeypatch):
@@ -197,7 +198,6 @@ def test_a_partial_seed_offset_rerun_replaces_only_its_chapters_rows_of_the_repo
     saved.mkdir(parents=True)
     pd.DataFrame([{"study": s, "table": "t", "row": "r", "column": "c", "committed": 1.0, "new": 2.0, "p": 0.5,
                    "verdict": "within"} for s in ("fake", "other")]).to_csv(saved / "cells.csv", index=False)
-    pd.DataFrame({"within": [1, 1]}, index=pd.Index(["fake", "other"], name="study")).to_csv(saved / "counts.csv")
     assert reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "4", "--only", "fake"]) == 0
     cells, counts = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
     assert (cells["study"] == "other").sum() == 1 and counts.loc["other", "within"] == 1  # kept as it was
@@ -334,6 +334,8 @@ def test_the_declared_dependencies_are_the_imports():
         found = {name.split(".")[0] for name in found} - shows - {path.stem}
         if path.stem in pipeline.DEPENDS or path.stem in {s.split(".")[1] for s in pipeline.STUDIES.values()}:
             assert found == set(pipeline.DEPENDS.get(path.stem, ())), path.stem
+    own = {s for s, module in pipeline.STUDIES.items() if "\ndef config(" in (book / f"{module[9:]}.py").read_text()}
+    assert own == pipeline.OWN_CONFIG  # study_config imports these for their settings
 
 
 def test_code_hash_follows_the_code_it_declares(tmp_path, monkeypatch):
