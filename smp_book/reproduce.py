@@ -70,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         print("other seeds or a partial run: results/ left as it was", file=sys.stderr)
         return 0
     shutil.rmtree(args.work / args.scale / ".partial", ignore_errors=True)
+    for entry in sorted((RESULTS / args.scale).glob("[!.]*")):  # what no study writes: other streams' reports, ...
+        if not (args.work / args.scale / entry.name).exists():
+            print(f"kept {entry.name}, which no study writes", file=sys.stderr)
+            shutil.move(entry, args.work / args.scale / entry.name)
     replace(RESULTS / args.scale, args.work / args.scale)
     print(f"results/{args.scale} replaced by the complete run", file=sys.stderr)
     return 0

@@ -161,8 +161,11 @@ def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monke
     assert reproduce.main(["--scale", "ci", "--work", str(work), "--only", "fake"]) == 0  # partial: kept
     assert Results(committed / "ci" / "fake").config["shift"] == 0.0
     monkeypatch.setattr(reproduce, "STUDIES", {"fake": "fake_study"})
+    (committed / "ci" / "reproduction-seed-4").mkdir()  # what no study writes is kept
+    (committed / "ci" / "reproduction-seed-4" / "cells.csv").write_text("study\n")
     assert reproduce.main(["--scale", "ci", "--work", str(work)]) == 0
     assert Results(committed / "ci" / "fake").config["shift"] == 5.0
+    assert (committed / "ci" / "reproduction-seed-4" / "cells.csv").read_text() == "study\n"
     counts = reproduce.read_report("ci", root=committed)[1]
     assert counts.loc["fake", "outside"] == 4
     assert not (work / "ci").exists()
