@@ -1,10 +1,6 @@
-"""Beyond the paper (``notebooks/regression.md``): where SMP puts its spread in a regression whose data leave a gap.
-
-``y = sin 2x + 0.3 x + sigma eps``, ``x`` on ``[-3, -1]`` and ``[1, 3]``; a one-hidden-layer tanh network, prior
-``N(0, I / alpha)``; NUTS as the reference beside the MAP, the linearised Laplace approximation and SMP from the MAP
-(the empirical design or a wider one, :func:`design_pool`), scored by ``regression_scores`` and the spread ratio: the
-median over a region's inputs of a method's epistemic standard deviation over NUTS's.
-"""
+"""Beyond the paper (``notebooks/regression.md``): where SMP puts its spread in a regression whose data leave a gap,
+beside NUTS, the MAP and the linearised Laplace approximation; scored by ``regression_scores`` and the spread ratio,
+the median over a region's inputs of a method's epistemic standard deviation over NUTS's."""
 
 import contextlib
 import math
@@ -59,20 +55,14 @@ def design_pool(x: torch.Tensor, design: str, size: int, seed: int) -> torch.Ten
     ``"uniform"`` on the box ``x`` spans or ``"smoothed"``, ``x_I + h eps`` (:func:`smoothing_bandwidth`)."""
     if design not in DESIGNS:
         raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
-    if x.ndim != 2 or x.shape[0] < 2:
-        raise ValueError(f"x must be (N, p) with N >= 2, got shape {tuple(x.shape)}")
     if design == "empirical":
         return x
-    if size < 1:
-        raise ValueError(f"size must be at least 1, got {size}")
-    gen, x64 = torch.Generator().manual_seed(seed), x.double()
+    gen, x64, shape = torch.Generator().manual_seed(seed), x.double(), (size, x.shape[1])
     if design == "uniform":
         low, high = x64.min(dim=0).values, x64.max(dim=0).values
-        pool = low + (high - low) * torch.rand(size, x.shape[1], generator=gen, dtype=torch.float64)
-    else:
-        picked = x64[torch.randint(x.shape[0], (size,), generator=gen)]
-        pool = picked + smoothing_bandwidth(x64) * torch.randn(size, x.shape[1], generator=gen, dtype=torch.float64)
-    return pool.to(x.dtype)
+        return (low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float64)).to(x.dtype)
+    picked = x64[torch.randint(x.shape[0], (size,), generator=gen)]
+    return (picked + smoothing_bandwidth(x64) * torch.randn(shape, generator=gen, dtype=torch.float64)).to(x.dtype)
 
 
 def smoothing_bandwidth(x: torch.Tensor) -> torch.Tensor:
@@ -148,12 +138,11 @@ def jax_minus_log_posterior(theta, x, y, hidden: int, noise: float, prior_precis
     return 0.5 * (residual**2).sum() / noise**2 + 0.5 * prior_precision * (theta**2).sum()
 
 
-def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tensor, hidden: int, noise: float,
-                        prior_precision: float, *, num_chains: int, num_warmup: int, num_samples: int,
-                        target_accept_prob: float, max_tree_depth: int, init_jitter: float, seed: int,
+def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tensor, cfg: dict[str, Any], seed: int,
                         x_eval: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-    """NUTS on :func:`regression_mlp`'s posterior (NumPyro, float64, chains in turn from ``theta_map`` plus jitter):
-    the ``(chains * samples, d)`` draws and diagnostics (the outputs' ESS and split R-hat at ``x_eval``)."""
+    """NUTS on :func:`regression_mlp`'s posterior with ``cfg``'s ``hidden``, ``noise``, ``prior_precision`` and
+    ``nuts_*`` settings (NumPyro, float64, chains in turn from ``theta_map`` plus jitter): the ``(chains * samples,
+    d)`` draws and diagnostics (the outputs' ESS and split R-hat at ``x_eval``)."""
     import jax
     from numpyro.diagnostics import effective_sample_size, split_gelman_rubin
     from numpyro.infer import MCMC, NUTS
@@ -161,25 +150,26 @@ def run_nuts_regression(x: torch.Tensor, y: torch.Tensor, theta_map: torch.Tenso
     from .nuts import _cpu64
 
     xs, ys, x_eval_np = (np.asarray(t, dtype=np.float64).reshape(-1) for t in (x, y, x_eval))
-    start = np.asarray(theta_map, dtype=np.float64)
-    inits = start + init_jitter * np.random.default_rng(seed).standard_normal((num_chains, start.size))
+    start, chains, hidden = np.asarray(theta_map, dtype=np.float64), cfg["nuts_chains"], cfg["hidden"]
+    inits = start + cfg["nuts_init_jitter"] * np.random.default_rng(seed).standard_normal((chains, start.size))
     t0 = time.perf_counter()
     with _cpu64():
-        kernel = NUTS(potential_fn=lambda t: jax_minus_log_posterior(t, xs, ys, hidden, noise, prior_precision),
-                      target_accept_prob=target_accept_prob, max_tree_depth=max_tree_depth)
-        mcmc = MCMC(kernel, num_warmup=num_warmup, num_samples=num_samples, num_chains=num_chains,
+        kernel = NUTS(potential_fn=lambda t: jax_minus_log_posterior(t, xs, ys, hidden, cfg["noise"],
+                                                                     cfg["prior_precision"]),
+                      target_accept_prob=cfg["nuts_target_accept"], max_tree_depth=cfg["nuts_max_tree_depth"])
+        mcmc = MCMC(kernel, num_warmup=cfg["nuts_warmup"], num_samples=cfg["nuts_samples"], num_chains=chains,
                     chain_method="sequential", progress_bar=False)
-        mcmc.run(jax.random.PRNGKey(seed), init_params=inits[0] if num_chains == 1 else inits,  # 1: no chain axis
+        mcmc.run(jax.random.PRNGKey(seed), init_params=inits[0] if chains == 1 else inits,  # 1: no chain axis
                  extra_fields=("diverging", "num_steps"))
         draws = np.asarray(mcmc.get_samples(group_by_chain=True), dtype=np.float64)   # (C, S, d)
         extra = {k: np.asarray(v) for k, v in mcmc.get_extra_fields().items()}
         out = np.asarray(jax.vmap(jax.vmap(lambda t: jax_outputs(t, x_eval_np, hidden)))(draws))
     depth = np.floor(np.log2(extra["num_steps"].astype(np.float64) + 1.0))
-    diagnostics = {
-        "divergences": int(extra["diverging"].sum()), "max_tree_depth_share": float((depth >= max_tree_depth).mean()),
-        "min_ess_outputs": float(np.min(effective_sample_size(out))),
-        "max_rhat_outputs": float(np.max(split_gelman_rubin(out))) if num_chains > 1 or num_samples >= 4 else math.nan,
-        "wall_time_s": time.perf_counter() - t0}
+    rhat = np.max(split_gelman_rubin(out)) if chains > 1 or cfg["nuts_samples"] >= 4 else math.nan
+    diagnostics = {"divergences": int(extra["diverging"].sum()),
+                   "max_tree_depth_share": float((depth >= cfg["nuts_max_tree_depth"]).mean()),
+                   "min_ess_outputs": float(np.min(effective_sample_size(out))), "max_rhat_outputs": float(rhat),
+                   "wall_time_s": time.perf_counter() - t0}
     return torch.tensor(draws.reshape(-1, start.size), dtype=torch.float32), diagnostics
 
 
@@ -188,11 +178,10 @@ def evaluate(means: dict[str, torch.Tensor], reference_sd: dict[str, torch.Tenso
     """Per region, ``regression_scores``, the median epistemic sd and its median ratio to NUTS's (NaN for one draw)."""
     out = {}
     for region in REGIONS:
-        row = metrics.regression_scores(means[region], data[region][1], noise, level=level)
         sd = means[region][..., 0].double().std(dim=0) if means[region].shape[0] > 1 else None
-        row["median_sd"] = math.nan if sd is None else float(sd.median())
-        row["sd_ratio"] = math.nan if sd is None else float((sd / reference_sd[region]).median())
-        out[region] = row
+        out[region] = metrics.regression_scores(means[region], data[region][1], noise, level=level) | {
+            "median_sd": math.nan if sd is None else float(sd.median()),
+            "sd_ratio": math.nan if sd is None else float((sd / reference_sd[region]).median())}
     return out
 
 
@@ -227,36 +216,28 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
     design ``D``: ``base + 50 + DESIGNS.index(D)``. Every SMP run keeps ``N`` in its step size.
     """
     settings = _checked_settings(cfg)
-    base, noise, alpha, hidden = cfg["seed"] + 1000 * index, cfg["noise"], cfg["prior_precision"], cfg["hidden"]
+    base, noise, alpha = cfg["seed"] + 1000 * index, cfg["noise"], cfg["prior_precision"]
     data = gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], noise, base)
     x, y = data["train"]
     grid = torch.linspace(-4, 4, cfg["grid_points"])[:, None]
     inputs = {**{region: data[region][0] for region in REGIONS}, "grid": grid}
-    t0 = time.perf_counter()
-    net, fit = fit_map(x, y, hidden, noise, alpha, cfg["map_restarts"], base + 1)
-    timings = {"MAP": time.perf_counter() - t0}
+    net, fit = fit_map(x, y, cfg["hidden"], noise, alpha, cfg["map_restarts"], base + 1)
     chain = as_chain_model(net)
     theta_map = chain.layout.flatten(net).detach()
-    nuts_draws, nuts_diag = run_nuts_regression(
-        x, y, theta_map, hidden, noise, alpha, num_chains=cfg["nuts_chains"], num_warmup=cfg["nuts_warmup"],
-        num_samples=cfg["nuts_samples"], target_accept_prob=cfg["nuts_target_accept"],
-        max_tree_depth=cfg["nuts_max_tree_depth"], init_jitter=cfg["nuts_init_jitter"], seed=base + 1,
-        x_eval=torch.linspace(-4, 4, 17)[:, None])
-    timings["NUTS"], t0 = nuts_diag["wall_time_s"], time.perf_counter()
+    nuts_draws, nuts_diag = run_nuts_regression(x, y, theta_map, cfg, base + 1, torch.linspace(-4, 4, 17)[:, None])
     laplace = fit_laplace(net, Gaussian(noise), theta_map, x, y, prior_precision=alpha, structure="dense")
     laplace_draws = laplace.sample(cfg["n_chains"], torch.Generator().manual_seed(base + 1))
-    timings["Laplace (linearised)"] = time.perf_counter() - t0
     fisher = estimate_fisher(chain, Gaussian(noise), theta_map, x, structure="dense", dtype=torch.float64)[0][0]
 
     def network_means(theta):
         return {name: predict(chain, theta, xs) for name, xs in inputs.items()}
 
-    # label (SMP: "label|tau") -> (tau, means per input set; None where every chain, or all but one, diverged)
-    methods = {"NUTS": (math.nan, network_means(nuts_draws)), "MAP": (math.nan, network_means(theta_map[None])),
+    # label (SMP: "label|tau") -> (tau, means per input set (None where every chain, or all but one, diverged),
+    # diverged chains, warnings of a statistic rounded to float32)
+    methods = {"NUTS": (math.nan, network_means(nuts_draws), 0, 0),
+               "MAP": (math.nan, network_means(theta_map[None]), 0, 0),
                "Laplace (linearised)": (math.nan, {name: linearised_logits(net, theta_map, laplace_draws, xs)
-                                                   for name, xs in inputs.items()})}
-    reference_sd = {region: methods["NUTS"][1][region][..., 0].double().std(dim=0) for region in REGIONS}
-    diverged, rounding = {}, {}  # per (label, tau): diverged chains, warnings of a statistic rounded to float32
+                                                   for name, xs in inputs.items()}, 0, 0)}
     for v, (label, design, preconditioner, ridge, fisher_from) in enumerate(settings):
         pool = x if design is None else design_pool(x, design, cfg["design_pool_size"],
                                                     base + POOL_SEED_OFFSET + DESIGNS.index(design))
@@ -264,41 +245,36 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
         precond = preconditioner_from_name(preconditioner, ridge=ridge,
                                            statistic_dtype=cfg["statistic_dtype"] if structured else None)
         for t, tau in enumerate(cfg["tau_grid"] if design is None else cfg.get("design_tau_grid", cfg["tau_grid"])):
-            t0, draws, key = time.perf_counter(), None, (label, tau)
-            diverged[key] = cfg["n_chains"]  # unless run_smp returns: it raises when every chain diverged
+            draws, diverged = None, cfg["n_chains"]  # unless run_smp returns: it raises when every chain diverged
             with warnings.catch_warnings(record=True) as caught, contextlib.suppress(DivergenceError):
                 warnings.simplefilter("always")
                 run = run_smp(net, Gaussian(noise), pool, preconditioner=precond, tau=tau, n_steps=cfg["n_steps"],
                               n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t, n_obs=len(x),
                               fisher=Fisher("model", pool if fisher_from == "design" else x), progress=progress)
-                draws, diverged[key] = run.samples(), int(run.diverged.sum())
-            rounding[key] = sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught)
-            timings[f"{label}, tau {tau:g}"] = time.perf_counter() - t0
-            methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if draws is not None and len(draws) >= 2 else None)
+                draws, diverged = run.samples(), int(run.diverged.sum())
+            methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if draws is not None and len(draws) >= 2 else None,
+                                           diverged, sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught))
 
+    reference_sd = {region: methods["NUTS"][1][region][..., 0].double().std(dim=0) for region in REGIONS}
     rows, bands = [], {}
-    for key, (tau, means) in methods.items():
+    for key, (tau, means, diverged, rounding) in methods.items():
         scored = dict.fromkeys(REGIONS, {})
         if means is not None:  # and, for the figures, the 5 %, 50 % and 95 % predictive quantiles on the grid
             scored = evaluate(means, reference_sd, data, noise, cfg["level"])
             bands[key] = {f"q{round(100 * q):02d}": metrics.predictive_quantile(means["grid"], noise, q).float()
                           for q in (0.05, 0.5, 0.95)}
-        rows += [{"method": key.split("|")[0], "tau": tau, "region": region, **row} for region, row in scored.items()]
-    table = pd.DataFrame(rows).assign(data_set=index)
-    for column, counts in (("diverged", diverged), ("rounding_warnings", rounding)):
-        table[column] = [counts.get((m, t), 0) for m, t in zip(table["method"], table["tau"], strict=True)]
-    return {"rows": table, "nuts": nuts_diag, "map": fit, "timings": timings, "bands": bands, "grid": grid[:, 0],
-            "train": (x[:, 0], y), "fisher_eigenvalues": torch.linalg.eigvalsh(fisher).flip(0)}
+        rows += [{"method": key.split("|")[0], "tau": tau, "region": region, **row, "diverged": diverged,
+                  "rounding_warnings": rounding} for region, row in scored.items()]
+    return {"rows": pd.DataFrame(rows).assign(data_set=index), "nuts": nuts_diag, "map": fit, "bands": bands,
+            "grid": grid[:, 0], "train": (x[:, 0], y), "fisher_eigenvalues": torch.linalg.eigvalsh(fisher).flip(0)}
 
 
 def summary_table(rows: pd.DataFrame) -> pd.DataFrame:
     """Medians over the data sets per method, tau and region, ``data_sets`` (with a result) and ``max_diverged``."""
     keys = ["method", "tau", "region"]
-    grouped = rows.assign(tau=rows["tau"].fillna(-1.0)).groupby(keys, sort=False)
+    grouped = rows.assign(tau=rows["tau"].fillna(-1.0)).groupby(keys, sort=False)  # -1: the references' "no tau"
     median = grouped[[c for c in rows.columns if c not in (*keys, "data_set")]].median()
-    median["data_sets"] = grouped["coverage"].count()
-    median["max_diverged"] = grouped["diverged"].max()
-    median = median.reset_index()
+    median = median.assign(data_sets=grouped["coverage"].count(), max_diverged=grouped["diverged"].max()).reset_index()
     return median.assign(tau=median["tau"].where(median["tau"] >= 0)).set_index(keys)
 
 
@@ -359,16 +335,6 @@ def prior_table(runs: list[tuple[float, pd.DataFrame]]) -> pd.DataFrame:
         index=["method", "region"], columns="prior precision", values=["median sd", "coverage"], sort=False)
 
 
-# The prose's findings (Markdown bullets) and the figures
-
-READING = (("The design with $P = I$ or a diagonal $P$",
-            "smallest $\\tau$, against the empirical design's with the same preconditioner"),
-           ("The design with the data's structured $P$",
-            "smallest $\\tau$, against the empirical design's with the same preconditioner and ridge (NUTS: 1)"),
-           ("At NUTS's spread in range", "matched $\\tau$, against that at the smallest $\\tau$"),
-           ("The design's own $P$", "smallest $\\tau$, against the data's $P$ with the same design and ridge"))
-
-
 def _first_order(shape: pd.DataFrame, method: str) -> tuple[float, float] | tuple[None, None]:
     """``(tau, gap share)`` of ``method`` at its smallest eligible ``tau``, or ``(None, None)``."""
     values = shape.loc[method].dropna() if method in shape.index else ()
@@ -413,7 +379,13 @@ def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, 
 
 
 def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: pd.DataFrame) -> str:
-    """The design runs' gap shares in the groups of :data:`READING`, with what each is read against (Markdown)."""
+    """The design runs' gap shares in four groups, each with what it is read against (Markdown)."""
+    reading = (("The design with $P = I$ or a diagonal $P$",
+                "smallest $\\tau$, against the empirical design's with the same preconditioner"),
+               ("The design with the data's structured $P$",
+                "smallest $\\tau$, against the empirical design's with the same preconditioner and ridge (NUTS: 1)"),
+               ("At NUTS's spread in range", "matched $\\tau$, against that at the smallest $\\tau$"),
+               ("The design's own $P$", "smallest $\\tau$, against the data's $P$ with the same design and ridge"))
     groups = [[], [], [], []]
     for method, row in matched.iterrows():
         counterpart = empirical_counterpart(method)
@@ -436,7 +408,7 @@ def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: 
             groups[2].append(f"{method}: {shape.loc[method, row['tau']]:.3f} at tau = {row['tau']:g} against "
                              f"{share:.3f} at the smallest tau")
     return "\n".join(f"- **{title}** (gap share at the {what}): " + "; ".join(items) + "."
-                     for (title, what), items in zip(READING, groups, strict=True) if items)
+                     for (title, what), items in zip(reading, groups, strict=True) if items)
 
 
 def prior_findings(table: pd.DataFrame, rows: pd.DataFrame, matched: pd.DataFrame,
@@ -476,23 +448,22 @@ def spread_ratio_figure(summary: pd.DataFrame):
     return fig
 
 
-def bands_figure(run: dict[str, Any], keys: list[str], fontsize: float = 8, wrap: bool = False):
+def bands_figure(run: dict[str, Any], keys: list[str], fontsize: float = 8):
     """The 5-95 % predictive bands of the methods ``keys`` (``"NUTS"``, ``"<label>|<tau>"``) of one data set, four
-    to a row (``wrap``: a line break before the design in the titles)."""
+    to a row (a line break before a design in the titles)."""
     import matplotlib.pyplot as plt
 
     keys, grid = [key for key in keys if key in run["bands"]], run["grid"]
     n_rows = max(1, math.ceil(len(keys) / 4))
     fig, axes = plt.subplots(n_rows, 4, figsize=(13.6, 2.9 * n_rows), sharex=True, sharey=True, squeeze=False)
     for ax, key in zip(axes.flat, keys, strict=False):
-        band = run["bands"][key]
+        band, (label, _, tau) = run["bands"][key], key.partition("|")
         ax.axvspan(*GAP, color="0.92", lw=0)
         ax.fill_between(grid, band["q05"], band["q95"], alpha=0.35)
         ax.plot(grid, band["q50"], lw=1)
         ax.plot(grid, curve(grid), "k--", lw=0.7)
         ax.plot(*run["train"], "k.", ms=2)
-        label, _, tau = key.partition("|")
-        for design in DESIGNS if wrap else ():
+        for design in DESIGNS:
             label = label.replace(f", {design}", f",\n{design}")
         ax.set_title(label + (f", tau {tau}" if tau else ""), fontsize=fontsize)
         ax.set_ylim(-4, 4)
@@ -516,15 +487,12 @@ def compute(ctx) -> None:
         return [f"{m}|{row['tau']:g}" for m, row in matched.iterrows() if row["within 2x"]]
 
     runs, names = [run(cfg, i) for i in range(n)], [f"data set {i}" for i in range(n)]
-    all_rows = ctx.table("scores_per_data_set", pd.concat([r["rows"] for r in runs], ignore_index=True), index=False)
+    all_rows = pd.concat([r["rows"] for r in runs], ignore_index=True)
     from_a_design = all_rows["method"].str.contains(" design")  # the last section's runs
     rows = all_rows[~from_a_design]
     summary = ctx.table("scores_median", summary_table(rows))
-    ctx.table("elapsed", pd.DataFrame([r["timings"] for r in runs], index=names).T)
     ctx.table("map_fit", pd.DataFrame([r["map"] for r in runs], index=names))
     nuts = ctx.table("nuts_diagnostics", pd.DataFrame([r["nuts"] for r in runs], index=names))
-    eigenvalues = runs[0]["fisher_eigenvalues"]
-    ctx.table("fisher_eigenvalues", pd.DataFrame({"eigenvalue": eigenvalues.numpy()}), index=False)
     ctx.table("scores_wide", wide_table(summary, ("sd_ratio", "coverage", "interval_width", "nll", "crps"),
                                         ("max_diverged", "data_sets", "rounding_warnings")))
     ctx.figure("spread_ratio", spread_ratio_figure(summary))
@@ -547,10 +515,10 @@ def compute(ctx) -> None:
     design_shape = ctx.table("design_spread_shape", spread_shape(design_rows, n))
     ctx.value("design_text", findings(design_summary, design_matched, design_shape, n, shape))
     ctx.value("design_reading", design_reading(design_matched, design_shape, shape))
-    ctx.figure("design_bands", bands_figure(runs[0], ["NUTS"] + matched_keys(design_matched), fontsize=7, wrap=True))
+    ctx.figure("design_bands", bands_figure(runs[0], ["NUTS"] + matched_keys(design_matched), fontsize=7))
 
     # the settings and numbers the prose quotes
-    settings = _checked_settings(cfg)
+    settings, eigenvalues = _checked_settings(cfg), runs[0]["fisher_eigenvalues"]
     x = runs[0]["train"][0][:, None]  # the first data set's training inputs
     pools = {d: design_pool(x, d, cfg["design_pool_size"], cfg["seed"] + POOL_SEED_OFFSET + DESIGNS.index(d))
              for d in DESIGNS[1:]}
@@ -579,7 +547,6 @@ def compute(ctx) -> None:
         "fisher_above_1": int((eigenvalues > 1).sum()), "fisher_above_ridge": int((eigenvalues > cfg["ridge"]).sum()),
         "smoothed_bandwidth": float(smoothing_bandwidth(x)[0]),
         **{f"{d}_gap_share": float(((p > GAP[0]) & (p < GAP[1])).double().mean()) for d, p in pools.items()},
-        "laplace_range": _value(summary, REFERENCES[2], "sd_ratio", "in range"), "laplace_gap": laplace_gap,
         "nuts_coverage_gap": _value(summary, "NUTS", "coverage", "in the gap"),
         "answer": answer + f"; {len(matched_in_both(summary, n))} SMP setting(s) of the empirical design come within "
                   "a factor 2 of NUTS's spread in both regions."}
