@@ -1,5 +1,5 @@
 """Bitwise check for a refactor of the book's studies: compute them at a scale without caches, at the old
-revision and at the new one, and compare every table and value but the timings.
+revision and at the new one, and compare every table, value and figure but the timings.
 
     python tools/study_check.py capture before toy,toy_kfac      # at the old revision (a git worktree)
     python tools/study_check.py capture after toy,toy_kfac       # at the new one
@@ -37,25 +37,38 @@ def capture(out: Path, studies: list[str], scale: str) -> None:
 
 
 def compare(before: Path, after: Path) -> int:
-    """Every study captured in ``after`` against the same study in ``before``."""
-    differences = 0
-    for other in sorted(p.parent for p in after.rglob("manifest.json")):
-        folder = before / other.relative_to(after)
+    """Every study captured in ``after`` against the same study in ``before``: its tables, values and figures."""
+    differences, captured = 0, sorted(p.parent for p in after.rglob("manifest.json"))
+    if not captured:
+        print(f"nothing captured in {after}: did the capture fail?")
+        return 1
+    for other in captured:
+        folder, name = before / other.relative_to(after), other.relative_to(after)
         if not (folder / "manifest.json").exists():
-            print(f"{other.relative_to(after)}: missing in {before}")
+            print(f"{name}: missing in {before}")
             differences += 1
             continue
-        for csv in sorted(c for c in folder.glob("*.csv") if not _timing(c.stem)):  # a table of timings
-            old, new = (pd.read_csv(path, dtype=str) for path in (csv, other / csv.name))
+        files = {p.relative_to(f) for f in (folder, other) for p in f.rglob("*.csv") if not _timing(p.stem)}
+        for csv in sorted(files):  # a table of timings is skipped
+            if not ((folder / csv).exists() and (other / csv).exists()):
+                print(f"{name}/{csv}: only in {before if (folder / csv).exists() else after}")
+                differences += 1
+                continue
+            old, new = (pd.read_csv(f / csv, dtype=str) for f in (folder, other))
             keep = [c for c in old.columns if not _timing(c)]
             if list(old.columns) != list(new.columns) or not old[keep].equals(new[keep]):
-                print(f"{folder.relative_to(before)}/{csv.name}: differs in "
+                print(f"{name}/{csv}: differs in "
                       f"{[c for c in keep if c not in new or not old[c].equals(new[c])] or 'its columns'}")
+                differences += 1
+        for png in sorted({p.relative_to(f) for f in (folder, other) for p in f.rglob("*.png")}):
+            if not ((folder / png).exists() and (other / png).exists()) or \
+                    (folder / png).read_bytes() != (other / png).read_bytes():
+                print(f"{name}/{png}: differs (or is only on one side)")
                 differences += 1
         old, new = (json.loads((f / "values.json").read_text()) for f in (folder, other))
         moved = sorted(k for k in old.keys() | new.keys() if not _timing(k) and old.get(k) != new.get(k))
         if moved:
-            print(f"{folder.relative_to(before)}/values.json: differs in {moved}")
+            print(f"{name}/values.json: differs in {moved}")
             differences += 1
     print("equal" if not differences else f"{differences} files differ")
     return int(differences > 0)
