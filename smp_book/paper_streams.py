@@ -1,21 +1,11 @@
 """More SMP streams at the paper's scale: the MNIST chapter's run again with other chains of the same seed.
 
-The committed paper-scale MNIST run (``results/paper/mnist/``) holds one stream per variant: chains 0-99 of the
-variant's seed, from the MAP its manifest names. Stream ``j`` here is chains ``100 j, ..., 100 j + 99`` of the same
-seed (``RunOptions.first_chain``), from the same MAP, with the same settings. The committed run kept no MAP
-parameters, and refitting its MAP seed on another CPU need not give the same MAP (20 epochs of Adam turn a rounding
-difference into another optimum), so the streams share one MAP of that seed, refit with the committed run's torch
-threads and saved as ``results/paper/mnist_streams/map.pt``; each manifest says whether it is the committed one (same
-validation loss). Streams of that MAP differ by the SMP random stream alone; against the committed run they differ by
-the MAP's refit too.
+Stream ``j`` is chains ``100 j`` to ``100 j + 99`` of the committed run's seeds and settings (stream 0), from one
+refit of its MAP's seed saved as ``results/paper/mnist_streams/map.pt`` (the MNIST chapter says why). A run
+checkpoints under ``--work`` and resumes; once done it writes ``results/paper/mnist_streams/<variant>/stream_<j>/``.
 
     python -m smp_book.paper_streams --variant fixed-diag --stream 1 --threads 1
     python -m smp_book.paper_streams --map-scores  # the saved MAP's own row, once
-
-Each run saves a checkpoint every ``--checkpoint-every`` steps under ``--work`` (outside the work tree by default, so
-that a fresh checkout keeps it) and resumes from it; once done it writes ``results/paper/mnist_streams/<variant>/
-stream_<j>/`` (the MNIST chapter's tables for that run and a manifest: code revision, settings with tau, seeds, chains,
-machine, wall time and the load average when the run started and ended). Progress goes to the terminal.
 """
 
 from __future__ import annotations
@@ -45,16 +35,15 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
     if stream < 1 or checkpoint_every < 1:
         raise ValueError(f"stream ({stream}) and checkpoint_every ({checkpoint_every}) must be positive (stream 0 is "
                          "the committed run)")
-    cfg = study_config("mnist", "paper")
-    if (why := stale_reason(root / "paper" / "mnist", cfg)) is not None:
+    cfg, committed, streams = study_config("mnist", "paper"), root / "paper" / "mnist", root / "paper" / "mnist_streams"
+    if (why := stale_reason(committed, cfg)) is not None:
         raise ValueError(f"the committed paper-scale run cannot be extended: {why}")
-    streams = root / "paper" / "mnist_streams"
     out = streams / variant / f"stream_{stream}"
     if (out / "manifest.json").exists():
         print(f"{out} is there already")
         return out
     load_start, started = os.getloadavg(), time.perf_counter()
-    manifest = json.loads((root / "paper" / "mnist" / "manifest.json").read_text())
+    manifest = json.loads((committed / "manifest.json").read_text())
     map_seed, seed = manifest["seeds"]["map"], manifest["seeds"]["smp"]["replicate_0"][variant]
     index = mnist_runs.study_variants(cfg).index(variant)
     if (chapter_seed := mnist_runs.smp_seed(cfg, index)) != seed:
@@ -62,7 +51,7 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
     data, _ = mnist_runs.load_data(cfg)
     if (saved := streams / "map.pt").exists():
         fit = torch.load(saved, weights_only=False)
-    else:
+    else:  # refit with the committed run's torch threads
         threads, map_threads = torch.get_num_threads(), manifest["environment"]["torch_threads"]
         torch.set_num_threads(map_threads)
         try:
@@ -74,24 +63,21 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
                "environment": environment()}
         saved.parent.mkdir(parents=True, exist_ok=True)
         torch.save(fit, saved)
-    committed = Results(root / "paper" / "mnist").table("map_history")["val_loss"].iloc[-1]
-    ours = fit["history"]["val_loss"].iloc[-1]
+    theirs, ours = (h["val_loss"].iloc[-1] for h in (Results(committed).table("map_history"), fit["history"]))
     work.mkdir(parents=True, exist_ok=True)
     cfg = {**cfg, "checkpoint_every": checkpoint_every}  # where to resume from; the draws do not depend on it
-    first = cfg["n_chains"] * stream
+    first, name = cfg["n_chains"] * stream, f"SMP-{variant}"
     res = mnist_runs.run_variant(cfg, variant, fit["theta"], data, index, CPU, progress=progress,
                                  checkpoint=work / f"{variant}-stream{stream}.checkpoint.pt", first_chain=first)
-    name = f"SMP-{variant}"
     tables = mnist_runs.tables({name: mnist_runs.evaluate(res.theta[~res.diverged], data, device=CPU)},
                                {name: res.elapsed})
     save(out, tables, {
         "git": git_revision(), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "config": {**cfg, "variant": variant},  # its tau: config["tau"][variant]
         "seeds": {"map": map_seed, "smp": seed, "chains": [first, first + cfg["n_chains"] - 1]},
-        "map": {"seed": map_seed, "val_loss": float(ours), "committed_val_loss": float(committed),
-                "same_as_committed": bool(abs(committed - ours) <= 1e-6), "file": str(saved.relative_to(root))},
-        "diverged_chains": int(res.n_diverged),
-        "wall_time_s": round(time.perf_counter() - started, 1),
+        "map": {"seed": map_seed, "val_loss": float(ours), "committed_val_loss": float(theirs),
+                "same_as_committed": bool(abs(theirs - ours) <= 1e-6), "file": str(saved.relative_to(root))},
+        "diverged_chains": int(res.n_diverged), "wall_time_s": round(time.perf_counter() - started, 1),
         "load_average": {"start": load_start[0], "end": os.getloadavg()[0]},
         "timing_note": "the wall time of the last invocation only (a run resumes from its checkpoints): not for "
                        "comparisons",
@@ -102,8 +88,8 @@ def run_stream(variant: str, stream: int, work: Path = WORK, root: Path = RESULT
 
 
 def save(out: Path, tables: dict[str, pd.DataFrame], record: dict) -> None:
-    """A stream's folder: its tables as CSV and a manifest of ``record`` with the tables' index and header levels
-    (what :class:`smp_book.results.Results` reads them back with)."""
+    """A stream's folder: its tables as CSV and a manifest of ``record`` with the tables' layouts (for
+    :class:`smp_book.results.Results`)."""
     out.mkdir(parents=True, exist_ok=True)
     for name, df in tables.items():
         df.to_csv(out / f"{name}.csv")
@@ -112,8 +98,8 @@ def save(out: Path, tables: dict[str, pd.DataFrame], record: dict) -> None:
 
 
 def map_scores(root: Path = RESULTS) -> Path:
-    """The scores of the streams' saved MAP on the test set (``mnist_streams/map_scores.csv``, the MAP row of every
-    stream beyond the first, which :mod:`smp_book.register` pairs with the stream's SMP rows)."""
+    """The test scores of the streams' saved MAP, ``mnist_streams/map_scores.csv``: the MAP row of every stream
+    beyond the first."""
     if not (saved := root / "paper" / "mnist_streams" / "map.pt").exists():
         raise FileNotFoundError(f"{saved}: no saved MAP yet (the first stream run saves it)")
     data, _ = mnist_runs.load_data(study_config("mnist", "paper"))
@@ -138,10 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     if args.map_scores:
         map_scores()
-        return
-    if args.variant is None or args.stream is None:
+    elif args.variant is None or args.stream is None:
         parser.error("--variant and --stream are needed (or --map-scores)")
-    run_stream(args.variant, args.stream, args.work, checkpoint_every=args.checkpoint_every)
+    else:
+        run_stream(args.variant, args.stream, args.work, checkpoint_every=args.checkpoint_every)
 
 
 if __name__ == "__main__":

@@ -17,18 +17,16 @@ from .results import RESULTS, ROOT, Results
 
 
 def with_spread(mean: pd.DataFrame, std: pd.DataFrame | None = None, digits: int = 4) -> pd.DataFrame:
-    """Each cell as ``mean ± sd`` (no spread where the sd is NaN, as with one replicate), "-" without a value."""
+    """Each cell as ``mean ± sd`` (no spread where the sd is NaN or not given), "-" without a value."""
     out = mean.map(lambda v: "-" if np.isnan(v) else f"{v:.{digits}f}")
-    if std is None:
-        return out
-    return out + std.reindex_like(mean).map(lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
+    return out if std is None else out + std.reindex_like(mean).map(
+        lambda v: "" if np.isnan(v) else f" ± {v:.{digits}f}")
 
 
 def beside_scales(paper: pd.DataFrame, scaled: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
                   digits: int = 4) -> pd.DataFrame:
-    """Per column of the first scale's mean (and on its rows): the paper's number, ``(column, "paper")``, where it
-    has the column, then ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (:func:`with_spread`;
-    ``std`` may be None), "-" where that scale lacks the column."""
+    """Per column of the first scale's mean, on its rows: the paper's number ``(column, "paper")`` where it has
+    one, then ``(column, <scale>)`` for each ``scaled[<scale>] = (mean, std)`` (:func:`with_spread`), or "-"."""
     if not scaled:
         raise ValueError("scaled: give at least one scale's (mean, std)")
     rows = next(iter(scaled.values()))[0].index
@@ -48,10 +46,8 @@ def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | No
 
 
 def ratio_to_paper(ours: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """Each of our cells over the paper's, on the rows and columns both tables have (``ours``' order):
-    1 is the paper's number. NaN where either is missing or the paper's is 0."""
-    rows = [r for r in ours.index if r in paper.index]
-    columns = [c for c in ours.columns if c in paper.columns]
+    """Ours over the paper's on the rows and columns both have (1 is the paper's number; NaN where it is 0)."""
+    rows, columns = [r for r in ours.index if r in paper.index], [c for c in ours.columns if c in paper.columns]
     theirs = paper.loc[rows, columns].astype(float)
     return ours.loc[rows, columns].astype(float) / theirs.where(theirs != 0)
 
@@ -88,8 +84,8 @@ def claims_table(claims: pd.DataFrame) -> str:
 
 
 def settings_table(config: dict) -> pd.DataFrame:
-    """A study's settings for the page, one per row: each SMP variant's tau on a row of its own
-    (``tau of SMP-<variant>``), lists written out, the variants' list left out (their tau rows name them)."""
+    """A study's settings, one per row, lists written out; each SMP variant's tau on a row ``tau of SMP-<variant>``
+    (in place of the lists of taus and variants)."""
     rows = {key: ", ".join(map(str, value)) if isinstance(value, list) else value
             for key, value in config.items() if key not in ("tau", "variants") and not isinstance(value, dict)}
     rows.update({f"tau of SMP-{variant}": tau for variant, tau in config.get("tau", {}).items()
@@ -105,8 +101,8 @@ CHAPTERS = {"toy": ("notebooks/toy", "Section 3.2: NUTS, NUTS-mean and ten SMP v
 
 
 def at_a_glance(claims: pd.DataFrame) -> str:
-    """The front page's table, as Markdown: per chapter of the paper, what it reproduces, the scale its claims
-    are judged at and how many of each verdict the register gives (``claims``: :func:`smp_book.register.table`)."""
+    """The front page's table, as Markdown: per chapter, what it reproduces, the scale its claims are judged at
+    and how many of each verdict the register (``claims``) gives."""
 
     def judged_at(study, scale):  # "(the paper's sizes)": a scale whose settings are the paper's
         sizes = [{k: v for k, v in get_config(study, s).items() if k != "scale"} for s in (scale, "paper")]
@@ -139,22 +135,19 @@ def start_mismatch(scores: pd.DataFrame, still: str, images: int, tolerance: int
 
 
 def reversals(replicates: pd.Series, leader: str, other: str) -> int:
-    """In how many replicates ``other`` is below ``leader`` (a series indexed by ``(replicate, method)``, lower
-    better): how often the order of two replicate means is reversed in a single replicate."""
+    """In how many replicates ``other`` is below ``leader`` (``replicates`` indexed by ``(replicate, method)``)."""
     table = replicates.unstack("method")
     return int((table[other] < table[leader]).sum())
 
 
 def paper_scale_choices(run: Results) -> str:
-    """Our two choices in the paper-scale MNIST run, in words: which MAP starts the chains (the rule, the candidates'
-    validation losses, the one chosen) and how many validation images the periodic Fisher uses (the paper: all)."""
-    config, seed = run.config, run.values["map_seed"]
+    """Our two choices in the paper-scale MNIST run, in words: the MAP that starts the chains (rule, candidates,
+    choice) and how many validation images the periodic Fisher uses (the paper: all)."""
+    config, seed, seeds = run.config, run.values["map_seed"], run.config.get("select_map_from_seeds")
     n_val, n_fisher = config["n_val"], config.get("n_fisher_periodic") or config["n_val"]
-    seeds = config.get("select_map_from_seeds")
     start = f"The chains start from the MAP of seed {seed} (the paper names no seed)."
     if seeds and run.has("map_candidates"):
-        candidates = run.table("map_candidates")[["seed", "val_loss"]].itertuples(index=False)
-        losses = ", ".join(f"{int(s)}: {v:.4f}" for s, v in candidates)
+        losses = ", ".join(f"{int(s)}: {v:.4f}" for s, v in run.table("map_candidates")[["seed", "val_loss"]].values)
         start = (f"The chains start from the MAP of seed {seed}, the lowest validation loss after the last epoch "
                  f"among the seeds {', '.join(map(str, seeds))} ({losses}), a rule fixed before any paper-scale SMP "
                  "run (the paper names no seed).")
@@ -166,14 +159,12 @@ def paper_scale_choices(run: Results) -> str:
 
 def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | None = None) -> pd.DataFrame:
     """The tail chapter's table ``beside`` (rows ``(method, sampler)``) with, under each method, the recursion at
-    the paper scale (``run``'s first replicate, as the tail's runs are), labelled with its ``K`` and, when it
-    started from another MAP than the tail's (``map_seed``), its MAP's seed."""
+    the paper scale (``run``), labelled with its ``K`` and its MAP's seed where that is not ``map_seed``."""
     columns = {"NLL": "nll", "ECE": "ece", "MI": "mutual_info", "logit variance": "logits_variance",
                "accuracy": "accuracy"}
-    ours = run.table("scores").join(run.table("variances"))
-    other_map = map_seed is not None and run.values.get("map_seed") != map_seed
+    ours, seed = run.table("scores").join(run.table("variances")), run.values.get("map_seed")
     label = (f"recursion at the paper scale (K = {run.config['n_steps']:,}"
-             + (f", MAP of seed {run.values.get('map_seed')})" if other_map else ")"))
+             + (f", MAP of seed {seed})" if map_seed is not None and seed != map_seed else ")"))
     rows = []
     for method in beside.index.get_level_values("method").unique():
         rows.append(beside.loc[[method]])
@@ -185,9 +176,8 @@ def with_paper_scale_rows(beside: pd.DataFrame, run: Results, map_seed: int | No
 
 def benchmark(name: str, table: str, index: list[str] | None = None,
               measured: str | None = None) -> pd.DataFrame | None:
-    """A benchmark's table ``benchmarks/<name>/<table>.csv`` (its ``--csv``), its heading and machine in ``attrs``;
-    with ``measured``, only the rows where that column is a number (not a run left out of a budget, in words).
-    ``None`` when the file or every row is missing."""
+    """A benchmark's table ``benchmarks/<name>/<table>.csv``, its heading and machine in ``attrs``; with
+    ``measured``, only the rows where that column is a number. ``None`` when the file or every row is missing."""
     file = ROOT / "benchmarks" / name / f"{table}.csv"
     if not file.exists():
         return None
@@ -203,9 +193,8 @@ def benchmark(name: str, table: str, index: list[str] | None = None,
 
 
 def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
-    """A sentence, labelled an estimate: one GPU's SMP-fixed-diag step with CUDA graphs (``steps``, the GPU's step
-    table, indexed by device, variant and what ran the step, its heading naming S) against the most processes of
-    ``scaling`` (``bench_scaling.py`` on this CPU). ``None`` when a row it needs is missing."""
+    """An estimate in words: one GPU's SMP-fixed-diag step (``steps``, the GPU's step table) against the most
+    processes of ``scaling`` on this CPU. ``None`` when a row it needs is missing."""
     try:
         chains = int(re.search(r"S = (\d+)", steps.attrs.get("heading", "")).group(1))
         graphs, eager = (float(steps.loc[("cuda", "SMP-fixed-diag", mode), "ms / step"])
@@ -221,17 +210,14 @@ def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
             "over more GPUs would shorten a run little, and that more GPUs pay for more chains or a larger network.")
 
 
-# The settings that make the MAP-seeds chapter's runs comparable with a paper-scale run: the same data and
-# MAP training (then a MAP of the same seed is the same MAP) and the same number of chains.
+# The data and MAP training that make a MAP of the same seed the same MAP (with the same S: comparable runs).
 SAME_MAP = ("n_train", "n_val", "split_seed", "map_batch", "map_epochs", "map_lr", "map_weight_decay")
 
 
 def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFrame:
-    """Per SMP variant, the paper-scale MI (``run``) beside the paper's, their ``ratio`` and our ``largest chain's
-    share``. Where the MAP-seeds chapter's ``seeds`` share ``run``'s data, MAP training and S: ``MAP sd`` and
-    ``stream sd`` of the log MI there, ``gap in sds`` (the log ratio over the sd of the difference of two runs
-    from independent MAPs and streams) and ``growth`` from the same MAP (periodic only with as many Fisher
-    images) beside ``linear growth``, the ratio of the reached shares ``1 - r_K^2 / r_0^2`` at the two K."""
+    """Per SMP variant, the paper-scale MI (``run``) beside the paper's, their ratio and our largest chain's share;
+    where the MAP-seeds chapter's ``seeds`` are comparable (:data:`SAME_MAP`), the sds, gap and growths that the
+    MNIST chapter explains."""
     from smp_core.recursion import residual_variance_ratio
 
     scores, tails = run.table("scores"), run.table("tails")
@@ -239,24 +225,23 @@ def paper_scale_gaps(run, paper_scores: pd.DataFrame, seeds=None) -> pd.DataFram
     ours, theirs = scores.loc[methods, "mutual_info"], paper_scores.loc[methods, "mutual_info"].astype(float)
     table = pd.DataFrame({"paper": theirs, "paper scale": ours, "ratio": ours / theirs.where(theirs != 0),
                           "largest chain's share": tails.loc[methods, "mi_largest_chain_share"]})
-    comparable = (seeds is not None and all(seeds.has(t) for t in ("map_or_stream", "per_run", "maps"))
-                  and all(seeds.config.get(k) == run.config.get(k) for k in (*SAME_MAP, "n_chains")))
-    if comparable:
-        spread = seeds.table("map_or_stream")
-        for column, name in (("MAP sd", "sd_map"), ("stream sd", "sd_stream")):
-            table[column] = [spread[name].get(f"log {m}", np.nan) for m in methods]
-        table["gap in sds"] = np.log(table["ratio"]) / (np.sqrt(2) * np.hypot(table["MAP sd"], table["stream sd"]))
-        maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
-        same = maps.index[maps["seed"] == run.values.get("map_seed")]
-        if len(same) == 1:
-            runs = per_run.xs(same[0], level="map")
-            same_fisher = seeds.config.get("n_fisher_periodic") == run.config.get("n_fisher_periodic")
-            table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns and (m != PERIODIC or same_fisher)
-                               else np.nan for m in methods]
-            n, k_here, k_paper = run.config["n_train"], seeds.config["n_steps"], run.config["n_steps"]
-            table["linear growth"] = ((1 - residual_variance_ratio(n, k_paper))
-                                      / (1 - residual_variance_ratio(n, k_here)))
     table.index.name = "method"
+    if seeds is None or not all(seeds.has(t) for t in ("map_or_stream", "per_run", "maps")) or any(
+            seeds.config.get(k) != run.config.get(k) for k in (*SAME_MAP, "n_chains")):
+        return table
+    spread = seeds.table("map_or_stream")
+    for column, name in (("MAP sd", "sd_map"), ("stream sd", "sd_stream")):
+        table[column] = [spread[name].get(f"log {m}", np.nan) for m in methods]
+    table["gap in sds"] = np.log(table["ratio"]) / (np.sqrt(2) * np.hypot(table["MAP sd"], table["stream sd"]))
+    maps, per_run = seeds.table("maps"), seeds.table("per_run")  # indexed by map, (map, replicate)
+    same = maps.index[maps["seed"] == run.values.get("map_seed")]
+    if len(same) == 1:  # periodic's growth only with as many Fisher images
+        runs = per_run.xs(same[0], level="map")
+        same_fisher = seeds.config.get("n_fisher_periodic") == run.config.get("n_fisher_periodic")
+        table["growth"] = [ours[m] / runs[m].mean() if m in runs.columns and (m != PERIODIC or same_fisher)
+                           else np.nan for m in methods]
+        n, k_here, k_paper = run.config["n_train"], seeds.config["n_steps"], run.config["n_steps"]
+        table["linear growth"] = (1 - residual_variance_ratio(n, k_paper)) / (1 - residual_variance_ratio(n, k_here))
     return table
 
 
@@ -269,12 +254,9 @@ def _times(x: float) -> str:
 
 def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.DataFrame, paper: pd.DataFrame,
                          scale: str, n_chains: int) -> str:
-    """What the paper-scale results say, in Markdown: the verdict counts of ``verdicts`` (columns ``claim``,
-    ``verdict (paper scale)``, ``verdict (<scale>)``) and those that change; per SMP variant, its accuracy, MI and
-    logit variance (``ours``) against the paper's and what ``gaps`` (:func:`paper_scale_gaps`) says. Fixed
-    thresholds: a gap within two sds another MAP and stream could give; a growth above twice the linear one is
-    faster than a fixed Fisher gives, below half less; a largest chain's share below ``5 / n_chains`` is the
-    bulk of the chains', from 0.25 one chain's excursion."""
+    """What the paper-scale results say, in Markdown: the verdict counts of ``verdicts`` at the paper scale and at
+    ``scale`` and those that change, then per SMP variant its accuracy, MI and logit variance (``ours``) against
+    the paper's and what ``gaps`` (:func:`paper_scale_gaps`) says, in words set by fixed thresholds."""
     at_paper, here = "verdict (paper scale)", f"verdict ({scale})"
     changed = verdicts[verdicts[at_paper] != verdicts[here]]
     head = (f"Of the {len(verdicts)} claims, at the paper scale {count(verdicts[at_paper])}; at the "
@@ -295,17 +277,17 @@ def paper_scale_findings(verdicts: pd.DataFrame, gaps: pd.DataFrame, ours: pd.Da
                  + f"), logit variance {_times(logit)} the paper's"]
         gap, growth, linear, share = (row.get(c, np.nan) for c in ("gap in sds", "growth", "linear growth",
                                                                    "largest chain's share"))
-        if np.isfinite(gap):
+        if np.isfinite(gap):  # within two sds: what another MAP and stream could give
             parts.append(f"{abs(gap):.1f} standard deviations {'below' if gap < 0 else 'above'} the paper's: "
                          + ("within what another MAP and stream could give" if abs(gap) <= 2
                             else "more than another MAP and stream gave at the MAP-seeds chapter's K"))
-        if np.isfinite(growth) and np.isfinite(linear):
+        if np.isfinite(growth) and np.isfinite(linear):  # faster above twice a fixed Fisher's growth, less below half
             faster = "faster than a fixed Fisher gives" + (
                 ": the chains left the region where the MAP's Fisher holds" if method == FIXED else "")
             parts.append(f"it grew {_times(growth)} from the MAP-seeds chapter's K on the same MAP, a fixed Fisher "
                          f"{_times(linear)}: " + (faster if growth > 2 * linear else "less than a fixed Fisher gives"
                                                   if growth < linear / 2 else "about what a fixed Fisher gives"))
-        if np.isfinite(share):
+        if np.isfinite(share):  # the bulk of the chains below 5 / n_chains, one chain's excursion from 0.25
             parts.append(f"the largest chain carries {share:.0%} of it (an even share: {1 / n_chains:.0%}), "
                          + ("so the bulk of the chains carries it" if share < 5 / n_chains else
                             "a sizeable share for one chain" if share < 0.25 else
@@ -320,20 +302,17 @@ FISHER_SHOWN = ("mutual_info", "epistemic_std", "logits_variance", "accuracy", "
 
 
 def _periodic_run(images: int, root=None) -> Results | None:
-    """The MNIST chapter's laptop run on periodic-diag alone with its Fisher on ``images`` validation images, or
-    ``None`` when it is not committed."""
+    """The MNIST chapter's laptop run on periodic-diag alone with its Fisher on ``images`` images, if committed."""
     from .pipeline import folder_of, results
 
     params, root = {"variants": [PERIODIC], "fisher_images": images}, root or RESULTS
-    if not (folder_of("mnist", "laptop", params, root) / "manifest.json").exists():
-        return None
-    return results("mnist", "laptop", params, root=root)  # a note if its code is older
+    exists = (folder_of("mnist", "laptop", params, root) / "manifest.json").exists()
+    return results("mnist", "laptop", params, root=root) if exists else None  # a note if its code is older
 
 
 def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame | None:
-    """SMP-periodic-diag at the laptop scale with its Fisher on each committed count of :data:`FISHER_IMAGES`
-    (mean ± sd over replicates of one MAP and the same streams), beside the paper-scale run's and the paper's,
-    each with its MAP's accuracy; ``None`` before any such run is committed."""
+    """SMP-periodic-diag at the laptop scale per committed count of Fisher images (mean ± sd over replicates),
+    then the paper-scale run's and the paper's, each with its MAP's accuracy; ``None`` before any such run."""
 
     def row(table: pd.DataFrame, std: pd.DataFrame | None = None) -> dict[str, str]:
         cells = {c: f"{table.loc[PERIODIC, c]:.4g}" + ("" if std is None else f" ± {std.loc[PERIODIC, c]:.2g}")
@@ -355,9 +334,9 @@ def fisher_images(root=None, paper_run: Results | None = None) -> pd.DataFrame |
 
 def fisher_images_in_words(root=None, ours: int = 1000, theirs: int = 6000,
                            paper_run: Results | None = None) -> str | None:
-    """In words, periodic's MI and epistemic std with its Fisher on ``theirs`` images over those on ``ours``, per
-    paired replicate of the laptop runs; with ``paper_run``, which way that moves the paper-scale MI against the
-    paper's. ``None`` until both runs are committed."""
+    """In words, periodic's MI and epistemic std with its Fisher on ``theirs`` images over ``ours``, per paired
+    replicate of the laptop runs, and which way that moves ``paper_run``'s MI against the paper's. ``None`` until
+    both runs are committed."""
     runs = [_periodic_run(n, root) for n in (ours, theirs)]
     if any(run is None for run in runs):
         return None
@@ -385,9 +364,8 @@ TURING_SHOWN = (("NUTS", "accuracy"), ("NUTS-mean", "accuracy"), ("SMP-none", "m
 
 
 def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The toy chapter's run with the paper's NUTS start (uniform on [-2, 2]), per replicate, the paper's row
-    first; and per number, how many replicates land near the paper's (accuracy within 0.01, MI within 25 %): the
-    paper's run is one draw, and the share says how ordinary it is under that start."""
+    """The toy chapter's run with the paper's NUTS start, per replicate below the paper's row; and per number, how
+    many replicates land near the paper's (accuracy within 0.01, MI within 25 %), with our range."""
     scores, paper = run.table("scores_replicates"), paper_table("ex1_scores")
     table = pd.DataFrame({f"{m} {c}": scores[c].xs(m, level="method") for m, c in TURING_SHOWN})
     table.index = [f"replicate {r}" for r in table.index]
@@ -399,15 +377,14 @@ def nuts_start_replicates(run: Results) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.concat([theirs.to_frame("the paper").T, table]), shares
 
 
+STREAM_SHOWN = ("accuracy", "nll", "ece", "mutual_info", "epistemic_std", "logits_variance")
+
+
 def over_streams(runs: list[dict[str, pd.DataFrame]], name: str) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Mean and standard deviation over the streams ``runs`` of table ``name`` (``"scores"``, ``"variances"``), per
-    method: the sd is NaN where fewer than two streams have the method (no spread to show)."""
+    """Mean and sd over the streams ``runs`` of table ``name`` per method (sd NaN with fewer than two streams)."""
     long = pd.concat({j: run[name] for j, run in enumerate(runs) if name in run}, names=["stream"])
     grouped = long.groupby(level="method", sort=False)
     return grouped.mean(), grouped.std(ddof=1)
-
-
-STREAM_SHOWN = ("accuracy", "nll", "ece", "mutual_info", "epistemic_std", "logits_variance")
 
 
 def stream_table(runs: list[dict[str, pd.DataFrame]]) -> pd.DataFrame:
@@ -418,17 +395,15 @@ def stream_table(runs: list[dict[str, pd.DataFrame]]) -> pd.DataFrame:
 
 
 def streams_in_words(runs: list[dict[str, pd.DataFrame]]) -> str:
-    """How many streams each SMP variant has, in words: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one stream
-    of SMP-none and SMP-periodic-diag"`` (``"no stream yet"`` for none)."""
-    if not runs:
-        return "no stream yet"
+    """How many streams each SMP variant has: ``"two streams of SMP-fixed-diag and SMP-ema-diag, one stream of
+    SMP-none and SMP-periodic-diag"`` (``"no stream yet"`` for none)."""
     counts = pd.Series([m for run in runs for m in run["scores"].index if m != "MAP"]).value_counts(sort=False)
     words, parts = {1: "one", 2: "two", 3: "three", 4: "four"}, []
     for n in sorted(set(counts), reverse=True):
         names = list(counts.index[counts == n])
         listed = ", ".join(names[:-1]) + " and " * (len(names) > 1) + names[-1]
-        parts.append(f"{words.get(n, str(n))} stream{'s' * (n != 1)} of {listed}")
-    return ", ".join(parts)
+        parts.append(f"{words.get(n, n)} stream{'s' * (n != 1)} of {listed}")
+    return ", ".join(parts) or "no stream yet"
 
 
 def timings(scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
@@ -437,14 +412,12 @@ def timings(scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
 
     rows = []
     for study in STUDIES:
-        try:
-            manifest = Results(Path(root) / scale / study).manifest
-        except FileNotFoundError:
-            continue
-        env = manifest.get("environment", {})
-        rows.append({"chapter": study, "minutes": round(manifest["wall_time_s"] / 60, 1),
-                     "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
-                     "note": manifest.get("timing_note", "")})
+        if (file := Path(root) / scale / study / "manifest.json").exists():
+            manifest = json.loads(file.read_text())
+            env = manifest.get("environment", {})
+            rows.append({"chapter": study, "minutes": round(manifest["wall_time_s"] / 60, 1),
+                         "device": env.get("device", ""), "threads": env.get("torch_threads", ""),
+                         "note": manifest.get("timing_note", "")})
     return pd.DataFrame(rows, columns=["chapter", "minutes", "device", "threads", "note"]).set_index("chapter")
 
 
