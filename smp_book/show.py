@@ -80,7 +80,8 @@ def claims_table(claims: pd.DataFrame) -> str:
     """A claims table as Markdown, each verdict right after its claim (then the rest), missing cells as ``-``."""
     verdicts = [c for c in claims.columns if str(c).startswith("verdict")]
     first = ["claim", *verdicts] if "claim" in claims.columns else verdicts
-    return claims[first + [c for c in claims.columns if c not in first]].fillna("-").to_markdown(index=False)
+    ordered = claims[first + [c for c in claims.columns if c not in first]].astype(object)  # "-" in any column
+    return ordered.fillna("-").to_markdown(index=False)
 
 
 def settings_table(config: dict) -> pd.DataFrame:

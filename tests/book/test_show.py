@@ -97,8 +97,6 @@ def test_the_settings_table_shows_each_variants_tau_on_a_row():
     assert "tau" not in table.index and "variants" not in table.index
 
 
-
-
 def test_the_front_page_counts_each_chapters_verdicts():
     claims = pd.DataFrame({"claim": list("abcde"), "verdict": ["holds", "holds", "partly", "not resolved", "holds"],
                            "scale": ["laptop, 5 replicates"] * 3 + ["paper, 1 stream"] * 2,
