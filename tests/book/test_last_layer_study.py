@@ -36,8 +36,7 @@ def test_body_then_head_is_the_network(tiny, layers):
 
 @pytest.mark.parametrize(("layers", "variant"), [(1, "fixed-diag"), (1, "ema-kfac"), (2, "periodic-diag")])
 def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, layers, variant):
-    """The study's shortcut: the same chains as SMP on LeNet-5 with all but the last layer frozen (in float64,
-    where the Kronecker factors' eigendecompositions do not amplify the features' rounding)."""
+    """The study's shortcut: the same chains as SMP on LeNet-5 with all but the last layer frozen, in float64."""
     theta, data = tiny
     data = {k: (x.double(), y) for k, (x, y) in data.items()}
     body, head = llr.split(theta, layers)
@@ -69,8 +68,12 @@ def test_smp_on_features_equals_smp_on_the_frozen_network(tiny, layers, variant)
     d = {1: 850, 2: 128 * 84 + 84 + 850}[layers]
     assert short.theta.shape == full.theta.shape == (4, d)
     assert short.theta.dtype == torch.float64
-    assert torch.allclose(short.theta, full.theta, atol=1e-10, rtol=1e-8)
-    assert not torch.equal(short.theta, theta0.expand(4, -1))  # the chains moved
+    # The two routes round differently (features computed once against the whole network at each step), and the
+    # EMA-KFAC's eigendecompositions amplify that to about 2e-10 of the chains' largest move (measured at one and
+    # two threads; 1e-15 for the diagonals): 1e-8 of it leaves a margin of 50 and still catches any other update.
+    moved = (full.theta - theta0).abs().max()
+    assert moved > 0.1  # the chains moved
+    assert (short.theta - full.theta).abs().max() <= 1e-8 * moved
 
 
 def test_laplace_torch_draws_the_last_layer_around_the_map(tiny):
