@@ -214,7 +214,7 @@ def stale_reason(folder: Path, config: dict[str, Any]) -> str | None:
 
 
 def replace(target: Path, new: Path) -> None:
-    """Move the folder ``new`` to ``target``, replacing what was there only once ``new`` is in place."""
+    """Move the folder ``new`` to ``target``; what was there is set aside first and removed once ``new`` is in."""
     old = target.with_name(f".{target.name}.old.{os.getpid()}")
     if target.exists():
         target.rename(old)

@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = pd.concat([kept[0][~kept[0]["study"].isin(studies)], cells], ignore_index=True)  # the others kept
     folder.mkdir(parents=True, exist_ok=True)
     cells.to_csv(folder / "cells.csv", index=False)
-    counts(cells).to_csv(folder / "counts.csv")
-    print(counts(cells).to_string(), f"\nreport in {folder}", file=sys.stderr)
+    (per_study := counts(cells)).to_csv(folder / "counts.csv")
+    print(per_study.to_string(), f"\nreport in {folder}", file=sys.stderr)
     if args.seed_offset or len(studies) < len(STUDIES):
         print("other seeds or a partial run: results/ left as it was", file=sys.stderr)
         return 0
