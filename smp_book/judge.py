@@ -89,6 +89,31 @@ def compare_study(old: Results, new: Results) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
+RUN_COLUMNS = ["study", "code", "settings", "seeds", "committed threads", "new threads", "committed machine",
+               "new machine", "committed git", "new git"]
+
+
+def _same(old, new) -> str:
+    """``same``; ``added`` where ``new`` only records keys (at any depth of its dicts) that ``old`` lacks; else
+    ``changed``."""
+    if old == new:
+        return "same"
+    if isinstance(old, dict) and isinstance(new, dict) and old.keys() <= new.keys():
+        return "added" if all(_same(old[k], new[k]) != "changed" for k in old) else "changed"
+    return "changed"
+
+
+def compare_runs(study: str, old: Results, new: Results) -> dict:
+    """What differs between the two runs of ``study`` whose cells are compared, from their manifests: the code,
+    settings and seeds (``same``, ``changed``, or ``added`` where the new run records more settings and the same
+    values for the others), the machine and thread count, the git revision."""
+    env = [r.manifest.get("environment", {}) for r in (old, new)]
+    same = [_same(old.manifest.get(k), new.manifest.get(k)) for k in ("code", "config", "seeds")]
+    machines = [f"{e.get('cpu_model', '?')} ({e.get('cpu_count', '?')} cores)" for e in env]
+    gits = [str(r.manifest.get("git", "?"))[:12] for r in (old, new)]
+    return dict(zip(RUN_COLUMNS, [study, *same, *(e.get("torch_threads") for e in env), *machines, *gits], strict=True))
+
+
 def counts(cells: pd.DataFrame) -> pd.DataFrame:
     """The number of cells of each verdict, per study."""
     table = cells.groupby(["study", "verdict"], sort=False).size().unstack(fill_value=0)

@@ -17,17 +17,19 @@ from pathlib import Path
 import pandas as pd
 
 from .config import PARAMETERS, SCALES, get_config
-from .judge import COLUMNS, compare_study, counts
+from .judge import COLUMNS, RUN_COLUMNS, compare_runs, compare_study, counts
 from .pipeline import RESULTS, STUDIES, compute, replace, results
 from .results import Results
 
 
-def report(old_root: Path, new_root: Path, scale: str) -> pd.DataFrame:
-    """Every cell of ``new_root/<scale>`` against ``old_root/<scale>`` (:func:`compare_study`), with its study."""
-    cells = [compare_study(Results(old_root / scale / s), Results(new_root / scale / s)).assign(study=s)
-             for s in STUDIES if (new_root / scale / s / "manifest.json").exists()
-             and (old_root / scale / s / "manifest.json").exists()]
-    return pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", *COLUMNS])
+def report(old_root: Path, new_root: Path, scale: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Every cell of ``new_root/<scale>`` against ``old_root/<scale>`` (:func:`compare_study`), with its study,
+    and what differs between the two runs of each study (:func:`compare_runs`)."""
+    pairs = {s: (Results(old_root / scale / s), Results(new_root / scale / s)) for s in STUDIES
+             if (new_root / scale / s / "manifest.json").exists() and (old_root / scale / s / "manifest.json").exists()}
+    cells = [compare_study(old, new).assign(study=s) for s, (old, new) in pairs.items()]
+    return (pd.concat(cells, ignore_index=True) if cells else pd.DataFrame(columns=["study", *COLUMNS]),
+            pd.DataFrame([compare_runs(s, *pair) for s, pair in pairs.items()], columns=RUN_COLUMNS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,13 +59,15 @@ def main(argv: list[str] | None = None) -> int:
             replace(args.work / args.scale / study, new.folder)
         else:
             results(study, args.scale, root=args.work, use_cache=not args.no_cache, progress=True)
-    cells = report(RESULTS, args.work, args.scale)
+    cells, runs = report(RESULTS, args.work, args.scale)
     name = f"reproduction-seed-{args.seed_offset}" if args.seed_offset else "reproduction"
     folder = (RESULTS if args.seed_offset else args.work) / args.scale / name
     if args.seed_offset and (kept := read_report(args.scale, RESULTS, name)) is not None:
         cells = pd.concat([kept[0][~kept[0]["study"].isin(studies)], cells], ignore_index=True)  # the others kept
+        runs = pd.concat([kept[2][~kept[2]["study"].isin(studies)], runs], ignore_index=True)
     folder.mkdir(parents=True, exist_ok=True)
     cells.to_csv(folder / "cells.csv", index=False)
+    runs.to_csv(folder / "runs.csv", index=False)
     (per_study := counts(cells)).to_csv(folder / "counts.csv")
     print(per_study.to_string(), f"\nreport in {folder}", file=sys.stderr)
     if args.seed_offset or len(studies) < len(STUDIES):
@@ -80,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def read_report(scale: str, root: str | Path = RESULTS, name: str = "reproduction"
-                ) -> tuple[pd.DataFrame, pd.DataFrame] | None:
-    """The reproduction report ``name`` saved with ``results/<scale>/``: ``(cells, counts)``, or None."""
-    path = Path(root) / scale / name / "cells.csv"
-    return (cells := pd.read_csv(path), counts(cells)) if path.exists() else None
+                ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame] | None:
+    """The reproduction report ``name`` saved with ``results/<scale>/``: ``(cells, counts, runs)``, or None."""
+    folder = Path(root) / scale / name
+    if not (folder / "cells.csv").exists():
+        return None
+    runs = pd.read_csv(folder / "runs.csv") if (folder / "runs.csv").exists() else pd.DataFrame(columns=RUN_COLUMNS)
+    return (cells := pd.read_csv(folder / "cells.csv")), counts(cells), runs
 
 
 if __name__ == "__main__":

@@ -166,8 +166,10 @@ def test_reproduce_replaces_the_results_only_when_complete(fake, tmp_path, monke
     assert reproduce.main(["--scale", "ci", "--work", str(work)]) == 0
     assert Results(committed / "ci" / "fake").config["shift"] == 5.0
     assert (committed / "ci" / "reproduction-seed-4" / "cells.csv").read_text() == "study\n"
-    counts = reproduce.read_report("ci", root=committed)[1]
+    _, counts, runs = reproduce.read_report("ci", root=committed)
     assert counts.loc["fake", "outside"] == 4
+    run = runs.set_index("study").loc["fake"]  # what differs between the two runs compared
+    assert (run["code"], run["settings"], run["seeds"]) == ("same", "changed", "same")
     assert not (work / "ci").exists()
 
 
@@ -182,7 +184,8 @@ def test_a_seed_offset_reruns_the_seeded_chapters_apart_and_keeps_the_results(fa
     assert reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "4"]) == 0
     assert Results(committed / "ci" / "fake").config["n"] == 3  # a report only: the results stay
     assert Results(work / "ci" / "fake").config["n"] == 7
-    cells, counts = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    cells, counts, runs = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    assert runs.set_index("study").loc["fake", "settings"] == "changed"
     assert "equal" not in counts.columns or counts.loc["fake", "equal"] < len(cells)  # other draws
     assert counts.loc["fake", "within"] > 0
     with pytest.raises(SystemExit):
@@ -202,7 +205,8 @@ def test_a_partial_seed_offset_rerun_replaces_only_its_chapters_rows_of_the_repo
     pd.DataFrame([{"study": s, "table": "t", "row": "r", "column": "c", "committed": 1.0, "new": 2.0, "p": 0.5,
                    "verdict": "within"} for s in ("fake", "other")]).to_csv(saved / "cells.csv", index=False)
     assert reproduce.main(["--scale", "ci", "--work", str(work), "--seed-offset", "4", "--only", "fake"]) == 0
-    cells, counts = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    cells, counts, runs = reproduce.read_report("ci", root=committed, name="reproduction-seed-4")
+    assert list(runs["study"]) == ["fake"]  # the kept rows had no runs.csv
     assert (cells["study"] == "other").sum() == 1 and counts.loc["other", "within"] == 1  # kept as it was
     assert (cells["study"] == "fake").sum() > 1 and counts.loc["fake"].sum() == (cells["study"] == "fake").sum()
 
@@ -416,3 +420,11 @@ def test_a_rerun_with_another_map_is_judged_against_the_spread_over_maps(fake, t
     assert list(judged["verdict"]) == ["within", "outside", "equal"]  # the timing is not judged
     assert judged["p"].iloc[0] == pytest.approx(2 * student.sf(1 / np.sqrt(2), df=2))
     assert (judged["n_maps"] == 3).all()
+
+
+def test_settings_a_rerun_only_adds_are_not_changed():
+    same = judge._same
+    assert same({"a": 1}, {"a": 1}) == "same"
+    assert same({"a": 1, "tau": {"x": 0.1}}, {"a": 1, "tau": {"x": 0.1, "y": 0.2}, "b": 2}) == "added"
+    assert same({"a": 1, "gone": 3}, {"a": 1}) == "changed"
+    assert same({"tau": {"x": 0.1}}, {"tau": {"x": 0.2}}) == "changed"
