@@ -37,3 +37,14 @@ def test_the_check_finds_history(tmp_path):
     text = prose(page)
     assert PATTERNS["a git hash"].search(text) and PATTERNS["a date"].search(text)
     assert "deadbee1" not in text
+
+
+API_PAGES = {"usage", "how_to_run"}  # the pages about the code itself
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.parent.name == "notebooks" and p.stem not in API_PAGES],
+                         ids=lambda p: p.stem)
+def test_chapters_name_no_internal_code(page):
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # inline code stays: that is where names go
+    found = [m.group(0) for m in re.finditer(r"`(?!python -m )[^`\n]*\bsmp_book\.\w+[^`\n]*`", text)]
+    assert not found, f"{page.name} names the book's internal code in its prose (a command to run is fine): {found}"
