@@ -429,3 +429,20 @@ def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.D
     found = {int(f.name.rsplit("-", 1)[1]): read_report(scale, root, f.name)
              for f in sorted((Path(root) / scale).glob("reproduction-seed-*"))}
     return {offset: report for offset, report in found.items() if report is not None}
+
+
+def over_maps_in_words(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> tuple[str, pd.DataFrame]:
+    """The MNIST cells of a report that moved, judged against the spread over MAPs
+    (:func:`smp_book.judge.judge_by_map_seeds`): a sentence, and the cells outside that spread."""
+    from .judge import ALPHA, judge_by_map_seeds
+
+    by_maps = judge_by_map_seeds(cells, scale, root)
+    verdicts = by_maps["verdict"].value_counts()
+    within, out = int(verdicts.get("within", 0)), int(verdicts.get("outside", 0))
+    text = ("The spread that includes the MAP's is measured in {doc}`mnist_seeds`: the mean of the SMP replicates "
+            f"from each of {int(by_maps['n_maps'].max()) if len(by_maps) else 0} MAPs, same settings. Against it "
+            f"(Student's t on the difference of two such means, level {ALPHA:g}), of the {within + out} mean scores "
+            f"and variances of the MNIST chapter that moved, {within} lie within it and {out} outside it (about "
+            f"{ALPHA * (within + out):.1f} would by chance alone)"
+            + (", so the two MNIST runs agree once the MAP's own variation is counted." if out == 0 else ":"))
+    return text, by_maps[by_maps["verdict"] == "outside"][["table", "row", "column", "committed", "new", "p"]]
