@@ -95,7 +95,9 @@ RUN_COLUMNS = ["study", "code", "settings", "seeds", "committed threads", "new t
 
 def _same(old, new) -> str:
     """``same``; ``added`` where ``new`` only records keys (at any depth of its dicts) that ``old`` lacks; else
-    ``changed``."""
+    ``changed``; ``unknown`` where either run does not record it."""
+    if old is None or new is None:
+        return "unknown"
     if old == new:
         return "same"
     if isinstance(old, dict) and isinstance(new, dict) and old.keys() <= new.keys():
@@ -122,10 +124,11 @@ def counts(cells: pd.DataFrame) -> pd.DataFrame:
 
 
 def judge_by_map_seeds(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> pd.DataFrame:
-    """The MNIST ``X_mean`` cells of a rerun on other streams (another MAP) that the MAP-seeds chapter has a
-    spread for, judged against it: its ``X_std`` is the sd of that very mean over MAPs, so two such means differ
-    with sd ``sqrt(2) X_std`` (``n_maps - 1`` degrees of freedom): Student's t at level ``ALPHA``, giving ``p``
-    and ``verdict`` (``within`` / ``outside`` / ``equal``, or ``differs`` without a spread)."""
+    """The MNIST ``X_mean`` cells of a rerun from another MAP (other streams, or the MAP trained again elsewhere)
+    that the MAP-seeds chapter has a spread for, judged against it: its ``X_std`` is the sd of that very mean over
+    MAPs, so two such means differ with sd ``sqrt(2) X_std`` (``n_maps - 1`` degrees of freedom): Student's t at
+    level ``ALPHA``, giving ``p`` and ``verdict`` (``within`` / ``outside`` / ``equal``, or ``differs`` without a
+    spread)."""
     seeds = Results(Path(root) / scale / "mnist_seeds")
     mnist = cells[(cells["study"] == "mnist") & cells["table"].str.endswith("_mean") & (cells["verdict"] != "timing")]
     spreads = {table: spread(seeds, table) for table in mnist["table"].unique()}  # (sd, n maps) or None

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .config import get_config
+from .judge import ALPHA
 from .paper import paper_table
 from .register import FIXED, PERIODIC, WORDS, count
 from .results import RESULTS, ROOT, Results
@@ -431,18 +432,88 @@ def seed_reports(scale: str, root: str | Path = RESULTS) -> dict[int, tuple[pd.D
     return {offset: report for offset, report in found.items() if report is not None}
 
 
+def _n(count: int, one: str, many: str | None = None) -> str:
+    """``"1 chapter"``, ``"2,000 chapters"``."""
+    return f"{count:,} {one if count == 1 else many or one + 's'}"
+
+
+def _names(index) -> str:
+    return ", ".join(index) if len(index) else "none"
+
+
+REPORT_VERDICTS = ["equal", "within", "outside", "differs", "changed"]
+
+
+def report_in_words(counts: pd.DataFrame, runs: pd.DataFrame, scale: str) -> tuple[str, pd.DataFrame]:
+    """What a reproduction report compared and how it came out (``read_report``'s counts and runs): sentences
+    for its page, and one table per chapter. A chapter the runs do not describe is *unknown*, never *same*."""
+    number = counts.reindex(columns=REPORT_VERDICTS, fill_value=0)
+    runs = runs.set_index("study").reindex(number.index)
+    status = runs.reindex(columns=["code", "settings", "seeds"]).fillna("unknown")
+    chapters = len(number)
+    words = [f"The report compares the committed results of {_n(chapters, 'chapter')} with a rerun."]
+    for column, what in (("seeds", "other seeds"), ("code", "a change in their code"),
+                         ("settings", "changed settings")):
+        moved = status.index[status[column] == "changed"]
+        words.append(f"None was rerun with {what}." if not len(moved) else f"Every one was rerun with {what}."
+                     if len(moved) == chapters else f"{len(moved)} of them {'was' if len(moved) == 1 else 'were'} "
+                     f"rerun with {what} ({_names(moved)}).")
+    unknown = status.index[(status == "unknown").any(axis=1)]
+    if len(unknown):
+        words.append(f"The report does not record what differs between the two runs of {_names(unknown)}.")
+    known = runs.dropna(subset=["committed threads", "new threads"])
+    if len(known):
+        threads = (known["committed threads"].astype(int).astype(str) + " then "
+                   + known["new threads"].astype(int).astype(str))
+        words.append("Torch threads, committed run then rerun: " + "; ".join(
+            f"{t} for {_names(threads.index[threads == t])}" for t in sorted(set(threads))) + ".")
+        machines = sorted(set(known["committed machine"]) | set(known["new machine"]))
+        words.append(f"The runs were on machines reporting {' or '.join(machines)} (the same report can name "
+                     "different machines).")
+    judged, outside = int(number["within"].sum() + number["outside"].sum()), int(number["outside"].sum())
+    compared = int(number[["equal", "within", "outside", "differs"]].to_numpy().sum())
+    equal = int(number["equal"].sum())
+    words.append(
+        f"Of {_n(compared, 'number')} compared, {equal:,} {'is' if equal == 1 else 'are'} equal; {judged:,} moved "
+        f"and {'was' if judged == 1 else 'were'} judged against the spread of their replicates, "
+        f"{outside:,} of them outside it (about {ALPHA * judged:.1f} would be by chance alone); "
+        f"{int(number['differs'].sum()):,} moved without a spread to judge them by; "
+        f"{_n(int(number['changed'].sum()), 'verdict or flag', 'verdicts or flags')} changed. The git revisions of "
+        f"both runs of each chapter are in `results/{scale}/reproduction/runs.csv` (*added*: the rerun records "
+        "settings the committed run did not, with the same values for the others).")
+    table = pd.concat([status, number.rename(columns={"differs": "moved, no spread", "changed": "verdicts changed"})],
+                      axis=1).rename_axis("chapter")
+    return " ".join(words), table
+
+
+def other_maps(cells: pd.DataFrame) -> list[str]:
+    """The MNIST-based chapters of a report (``mnist*``, ``last_layer``) whose ``MAP`` row's own accuracy or NLL
+    moved: their two runs started from different MAPs. (A chapter can start elsewhere than the MAP row it shows, as
+    the last-layer check ``start_mismatch`` says; this sees only the row.)"""
+    mnist = cells["study"].str.startswith("mnist") | (cells["study"] == "last_layer")
+    at_map = cells[mnist & (cells["row"].astype(str) == "MAP") & cells["column"].isin(["accuracy", "nll"])]
+    return list(dict.fromkeys(at_map.loc[at_map["verdict"].isin(["differs", "within", "outside"]), "study"]))
+
+
 def over_maps_in_words(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> tuple[str, pd.DataFrame]:
     """The MNIST cells of a report that moved, judged against the spread over MAPs
     (:func:`smp_book.judge.judge_by_map_seeds`): a sentence, and the cells outside that spread."""
     from .judge import ALPHA, judge_by_map_seeds
 
+    if not (Path(root) / scale / "mnist_seeds" / "manifest.json").exists():
+        return f"No MAP-seeds results lie with `results/{scale}/` to judge them over MAPs.", pd.DataFrame()
     by_maps = judge_by_map_seeds(cells, scale, root)
     verdicts = by_maps["verdict"].value_counts()
-    within, out = int(verdicts.get("within", 0)), int(verdicts.get("outside", 0))
-    text = ("The spread that includes the MAP's is measured in {doc}`mnist_seeds`: the mean of the SMP replicates "
-            f"from each of {int(by_maps['n_maps'].max()) if len(by_maps) else 0} MAPs, same settings. Against it "
-            f"(Student's t on the difference of two such means, level {ALPHA:g}), of the {within + out} mean scores "
-            f"and variances of the MNIST chapter that moved, {within} lie within it and {out} outside it (about "
+    within, out, bare = (int(verdicts.get(v, 0)) for v in ("within", "outside", "differs"))
+    lead = ("The spread that includes the MAP's is measured in {doc}`mnist_seeds`: the mean of the SMP replicates "
+            f"from each of {int(by_maps['n_maps'].max()) if len(by_maps) else 0} MAPs, same settings. ")
+    if within + out == 0:
+        return lead + "None of the MNIST chapter's mean scores and variances that moved could be judged by it.", \
+            pd.DataFrame()
+    text = (lead + f"Against it (Student's t on the difference of two such means, level {ALPHA:g}), of the "
+            f"{within + out} mean scores and variances of the MNIST chapter that moved and have that spread, "
+            f"{within} {'lies' if within == 1 else 'lie'} within it and {out} outside it (about "
             f"{ALPHA * (within + out):.1f} would by chance alone)"
+            + (f"; {bare} moved where the MAPs' spread is zero or missing" if bare else "")
             + (", so the two MNIST runs agree once the MAP's own variation is counted." if out == 0 else ":"))
     return text, by_maps[by_maps["verdict"] == "outside"][["table", "row", "column", "committed", "new", "p"]]

@@ -16,7 +16,8 @@ def generator():
 @pytest.fixture(autouse=True)
 def _global_rng_from_a_seed():
     """Each test starts from torch's global RNG seeded with 0 (a network's initial weights, say), whatever ran
-    before it or was deselected; the state is restored after. Statistical tests draw from their own generators."""
+    before it or was deselected; the state is restored after. Module- and session-scoped fixtures are set up
+    before this one and must seed what they draw themselves. Statistical tests draw from their own generators."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         yield

@@ -42,9 +42,20 @@ def test_the_check_finds_history(tmp_path):
 API_PAGES = {"usage", "how_to_run"}  # the pages about the code itself
 
 
+def internal_names(text: str) -> list[str]:
+    """The inline code spans of a page's prose that name ``smp_book.*`` and are not a command to run."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)  # inline code stays: that is where names go
+    spans = re.findall(r"`([^`\n]+)`", text)
+    return [s for s in spans if re.search(r"\bsmp_book\.\w", s) and not re.match(r"python\s+-m\s", s.strip())]
+
+
+def test_the_check_finds_internal_names():
+    text = "See `smp_book.step_law.draw_steps`; run `python  -m smp_book.reproduce`, or `a` smp_book.x `b`.\n"
+    assert internal_names(text) == ["smp_book.step_law.draw_steps"]
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if p.parent.name == "notebooks" and p.stem not in API_PAGES],
                          ids=lambda p: p.stem)
 def test_chapters_name_no_internal_code(page):
-    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # inline code stays: that is where names go
-    found = [m.group(0) for m in re.finditer(r"`(?!python -m )[^`\n]*\bsmp_book\.\w+[^`\n]*`", text)]
+    found = internal_names(page.read_text())
     assert not found, f"{page.name} names the book's internal code in its prose (a command to run is fine): {found}"

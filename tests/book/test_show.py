@@ -213,3 +213,39 @@ def test_a_run_that_did_not_start_from_the_maps_row_is_named():
     assert start_mismatch(scores, "same start", images=10_000) is None  # 2 images apart: within 10
     text = start_mismatch(scores, "other start", images=10_000)  # 31 images apart
     assert "0.9818" in text and "0.9849" in text and "did not start from the MAP" in text
+
+
+class _Run:  # what judge.compare_runs reads of a results folder
+    def __init__(self, code, threads, git, config=None):
+        self.manifest = {"code": code, "config": config or {"n": 1}, "seeds": {"smp": 1}, "git": git,
+                         "environment": {"torch_threads": threads, "cpu_model": "CPU X", "cpu_count": 2}}
+
+
+def test_the_report_says_what_differs_between_the_runs_and_never_calls_unknown_same():
+    from smp_book.judge import RUN_COLUMNS, compare_runs
+
+    row = compare_runs("a", _Run("c1", 2, "aaaa"), _Run("c2", 1, "bbbb", {"n": 1, "tau": 0.1}))
+    assert (row["code"], row["settings"], row["seeds"]) == ("changed", "added", "same")
+    assert [row[f"{which} {what}"] for what in ("threads", "git") for which in ("committed", "new")] == [
+        2, 1, "aaaa", "bbbb"]
+    counts = pd.DataFrame({"equal": [5, 1], "within": [1, 0], "outside": [0, 0], "differs": [0, 2], "changed": [1, 0]},
+                          index=["a", "b"])
+    words, table = show.report_in_words(counts, pd.DataFrame([row], columns=RUN_COLUMNS), "laptop")
+    assert "1 of them was rerun with a change in their code (a)" in words and "None was rerun with other" in words
+    assert "2 then 1 for a" in words and "does not record what differs between the two runs of b" in words
+    assert "1 verdict or flag changed" in words and "6 are equal" in words
+    assert table.loc["b", "code"] == "unknown" and table.loc["a", "settings"] == "added"
+    assert not table.isna().any().any()
+
+
+def test_other_maps_names_the_chapters_whose_maps_scores_moved():
+    cells = pd.DataFrame({"study": ["mnist", "mnist", "last_layer", "toy_baselines"],
+                          "row": ["MAP", "SMP-none", "MAP", "MAP"], "column": ["accuracy", "accuracy", "nll", "nll"],
+                          "verdict": ["differs", "differs", "equal", "differs"]})  # the toy's MAP is not a start
+    assert show.other_maps(cells) == ["mnist"]
+
+
+def test_over_maps_in_words_claims_no_agreement_without_evidence(tmp_path):
+    cells = pd.DataFrame(columns=["study", "table", "row", "column", "committed", "new", "verdict"])
+    text, outside = show.over_maps_in_words(cells, "laptop", root=tmp_path)  # no MAP-seeds results there
+    assert "No MAP-seeds results" in text and outside.empty
