@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from .config import get_config
-from .judge import ALPHA
+from .judge import ALPHA, judge_by_map_seeds
 from .paper import paper_table
 from .register import FIXED, PERIODIC, WORDS, count
 from .results import RESULTS, ROOT, Results
@@ -498,8 +498,6 @@ def other_maps(cells: pd.DataFrame) -> list[str]:
 def over_maps_in_words(cells: pd.DataFrame, scale: str, root: str | Path = RESULTS) -> tuple[str, pd.DataFrame]:
     """The MNIST cells of a report that moved, judged against the spread over MAPs
     (:func:`smp_book.judge.judge_by_map_seeds`): a sentence, and the cells outside that spread."""
-    from .judge import ALPHA, judge_by_map_seeds
-
     if not (Path(root) / scale / "mnist_seeds" / "manifest.json").exists():
         return f"No MAP-seeds results lie with `results/{scale}/` to judge them over MAPs.", pd.DataFrame()
     by_maps = judge_by_map_seeds(cells, scale, root)
