@@ -1,34 +1,30 @@
-"""Beyond the paper: SMP on MNIST beside Laplace approximations and a deep ensemble.
+"""Beyond the paper: SMP on MNIST beside Laplace approximations, MC dropout and a deep ensemble.
 
-The paper compares its MNIST SMP variants only with the MAP (Section 3.3; its Section 4.5 names the
-missing comparison with other approximate methods). This study puts them beside the methods a
-practitioner would reach for, at the same MAP LeNet-5 and on the same test set:
+The paper compares its MNIST SMP variants only with the MAP (Section 3.3; its Section 4.5 names the missing
+comparison with other approximate methods). This study puts them beside the methods a practitioner would
+reach for, at the same MAP LeNet-5 and on the same test set:
 
-* the MNIST chapter's MAP and its four SMP runs (replicate 0: the same cache keys, so the runs are
-  shared with that chapter);
-* the Laplace approximation at the MAP, laplace-torch's as its users run it
-  (:func:`smp_book.baselines.fit_laplace`), with the GGN kept ``diag`` or ``kfac`` (laplace-torch's
-  ``kron``), under two prior precisions: the MAP's own, ``N * weight decay`` (the MAP minimised the mean
-  NLL plus ``wd/2 |theta|^2``, i.e. the sum of the NLL plus ``N wd/2 |theta|^2``), and the one that
-  maximises the Laplace evidence (laplace-torch's ``optimize_prior_precision(method="marglik")``);
-  each with the linearised ("GLM") predictive and, at the MAP's prior, the network's own;
-* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP at the laptop and ci scales; at
-  the paper scale the MAP is the member with the lowest validation loss);
-* MC dropout (Gal and Ghahramani 2016): LeNet-5 with dropout before each fully connected layer,
-  trained with the MAP's settings, the config's seed and minibatch order for every rate of ``dropout_rates``; the
-  rate whose MC predictive (``S = n_chains`` passes) has the lowest NLL on the validation set
-  predicts (:func:`select_dropout`).
+* the MNIST chapter's MAP and its four SMP runs (replicate 0, under the same cache keys: the same runs);
+* laplace-torch's Laplace approximation at the MAP (:func:`smp_book.baselines.fit_laplace`), its GGN kept
+  ``diag`` or ``kfac`` (``kron``), under the MAP's own prior precision (:func:`weight_decay_prior`) and the
+  one that maximises the evidence; each with the linearised ("GLM") predictive and, at the MAP's prior, the
+  network's own;
+* a deep ensemble of ``M`` MAPs from random starts (member 0 is the MAP but at the paper scale, where the
+  MAP is the member with the lowest validation loss);
+* MC dropout (Gal and Ghahramani 2016): LeNet-5 with dropout before each fully connected layer, trained as
+  the MAP for every rate of ``dropout_rates``; the rate with the lowest validation NLL predicts.
 
-Every method is scored on the whole test set with the paper's metrics and on the first
-``shift_images`` test images rotated by each of ``shift_angles`` degrees (a distribution shift, as
-Ovadia et al. 2019). Differences in NLL and Brier score between two methods get a standard error
-paired over the test images: it measures the test set's sampling error, not the spread over
-training runs (one MAP, one SMP run, one ensemble here).
+Every method is scored on the whole test set with the paper's metrics and on the first ``shift_images`` test
+images rotated by each of ``shift_angles`` degrees (a distribution shift, as Ovadia et al. 2019). Differences
+in NLL and Brier score get a standard error paired over the test images: it measures the test set's sampling
+error, not the spread over training runs (one MAP, one SMP run, one ensemble here).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -47,41 +43,30 @@ from .summaries import paired_lead
 
 PRIORS = ("wd", "evidence")  # the MAP's prior precision and the evidence-maximising one
 DROPOUT = "MC dropout"  # the row of MC dropout, at the rate chosen on the validation set
+ensemble_seed = mr.map_seed  # member m's MAP seed (member 0's is the MNIST chapter's MAP but at the paper scale)
 
 
-def mnist_settings(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The MNIST study's config inside this study's: the keys of the MAP and SMP runs' caches."""
-    return {**{k: v for k, v in cfg.items() if k not in MNIST_BASELINE_KEYS}, "study": "mnist"}
+def mnist_settings(cfg: dict[str, Any], dropout: float | None = None) -> dict[str, Any]:
+    """The MNIST study's config inside this study's (the keys of the MAP and SMP runs' caches); with a
+    ``dropout`` rate, the settings of the LeNet-5 trained with that dropout (its own MAP cache key)."""
+    settings = {**{k: v for k, v in cfg.items() if k not in MNIST_BASELINE_KEYS}, "study": "mnist"}
+    return settings if dropout is None else {**settings, "map_dropout": float(dropout)}
 
 
 def weight_decay_prior(cfg: dict[str, Any]) -> float:
-    """``alpha = N * wd``: coupled weight decay ``wd`` on the mean NLL of ``N`` examples is the prior
-    ``N(0, I / (N wd))`` on the sum (:func:`smp_book.mnist_study.train_map`)."""
+    """``alpha = N * wd``: coupled weight decay ``wd`` on the mean NLL of ``N`` examples (the MAP minimised
+    the mean NLL plus ``wd/2 |theta|^2``) is the prior ``N(0, I / (N wd))`` on the summed NLL."""
     return cfg["n_train"] * cfg["map_weight_decay"]
 
 
-def ensemble_seed(cfg: dict[str, Any], member: int) -> int:
-    """The MAP seed of ensemble member ``member``; member 0 is the MNIST chapter's MAP itself at the laptop
-    and ci scales (at the paper scale that MAP is the member with the lowest validation loss,
-    :func:`smp_book.mnist_study.chapter_map`)."""
-    return mr.map_seed(cfg, member)
-
-
-def dropout_seed(cfg: dict[str, Any], part: str) -> int:
-    """The seed of MC dropout's masks: ``seed + 600`` on the validation set (the choice of the rate),
-    ``seed + 601`` on the test sets."""
-    return cfg["seed"] + {"validation": 600, "test": 601}[part]
-
-
-def dropout_settings(cfg: dict[str, Any], rate: float) -> dict[str, Any]:
-    """The MNIST settings of the LeNet-5 trained with dropout ``rate`` (its own MAP cache key)."""
-    return {**mnist_settings(cfg), "map_dropout": float(rate)}
-
-
-def laplace_seed(cfg: dict[str, Any], structure: str, prior: str) -> int:
-    """The seed of the draws of one Laplace posterior (shared by its linearised and ``-nn`` rows, which
-    so predict from the same draws): ``seed + 500 + 10 * (structure's place) + (prior's place)``."""
-    return cfg["seed"] + 500 + 10 * cfg["laplace_structures"].index(structure) + PRIORS.index(prior)
+def draw_seeds(cfg: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """The seeds of the baselines' own draws: each Laplace posterior's samples (``"<structure> (<prior>)"``,
+    shared by its linearised and ``-nn`` rows) and MC dropout's masks on the validation set (to choose the
+    rate) and on the test sets."""
+    structures = cfg["laplace_structures"]
+    laplace = {f"{st} ({pr})": cfg["seed"] + 500 + 10 * structures.index(st) + PRIORS.index(pr)
+               for st in structures for pr in PRIORS}
+    return {"laplace": laplace, "dropout_masks": {"validation": cfg["seed"] + 600, "test": cfg["seed"] + 601}}
 
 
 def method_names(cfg: dict[str, Any]) -> list[str]:
@@ -95,30 +80,24 @@ def method_names(cfg: dict[str, Any]) -> list[str]:
 
 
 def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
-                 device: torch.device | None = None) -> tuple[dict[str, Any], pd.DataFrame]:
-    """The Laplace posteriors ``{"<structure> (<prior>)": posterior}`` (laplace-torch's, through
-    :func:`smp_book.baselines.fit_laplace`) and a table of their prior precision, the log likelihood at the
-    MAP (the sum over the training set), laplace-torch's log evidence, the effective number of parameters
-    ``gamma = sum_i lambda_i / (lambda_i + alpha)`` (``lambda_i`` the eigenvalues of the GGN summed over the
-    training set), the fraction of flat directions (eigenvalues at most 1e-10 of the largest, where the
-    posterior is the prior), MacKay's ratio ``gamma / (alpha |theta_MAP|^2)`` (1 where the evidence is
-    largest in ``alpha``, so it says whether laplace-torch's optimiser got there), the norm of the gradient
-    of the log posterior at the MAP under that prior (0 at a stationary point, which the approximation
-    assumes; Adam's 20 epochs need not reach one, and the evidence's alpha is not the one the MAP was
-    fitted with) and the fitting seconds. The evidence's prior is laplace-torch's
-    ``optimize_prior_precision(method="marglik")`` from the weight-decay prior, with its defaults."""
-    device = device or mr.default_device()
-    net = lenet5().to(device)
+                 device: torch.device) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The Laplace posteriors ``{"<structure> (<prior>)": posterior}`` (the evidence's prior by laplace-torch's
+    ``optimize_prior_precision(method="marglik")`` from the weight-decay prior) and a table of their prior
+    precision ``alpha``, the summed log likelihood at the MAP, the log evidence, the effective number of
+    parameters ``gamma = sum_i lambda_i / (lambda_i + alpha)`` (``lambda_i`` the summed GGN's eigenvalues), the
+    fraction of flat directions (``lambda_i <= 1e-10 max lambda``), MacKay's ratio ``gamma / (alpha |theta|^2)``
+    (1 at the evidence's maximum in ``alpha``), the norm of the log posterior's gradient at the MAP (0 at the
+    stationary point the approximation assumes) and the seconds of the fit."""
     x, y = (t.to(device) for t in data["train"])
     if x.shape[0] != cfg["n_train"]:
         raise ValueError(f"the config says n_train = {cfg['n_train']}, the data has {x.shape[0]} training images")
     theta = theta_map.to(device)
-    sq_norm = float(theta.double().square().sum())
+    args = (lenet5().to(device), "categorical", theta, x, y)  # the network, its likelihood, the MAP, the data
     started = time.perf_counter()
-    log_lik = baselines.log_likelihood(net, "categorical", theta, x, y, input_shape=mr.INPUT_SHAPE)
+    log_lik = baselines.log_likelihood(*args, input_shape=mr.INPUT_SHAPE)
     log_lik_seconds = time.perf_counter() - started
-    grad = baselines.log_likelihood_gradient(net, "categorical", theta, x, y, input_shape=mr.INPUT_SHAPE).double()
-    posteriors, rows = {}, []
+    grad = baselines.log_likelihood_gradient(*args, input_shape=mr.INPUT_SHAPE).double()
+    sq_norm, posteriors, rows = float(theta.double().square().sum()), {}, []
 
     def now() -> float:  # the seconds of a GPU's work, not of its queueing
         if device.type == "cuda":
@@ -127,13 +106,12 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
 
     for structure in cfg["laplace_structures"]:
         started = now()
-        base = baselines.fit_laplace(net, "categorical", theta, x, y, prior_precision=weight_decay_prior(cfg),
-                                     structure=structure, input_shape=mr.INPUT_SHAPE)
+        base = baselines.fit_laplace(*args, prior_precision=weight_decay_prior(cfg), structure=structure,
+                                     input_shape=mr.INPUT_SHAPE)
         eigenvalues = base.ggn_eigenvalues()
-        fit_seconds = now() - started
-        started = now()
+        fitted = now()
         best = base.optimise_prior_precision()
-        search_seconds = now() - started
+        fit_seconds, search_seconds = fitted - started, now() - fitted
         for prior, post in (("wd", base), ("evidence", best)):
             a = post.prior_precision
             gamma = float((eigenvalues / (eigenvalues + a)).sum())
@@ -147,27 +125,21 @@ def fit_laplaces(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict,
     return posteriors, pd.DataFrame(rows).set_index(["structure", "prior"])
 
 
-def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
+def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device, use_cache: bool = True,
                    progress: bool = True, cache_root: str | Path = CACHE) -> pd.DataFrame:
-    """Train LeNet-5 with every dropout rate of ``cfg["dropout_rates"]`` (:func:`dropout_settings`; the
-    MAP's settings and the config's seed, cached with the MNIST chapter's MAPs) and score each one's MC predictive
-    (``S = n_chains`` passes, masks from :func:`dropout_seed` ``"validation"``) on the validation set.
-
-    Returns one row per rate: the validation NLL and accuracy of the MC predictive, the seconds of the
-    training and of the validation passes, and ``selected`` (the lowest NLL; the first on a tie).
-    """
-    device = device or mr.default_device()
+    """Train LeNet-5 with every rate of ``cfg["dropout_rates"]`` (cached with the MNIST chapter's MAPs) and score
+    its MC predictive (``S = n_chains`` passes) on the validation set: per rate the NLL and accuracy, the seconds
+    of the training and of the passes, and ``selected`` (the lowest NLL, the first on a tie)."""
     xv, yv = data["val"]
     rows = []
     for rate in cfg["dropout_rates"]:
-        fit = mr.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
+        fit = mr.fit_map(mnist_settings(cfg, rate), data, device, use_cache=use_cache, progress=progress,
                          cache_root=cache_root)
         started = time.perf_counter()
-        masks = torch.Generator().manual_seed(dropout_seed(cfg, "validation"))
+        masks = torch.Generator().manual_seed(draw_seeds(cfg)["dropout_masks"]["validation"])
         logits = baselines.mc_dropout_logits(lenet5(rate).to(device), fit["theta"].to(device), xv.to(device),
                                              cfg["n_chains"], masks)
-        probs = torch.softmax(logits.cpu().double(), dim=-1)
-        scores = metrics.all_scores(probs, yv)
+        scores = metrics.all_scores(torch.softmax(logits.cpu().double(), dim=-1), yv)
         rows.append({"dropout": float(rate), "val_nll": scores["nll"], "val_accuracy": scores["accuracy"],
                      "train_seconds": fit["seconds"], "val_seconds": time.perf_counter() - started})
     table = pd.DataFrame(rows).set_index("dropout")
@@ -175,22 +147,14 @@ def select_dropout(cfg: dict[str, Any], data: dict, device: torch.device | None 
     return table
 
 
-def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
-              progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
-    """Fit and score every method of :func:`method_names`.
-
-    The MAP, the ensemble's other MAPs and the SMP runs come from (or go to) the MNIST chapter's cache
-    (``<cache_root>/mnist/``); every method's scores and the table of Laplace fits are cached in
-    ``<cache_root>/mnist_baselines/`` by the whole config and the method's name. The Laplace
-    posteriors are fitted only when a Laplace row is not in the cache.
-
-    Returns ``evals`` (:func:`evaluate` per method), ``fit_seconds`` per method (MAP training, the SMP
-    run, the Laplace fit with the log likelihood and, for ``evidence``, the search for alpha; the
-    ensemble's trainings; MC dropout's trainings at every rate of its grid and its validation passes),
-    ``laplace`` (the table of :func:`fit_laplaces`), ``dropout`` (the table of :func:`select_dropout`),
-    the MAP fit and the index of the ambiguous 3.
-    """
-    device = device or mr.default_device()
+def run_study(cfg: dict[str, Any], data: dict, device: torch.device, use_cache: bool = True, progress: bool = True,
+              cache_root: str | Path = CACHE) -> dict[str, Any]:
+    """Fit and score every method of :func:`method_names`. The MAPs (the ensemble's and MC dropout's too) and
+    the SMP runs are cached with the MNIST chapter's, in ``<cache_root>/mnist/``; each method's scores, the
+    Laplace table and MC dropout's choice in ``<cache_root>/mnist_baselines/``. Returns ``evals``
+    (:func:`smp_book.shifted.evaluate` per method), ``fit_seconds`` (MC dropout's: every rate's training and
+    validation), ``laplace`` (:func:`fit_laplaces`' table), ``dropout`` (:func:`select_dropout`'s), the MAP
+    fit and the ambiguous 3."""
     mnist_cfg = mnist_settings(cfg)
     fit = mr.chapter_map(mnist_cfg, data, device, use_cache=use_cache, progress=progress, cache_root=cache_root)
     theta_map = fit["theta"]
@@ -199,98 +163,77 @@ def run_study(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     sets = shifted.test_sets(cfg, data)
     map_probs = torch.softmax(predict(chain, theta_map[None].to(device), sets[0][0].to(device)).cpu().double(), -1)
     three = mr.ambiguous_three(map_probs, data["test"][1])
-    path = mr.smp_path(device)
-    names = method_names(cfg)
+    path, seeds = mr.smp_path(device), draw_seeds(cfg)
+    store = partial(cached, "mnist_baselines", root=cache_root, enabled=use_cache)
+    fit_map = partial(mr.fit_map, data=data, device=device, use_cache=use_cache, progress=False, cache_root=cache_root)
+    laplace_fits = cache(lambda: fit_laplaces(cfg, theta_map, data, device))  # once, where a Laplace row is needed
 
     def key(name: str) -> dict[str, Any]:
         # each method's key holds the settings it depends on: MC dropout's grid only in MC dropout's
         settings = cfg if name.startswith(DROPOUT) else {k: v for k, v in cfg.items() if k != "dropout_rates"}
         return {**settings, "method": name, "code": code_hash(__name__), "smp_path": path}
 
-    def score(theta_or_logits) -> dict:
-        if isinstance(theta_or_logits, torch.Tensor):  # parameter samples: the network's own predictive
-            theta = theta_or_logits.to(device)
-            return shifted.evaluate(lambda x: predict(chain, theta, x.to(device)).cpu(), sets, three)
-        return shifted.evaluate(lambda x: theta_or_logits(x.to(device)).cpu(), sets, three)
+    def score(logits_of) -> dict:  # logits_of(x), or parameter samples of the network's own predictive
+        if isinstance(logits_of, torch.Tensor):
+            return score(partial(predict, chain, logits_of.to(device)))
+        return shifted.evaluate(lambda x: logits_of(x.to(device)).cpu(), sets, three)
 
-    laplace: dict[str, Any] = {}
+    laplace = store(key("Laplace fits"), lambda: laplace_fits()[1]) if cfg["laplace_structures"] else None
+    choose_rate = partial(select_dropout, cfg, data, device, use_cache, progress, cache_root)
+    dropout = store(key(f"{DROPOUT} selection"), choose_rate) if cfg.get("dropout_rates") else None
 
-    def laplace_fits():
-        if not laplace:
-            laplace["posteriors"], laplace["table"] = fit_laplaces(cfg, theta_map, data, device)
-        return laplace["posteriors"], laplace["table"]
-
-    laplace_table = None
-    if cfg["laplace_structures"]:
-        laplace_table = cached("mnist_baselines", key("Laplace fits"), lambda: laplace_fits()[1], root=cache_root,
-                               enabled=use_cache)
-    dropout_table = None
-    if cfg.get("dropout_rates"):
-        dropout_table = cached("mnist_baselines", key(f"{DROPOUT} selection"),
-                               lambda: select_dropout(cfg, data, device, use_cache, progress, cache_root),
-                               root=cache_root, enabled=use_cache)
-    evals, fit_seconds = {}, {}
-    for name in tqdm(names, desc="methods", disable=not progress):
+    def method(name: str) -> tuple[Callable[[], dict], float]:
+        """``(compute, fit seconds)`` of one row; ``compute()`` scores it (not called where its scores are cached)."""
         if name == "MAP":
-            compute = lambda: score(theta_map[None])  # noqa: E731
-            fit_seconds[name] = fit["seconds"]
-        elif name.startswith("SMP-"):
+            return partial(score, theta_map[None]), fit["seconds"]
+        if name.startswith("SMP-"):
             variant = name.removeprefix("SMP-")
             index = mr.study_variants(mnist_cfg).index(variant)
             run = cached("mnist", mr.run_key(mnist_cfg, variant, 0, path),
-                         lambda variant=variant, index=index: mr.run_variant(mnist_cfg, variant, theta_map, data, index,
-                                                                             device, None, progress, replicate=0),
+                         lambda: mr.run_variant(mnist_cfg, variant, theta_map, data, index, device, None, progress),
                          root=cache_root, enabled=use_cache)
-            compute = lambda run=run: score(run.theta[~run.diverged])  # noqa: E731
-            fit_seconds[name] = run.elapsed
-        elif name.startswith("Laplace-"):
+            return partial(score, run.theta[~run.diverged]), run.elapsed
+        if name.startswith("Laplace-"):
             label, prior = name.removeprefix("Laplace-").removesuffix(")").split(" (")
-            structure, own_network = label.removesuffix("-nn"), label.endswith("-nn")
-            seed = laplace_seed(cfg, structure, prior)
+            structure = label.removesuffix("-nn")
+            posterior = f"{structure} ({prior})"
 
-            def compute(structure=structure, prior=prior, own_network=own_network, seed=seed):
-                post = laplace_fits()[0][f"{structure} ({prior})"]
-                samples = post.sample(cfg["n_chains"], torch.Generator().manual_seed(seed)).to(device)
-                if own_network:
+            def laplace_scores() -> dict:
+                gen = torch.Generator().manual_seed(seeds["laplace"][posterior])
+                samples = laplace_fits()[0][posterior].sample(cfg["n_chains"], gen).to(device)
+                if label.endswith("-nn"):
                     return score(samples)
                 return score(lambda x: baselines.linearised_logits(net, theta_map.to(device), samples, x,
                                                                     input_shape=mr.INPUT_SHAPE))
 
-            fit_seconds[name] = float(laplace_table.loc[(structure, prior), "seconds"])
-        elif name == DROPOUT:
-            rate = float(dropout_table.index[dropout_table["selected"]][0])
+            return laplace_scores, float(laplace.loc[(structure, prior), "seconds"])
+        if name == DROPOUT:
+            rate = float(dropout.index[dropout["selected"]][0])
 
-            def compute(rate=rate):
-                theta = mr.fit_map(dropout_settings(cfg, rate), data, device, use_cache=use_cache, progress=False,
-                                   cache_root=cache_root)["theta"].to(device)
-                dropped = lenet5(rate).to(device)
+            def dropout_scores() -> dict:
+                theta, dropped = fit_map(mnist_settings(cfg, rate))["theta"].to(device), lenet5(rate).to(device)
                 return score(lambda x: baselines.mc_dropout_logits(
-                    dropped, theta, x, cfg["n_chains"], torch.Generator().manual_seed(dropout_seed(cfg, "test"))))
+                    dropped, theta, x, cfg["n_chains"], torch.Generator().manual_seed(seeds["dropout_masks"]["test"])))
 
-            fit_seconds[name] = float(dropout_table["train_seconds"].sum() + dropout_table["val_seconds"].sum())
-        else:  # the ensemble: the MAPs of the ensemble seeds (member 0 the chapter's MAP at the laptop scale)
-            members, seconds = [], []
-            for m in range(cfg["ensemble_members"]):
-                member = mr.fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}, data, device, use_cache=use_cache,
-                                    progress=False, cache_root=cache_root)
-                members.append(member["theta"].to(theta_map.device))
-                seconds.append(member["seconds"])
-            compute = lambda members=members: score(torch.stack(members))  # noqa: E731
-            fit_seconds[name] = float(sum(seconds))
-        evals[name] = cached("mnist_baselines", key(name), compute, root=cache_root, enabled=use_cache)
-    return {"evals": evals, "fit_seconds": fit_seconds, "laplace": laplace_table, "dropout": dropout_table,
-            "map": fit, "three": three}
+            return dropout_scores, float(dropout["train_seconds"].sum() + dropout["val_seconds"].sum())
+        # the ensemble: the MAPs of the ensemble seeds
+        members = [fit_map({**mnist_cfg, "seed": ensemble_seed(cfg, m)}) for m in range(cfg["ensemble_members"])]
+        return partial(score, torch.stack([m["theta"] for m in members])), float(sum(m["seconds"] for m in members))
+
+    evals, fit_seconds = {}, {}
+    for name in tqdm(method_names(cfg), desc="methods", disable=not progress):
+        compute, fit_seconds[name] = method(name)
+        evals[name] = store(key(name), compute)
+    return {"evals": evals, "fit_seconds": fit_seconds, "laplace": laplace, "dropout": dropout, "map": fit,
+            "three": three}
 
 
 def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
-    """Per test set (angle) and per metric (NLL, Brier score): the best method, the runner-up and the
-    best SMP variant (when it is neither), each lead in standard errors of the mean per-image
-    difference (paired over the test images, so it measures the test set's sampling error only),
-    resolved from ``resolved_at``."""
-
+    """Per test set (angle) and metric (NLL, Brier score): the best method, the runner-up and the best SMP
+    variant (when it is neither), each lead in standard errors of the mean per-image difference (paired over
+    the test images: the test set's sampling error only), resolved from ``resolved_at``."""
     rows = []
-    angles = list(next(iter(evals.values()))["per_image"])
-    for angle in angles:
+    for angle in next(iter(evals.values()))["per_image"]:
         for metric in ("nll", "brier"):
             per_image = {n: e["per_image"][angle][metric].double() for n, e in evals.items()}
             ranked = sorted(per_image, key=lambda n: float(per_image[n].mean()))
@@ -360,12 +303,9 @@ CALIBRATION_SHOWN = ("MAP", "SMP-none", "SMP-periodic-diag", "Laplace-diag (evid
 
 
 def compute(ctx) -> None:
-    """The chapter's results (:mod:`smp_book.pipeline`): every method fitted and scored
-    (:func:`run_study`, cached under ``.cache/mnist/`` and ``.cache/mnist_baselines/``), the tables of
-    :func:`tables` (the Laplace table with the prior's term ``alpha |theta_MAP|`` beside the gradient
-    norm), how far the MAP and SMP rows are from the MNIST chapter's results, the findings, the NLL
-    leads over the MAP, the two figures and the numbers the prose quotes. The device and the seeds
-    go into the manifest."""
+    """The chapter's results (:mod:`smp_book.pipeline`): :func:`run_study`'s tables (the Laplace one with the
+    prior's term ``alpha |theta_MAP|`` beside the gradient norm), the MAP and SMP rows' distance from the MNIST
+    chapter's, the findings, the NLL leads over the MAP, two figures and the numbers the prose quotes."""
     from . import plots
 
     cfg = ctx.config
@@ -375,8 +315,7 @@ def compute(ctx) -> None:
     out = shifted.tables(study)
     theta_map = study["map"]["theta"]
     norm = float(theta_map.double().norm())
-    if "laplace" in out:
-        out["laplace"] = out["laplace"].assign(prior_term=out["laplace"]["prior_precision"] * norm)
+    out["laplace"] = out["laplace"].assign(prior_term=out["laplace"]["prior_precision"] * norm)
     for name, table in out.items():
         ctx.table(name, table)
     s = out["scores"]
@@ -394,47 +333,35 @@ def compute(ctx) -> None:
                                                               "Calibration, MNIST test set"))
     ctx.figure("rotation", shifted.rotation_figure(out["shift"], list(s.index)))
 
-    smp = [m for m in s.index if m.startswith("SMP-")]
-    worst = max(cfg["shift_angles"])
+    smp, worst = [m for m in s.index if m.startswith("SMP-")], max(cfg["shift_angles"])
     nll = out["shift"]["nll"].unstack("angle")
-    ctx.value("what_this_shows", highlights(cfg, out, over_map, theta_map.numel()))
-    for key in ("n_train", "n_val", "n_test", "n_chains", "n_steps", "ensemble_members", "map_weight_decay"):
-        ctx.value(key, cfg[key])
-    ctx.value("dim", theta_map.numel())
-    ctx.value("angles", " and ".join(str(a) for a in cfg["shift_angles"]))
-    ctx.value("worst_angle", worst)
-    ctx.value("shift_images", min(cfg["shift_images"], cfg["n_test"]))
-    ctx.value("dropout_rates", ", ".join(f"{r:g}" for r in cfg.get("dropout_rates", [])))
-    ctx.value("wd_prior", weight_decay_prior(cfg))
-    ctx.value("mnist_chapter_gap", float(gap.max()) if len(gap) else float("nan"))
-    ctx.value("ambiguous_index", study["three"])
-    ctx.value("ambiguous_label", int(data["test"][1][study["three"]]))
-    ctx.value("map_nll", s.loc["MAP", "nll"])
-    ctx.value("best_nll_method", s["nll"].idxmin())
-    ctx.value("best_nll", s["nll"].min())
-    ctx.value("best_smp", s.loc[smp, "nll"].idxmin())
-    ctx.value("best_smp_nll", s.loc[smp, "nll"].min())
-    ctx.value("best_shift_method", nll[worst].idxmin())
-    ctx.value("best_shift_nll", nll[worst].min())
-    ctx.value("map_shift_nll", nll.loc["MAP", worst])
-    ctx.value("best_smp_shift", nll.loc[smp, worst].idxmin())
-    ctx.value("best_smp_shift_nll", nll.loc[smp, worst].min())
-    ctx.value("resolved_findings", int(found["resolved"].sum()))
-    ctx.value("findings", len(found))
-    if "laplace" in out:
-        wd = out["laplace"].xs("wd", level="prior").iloc[0]
-        ctx.value("theta_norm", norm)
-        ctx.value("wd_gradient_norm", wd["gradient_norm"])
-        ctx.value("wd_prior_term", wd["prior_term"])
-        ctx.value("wd_gradient_ratio", wd["gradient_norm"] / wd["prior_term"])
-        ctx.value("wd_gradient_per_image", wd["gradient_norm"] / cfg["n_train"])
+    wd = out["laplace"].xs("wd", level="prior").iloc[0]  # the first structure's, under the MAP's prior
+    values = {
+        "what_this_shows": highlights(cfg, out, over_map, theta_map.numel()),
+        **{k: cfg[k] for k in ("n_train", "n_val", "n_test", "n_chains", "n_steps", "ensemble_members",
+                               "map_weight_decay")},
+        "dim": theta_map.numel(), "angles": " and ".join(str(a) for a in cfg["shift_angles"]), "worst_angle": worst,
+        "shift_images": min(cfg["shift_images"], cfg["n_test"]),
+        "dropout_rates": ", ".join(f"{r:g}" for r in cfg.get("dropout_rates", [])),
+        "wd_prior": weight_decay_prior(cfg), "mnist_chapter_gap": float(gap.max()) if len(gap) else float("nan"),
+        "ambiguous_index": study["three"], "ambiguous_label": int(data["test"][1][study["three"]]),
+        "map_nll": s.loc["MAP", "nll"], "best_nll_method": s["nll"].idxmin(), "best_nll": s["nll"].min(),
+        "best_smp": s.loc[smp, "nll"].idxmin(), "best_smp_nll": s.loc[smp, "nll"].min(),
+        "best_shift_method": nll[worst].idxmin(), "best_shift_nll": nll[worst].min(),
+        "map_shift_nll": nll.loc["MAP", worst],
+        "best_smp_shift": nll.loc[smp, worst].idxmin(), "best_smp_shift_nll": nll.loc[smp, worst].min(),
+        "resolved_findings": int(found["resolved"].sum()), "findings": len(found),
+        "theta_norm": norm, "wd_gradient_norm": wd["gradient_norm"], "wd_prior_term": wd["prior_term"],
+        "wd_gradient_ratio": wd["gradient_norm"] / wd["prior_term"],
+        "wd_gradient_per_image": wd["gradient_norm"] / cfg["n_train"],
+    }
     if "dropout" in out:
-        ctx.value("dropout_rate", float(out["dropout"].index[out["dropout"]["selected"]][0]))
+        values["dropout_rate"] = float(out["dropout"].index[out["dropout"]["selected"]][0])
+    for name, value in values.items():
+        ctx.value(name, value)
     mnist_cfg = mnist_settings(cfg)
     ctx.record(seeds={"split": cfg["split_seed"], "map": study["map"]["seed"],
                       "ensemble": [ensemble_seed(cfg, m) for m in range(cfg["ensemble_members"])],
                       "smp": {v: mr.smp_seed(mnist_cfg, i) for i, v in enumerate(mr.study_variants(mnist_cfg))},
-                      "laplace": {f"{st} ({pr})": laplace_seed(cfg, st, pr)
-                                  for st in cfg["laplace_structures"] for pr in PRIORS},
-                      "dropout_masks": {part: dropout_seed(cfg, part) for part in ("validation", "test")}},
+                      **draw_seeds(cfg)},
                device=str(device), data=provenance, ambiguous_three=study["three"])

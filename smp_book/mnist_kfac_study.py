@@ -23,6 +23,7 @@ KFAC_STRATEGIES = ("fixed", "ema", "periodic")
 STEP_LAW_VARIANTS = ("none", "fixed-diag", "fixed-kfac")
 STEP_LAW_BATCH = 100  # scores per batch of draw_steps: it sets the order of the random numbers
 VARIANCES = ("params_variance", "logits_variance")
+RAW_FILES = ("step_law_draws.csv.gz", "step_law_draws_set1.csv.gz")  # the two sets of draws, as written
 
 
 def _lenet(device: torch.device | None = None):
@@ -38,11 +39,8 @@ def _at(theta0: torch.Tensor, data: dict, device: torch.device | None):
 def structure_table(scores: pd.DataFrame, variances: pd.DataFrame, elapsed: pd.DataFrame) -> pd.DataFrame:
     """One row per method: its strategy and structure (none for ``MAP``, ``SMP-none``), scores, variances, seconds."""
     table = scores[["accuracy", "nll", "ece", "mutual_info"]].join(variances[["logits_variance", "params_variance"]])
-    table = table.join(elapsed[["seconds"]])
     parts = [name.removeprefix("SMP-").split("-") if name.count("-") == 2 else ["", ""] for name in table.index]
-    table.insert(0, "structure", [p[1] for p in parts])
-    table.insert(0, "strategy", [p[0] for p in parts])
-    return table
+    return pd.DataFrame(parts, table.index, ["strategy", "structure"]).join(table.join(elapsed[["seconds"]]))
 
 
 def kfac_against_diag(table: pd.DataFrame) -> pd.DataFrame:
@@ -54,8 +52,7 @@ def kfac_against_diag(table: pd.DataFrame) -> pd.DataFrame:
             d, k = table.loc[f"SMP-{s}-diag"], table.loc[f"SMP-{s}-kfac"]
             rows.append({"strategy": s, "mi_kfac_over_diag": k["mutual_info"] / d["mutual_info"],
                          "logits_variance_kfac_over_diag": k["logits_variance"] / d["logits_variance"],
-                         "nll_diag": d["nll"], "nll_kfac": k["nll"],
-                         "nll_map": table.loc["MAP", "nll"] if "MAP" in table.index else np.nan,
+                         "nll_diag": d["nll"], "nll_kfac": k["nll"], "nll_map": table.loc["MAP", "nll"],
                          "kfac less dispersed (smaller MI)": "yes" if k["mutual_info"] < d["mutual_info"] else "no",
                          "kfac lower NLL": "yes" if k["nll"] < d["nll"] else "no"})
     return pd.DataFrame(rows).set_index("strategy") if rows else pd.DataFrame()
@@ -65,7 +62,7 @@ def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
                             device: torch.device | None = None) -> pd.DataFrame:
     """Per layer, the share of the directions of the fixed strategies' ``P - ridge I`` below ``ridge`` (diagonal
     entries; KFAC's ``lambda_G lambda_A``), and the units whose ``G`` row is zero (never active)."""
-    device, model, theta, xv, yv = _at(theta0, data, device)
+    _, model, theta, xv, yv = _at(theta0, data, device)
     (diag,) = estimate_fisher(model, mr._categorical(), theta, xv, yv, kind="empirical", structure="diag")
     factors = estimate_fisher(model, mr._categorical(), theta, xv, yv, kind="empirical", structure="kfac")
     rows = []
@@ -90,7 +87,7 @@ def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_s
                              device: torch.device | None = None) -> pd.DataFrame:
     """Whether float32 rounding of the statistic changes the fixed-kfac ``P`` at ``theta0``: per layer, float32 against
     float64, ``P^{-1} s`` for the scores of ``n_scores`` validation images, the shares below the ridge, the spectra."""
-    device, model, theta, xv, yv = _at(theta0, data, device)
+    _, model, theta, xv, yv = _at(theta0, data, device)
     layers, n = kronecker_layers(model), min(n_scores, xv.shape[0])
     scores = fisher_vectors(model, mr._categorical(), theta.expand(n, -1), xv[:n], yv[:n], "empirical")[:, 0]
     factors, states, solved = {}, {}, {}
@@ -103,22 +100,19 @@ def kfac_statistic_precision(theta0: torch.Tensor, data: dict, ridge: float, n_s
         solved[name] = precond.solve(states[name], scores).double().cpu()
     rows = []
     for i, layer in enumerate(layers):
-        idx = layer.positions()
-        reference = solved["float64"][:, idx]
-        rel = (solved["float32"][:, idx] - reference).norm(dim=1) / reference.norm(dim=1)
-        spectra = {name: tuple(torch.linalg.eigvalsh(factors[name][2 * i + j][0].double().cpu()) for j in (0, 1))
-                   for name in factors}
-        eig_a, eig_g = spectra["float64"]
-        row = {"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}",
-               "P^-1 s: relative difference, median": float(rel.median()),
-               "P^-1 s: relative difference, largest": float(rel.max()),
-               "largest eigenvalue of G (x) A": float(eig_a[-1] * eig_g[-1])}
-        # the factor's scales 1 / (lambda_G lambda_A + ridge) are above 1 / (2 ridge) below the ridge
-        row.update({f"share below ridge ({name})": float((state.factor[3 * i + 2][0].double().cpu()
-                                                          > 1.0 / (2.0 * ridge)).double().mean())
-                    for name, state in states.items()})
-        rows.append(row | {f"smallest eigenvalue of {m} ({name})": float(eig[j][0]) for name, eig in spectra.items()
-                           for j, m in enumerate("AG")})
+        reference = solved["float64"][:, layer.positions()]
+        rel = (solved["float32"][:, layer.positions()] - reference).norm(dim=1) / reference.norm(dim=1)
+        eig = {(m, name): torch.linalg.eigvalsh(f[2 * i + j][0].double().cpu()) for name, f in factors.items()
+               for j, m in enumerate("AG")}
+        rows.append({"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}",
+                     "P^-1 s: relative difference, median": float(rel.median()),
+                     "P^-1 s: relative difference, largest": float(rel.max()),
+                     "largest eigenvalue of G (x) A": float(eig["A", "float64"][-1] * eig["G", "float64"][-1]),
+                     # the factor's scales 1 / (lambda_G lambda_A + ridge) are above 1 / (2 ridge) below the ridge
+                     **{f"share below ridge ({name})": float((state.factor[3 * i + 2][0].double().cpu()
+                                                              > 1.0 / (2.0 * ridge)).double().mean())
+                        for name, state in states.items()},
+                     **{f"smallest eigenvalue of {m} ({name})": float(e[0]) for (m, name), e in eig.items()}})
     return pd.DataFrame(rows).set_index("layer")
 
 
@@ -133,10 +127,9 @@ def step_law_groups(theta0: torch.Tensor, data: dict, ridge: float, device: torc
                     ) -> dict[str, torch.Tensor]:
     """The groups of :func:`step_law_at_map`: LeNet-5's layers, and the coordinates whose diagonal Fisher is below
     ``ridge`` or not."""
-    device = device or mr.default_device()
     below = mr.validation_fisher_diagonal(theta0, data, device) < ridge
-    groups = {f"layer {i + 1}": layer.positions() for i, layer in enumerate(kronecker_layers(_lenet(device)))}
-    return {**groups, "diag Fisher below ridge": below, "diag Fisher at or above ridge": ~below}
+    return {**{f"layer {i + 1}": layer.positions() for i, layer in enumerate(kronecker_layers(_lenet()))},
+            "diag Fisher below ridge": below, "diag Fisher at or above ridge": ~below}
 
 
 def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
@@ -146,7 +139,7 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
     the same scores for all), per group of :func:`step_law_groups`, with ``variant`` and ``training_label``; cached."""
     device, net, theta, xv, yv = _at(theta_map, data, device)
     x, x_eval = data["train"][0].to(device), data["test"][0][: cfg["step_law_eval"]].to(device)
-    theta, seed = theta[0], step_law_seed(cfg, draw_set)
+    seed = step_law_seed(cfg, draw_set)
     groups = step_law_groups(theta_map, data, cfg["ridge"], device) if groups is None else groups
     frames = []
     for variant in STEP_LAW_VARIANTS:
@@ -156,9 +149,9 @@ def step_law_at_map(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, de
 
         def draw(variant=variant):
             precond = mr.variant_preconditioner(cfg, variant)
-            state = precond.init(theta[None], lambda t: estimate_fisher(net, mr._categorical(), t, xv, yv,
-                                                                        kind="empirical", structure=precond.structure))
-            return draw_steps(net, "categorical", x, theta, precond, state, n_draws=cfg["step_law_draws"],
+            state = precond.init(theta, lambda t: estimate_fisher(net, mr._categorical(), t, xv, yv,
+                                                                  kind="empirical", structure=precond.structure))
+            return draw_steps(net, "categorical", x, theta[0], precond, state, n_draws=cfg["step_law_draws"],
                               groups=groups, x_eval=x_eval, seed=seed, batch=STEP_LAW_BATCH, progress=progress)
 
         draws = cached("mnist_kfac", key, draw, root=cache_root, enabled=use_cache)
@@ -176,9 +169,8 @@ def step_law_prediction(draws: pd.DataFrame, cfg: dict[str, Any], observed: pd.D
         pred = predicted_variances(d, cfg["n_train"], cfg["n_steps"], mr.variant_tau(cfg, variant), dim)
         obs, row = observed.reindex([f"SMP-{variant}"]).iloc[0], {"method": f"SMP-{variant}"}
         for c in VARIANCES:
-            row.update({f"{c}: predicted": pred[c], f"{c}: predicted se": pred[f"{c}_se"],
-                        f"{c}: observed": obs.get(c, np.nan)})
-            row[f"{c}: observed / predicted"] = row[f"{c}: observed"] / pred[c]
+            row.update({f"{c}: predicted": pred[c], f"{c}: predicted se": pred[f"{c}_se"], f"{c}: observed": obs[c],
+                        f"{c}: observed / predicted": obs[c] / pred[c]})
         row["largest chain's share of the observed logit variance"] = obs.get("largest_chain_share", np.nan)
         rows.append(row)
     return pd.DataFrame(rows).set_index("method")
@@ -189,13 +181,12 @@ def step_law_sets(sets: dict[str, pd.DataFrame], cfg: dict[str, Any], observed: 
     ``(method, set)``; for two sets the rows ``difference (se)`` hold (second - first) / its standard error."""
     if "pooled" in sets:
         raise ValueError("'pooled' names the pooled rows: give the sets other names")
-    pooled = pd.concat(list(sets.values()), ignore_index=True)
+    pooled = pd.concat(sets.values(), ignore_index=True)
     tables = {name: step_law_prediction(d, cfg, observed) for name, d in {**sets, "pooled": pooled}.items()}
+    columns = [f"{c}: {k}" for c in VARIANCES for k in ("predicted", "predicted se", "observed / predicted")]
     rows = []
     for method in tables["pooled"].index:
-        rows += [{"method": method, "set": name, **{f"{c}: {k}": table.loc[method, f"{c}: {k}"] for c in VARIANCES
-                                                   for k in ("predicted", "predicted se", "observed / predicted")}}
-                 for name, table in tables.items()]
+        rows += [{"method": method, "set": name, **table.loc[method, columns]} for name, table in tables.items()]
         if len(sets) == 2:
             a, b = (tables[name].loc[method] for name in sets)
             rows.append({"method": method, "set": "difference (se)", **{
@@ -204,16 +195,15 @@ def step_law_sets(sets: dict[str, pd.DataFrame], cfg: dict[str, Any], observed: 
     return pd.DataFrame(rows).set_index(["method", "set"])
 
 
-def step_law_tails(draws: pd.DataFrame, fractions=(0.01, 0.001)) -> pd.DataFrame:
+def step_law_tails(draws: pd.DataFrame) -> pd.DataFrame:
     """How heavy the tails of each variant's ``||u||^2`` and ``mean (J u)^2`` are."""
     rows = []
     for variant, d in draws.groupby("variant", sort=False):
-        for column, label in (("step_sq", "||u||^2"), ("output_sq", "mean (J u)^2")):
-            v = d[column]
+        for v, label in ((d["step_sq"], "||u||^2"), (d["output_sq"], "mean (J u)^2")):
             rows.append({"method": f"SMP-{variant}", "quantity": label, "mean": v.mean(), "median": v.median(),
                          "99th percentile": v.quantile(0.99), "largest": v.max(),
                          "mean / median": v.mean() / v.median(),
-                         **{f"share of the largest {f:.1%}": top_share(v, f) for f in fractions}})
+                         **{f"share of the largest {f:.1%}": top_share(v, f) for f in (0.01, 0.001)}})
     return pd.DataFrame(rows).set_index(["method", "quantity"])
 
 
@@ -223,8 +213,7 @@ def step_law_by_group(draws: pd.DataFrame, groups: dict[str, torch.Tensor]) -> p
     rows = []
     for variant, d in draws.groupby("variant", sort=False):
         for name, g in groups.items():
-            g = torch.as_tensor(g)
-            mean = {c: d[f"{c}[{name}]"].mean() for c in ("score_sq", "step_sq", "output_sq")}
+            g, mean = torch.as_tensor(g), {c: d[f"{c}[{name}]"].mean() for c in ("score_sq", "step_sq", "output_sq")}
             rows.append({"method": f"SMP-{variant}", "group": name,
                          "parameters": int(g.sum()) if g.dtype == torch.bool else g.numel(),
                          "share of E||s||^2": mean["score_sq"] / d["score_sq"].mean(),
@@ -322,9 +311,8 @@ def linearised_against_actual(theta_map: torch.Tensor, thetas: torch.Tensor, x_e
 def storage_per_chain() -> dict[str, int]:
     """How many numbers one chain's preconditioner holds for LeNet-5, per structure."""
     model = _lenet()
-    layout = model.layout
-    return {"diag": layout.dim, "kfac": sum(la.n_out**2 + la.n_cols**2 for la in kronecker_layers(model)),
-            "block": sum((s.stop - s.start) ** 2 for s in layout.block_slices), "dense": layout.dim**2}
+    return {"diag": model.layout.dim, "kfac": sum(la.n_out**2 + la.n_cols**2 for la in kronecker_layers(model)),
+            "block": sum((s.stop - s.start) ** 2 for s in model.layout.block_slices), "dense": model.layout.dim**2}
 
 
 def comparison(kfac: dict[str, pd.DataFrame], mnist: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -367,8 +355,7 @@ def chain_check_text(chains: pd.DataFrame) -> str:
 
 
 def answer(findings: pd.DataFrame, replicates: int) -> str:
-    """The chapter's answer from :func:`findings`-like rows (one per strategy), with what its evidence is: the
-    means of ``replicates`` runs, and no spread over runs when there is one."""
+    """The chapter's answer from :func:`kfac_against_diag`'s rows, and its evidence (``replicates`` runs)."""
     n_less = int((findings["kfac less dispersed (smaller MI)"] == "yes").sum())
     n_lower = int((findings["kfac lower NLL"] == "yes").sum())
     evidence = ("in one run, whose spread over runs is not measured" if replicates == 1
@@ -383,16 +370,15 @@ def compute(ctx) -> None:
     """The MNIST KFAC chapter's results (:mod:`smp_book.pipeline`)."""
     from . import plots
 
-    cfg = ctx.config
+    cfg, ridge = ctx.config, ctx.config["ridge"]
     mnist = ctx.read("mnist")  # first: it fits the MAP and runs the diagonal variants this chapter reuses
     device = mr.default_device()
     data, provenance = mr.load_data(cfg)
     map_fit = mr.chapter_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
     theta_map = map_fit["theta"]
 
-    at_ridge = ctx.table("directions_at_the_ridge", directions_at_the_ridge(theta_map, data, cfg["ridge"], device))
-    precision = ctx.table("kfac_statistic_precision",
-                          kfac_statistic_precision(theta_map, data, cfg["ridge"], device=device))
+    at_ridge = ctx.table("directions_at_the_ridge", directions_at_the_ridge(theta_map, data, ridge, device)).loc["all"]
+    precision = ctx.table("kfac_statistic_precision", kfac_statistic_precision(theta_map, data, ridge, device=device))
     runs = mr.run_replicates(cfg, theta_map, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
     summary = mr.summarise(runs["tables"])
     for key, df in {**summary, "diverged": runs["diverged"]}.items():
@@ -404,11 +390,11 @@ def compute(ctx) -> None:
     findings = ctx.table("findings", kfac_against_diag(table))
 
     # the law of one step at the MAP: two independent sets of draws, against the runs
-    groups = step_law_groups(theta_map, data, cfg["ridge"], device)
+    groups = step_law_groups(theta_map, data, ridge, device)
     sets = {f"set {i}": step_law_at_map(cfg, theta_map, data, device, ctx.use_cache, ctx.progress, draw_set=i,
                                         groups=groups) for i in (0, 1)}
-    for name, draws in zip(("step_law_draws", "step_law_draws_set1"), sets.values(), strict=True):
-        draws.to_csv(ctx.folder / f"{name}.csv.gz", index=False, compression={"method": "gzip", "mtime": 0})
+    for name, draws in zip(RAW_FILES, sets.values(), strict=True):
+        draws.to_csv(ctx.folder / name, index=False, compression={"method": "gzip", "mtime": 0})
     draws, observed = sets["set 0"], table[list(VARIANCES)].copy()
     shares = pd.concat([summary["tails_mean"], theirs["tails"]])["largest_chain_share"]
     observed["largest_chain_share"] = shares[~shares.index.duplicated()].reindex(observed.index)
@@ -435,7 +421,6 @@ def compute(ctx) -> None:
     diag_mi = m.loc[diagonal, "mutual_info"] / m.loc["SMP-none", "mutual_info"]
     time_ratio = pd.Series({s: seconds[f"SMP-{s}-kfac"] / seconds[f"SMP-{s}-diag"] for s in KFAC_STRATEGIES})
     top_shares = mnist.table("tails_replicates")["largest_chain_share"].xs("SMP-fixed-diag", level="method")
-    everywhere = at_ridge.loc["all"]
     values = {key: cfg[key] for key in ("n_train", "n_val", "n_chains", "n_steps", "ridge", "period", "ema_refresh",
                                         "step_law_draws", "step_law_eval")}
     values.update({f"tau_{variant.split('-')[0]}": tau for variant, tau in cfg["tau"].items()})
@@ -445,10 +430,9 @@ def compute(ctx) -> None:
                   replicates=cfg["smp_replicates"], mnist_replicates=mnist.config["smp_replicates"],
                   chain_steps=cfg["n_chains"] * cfg["n_steps"], mean_chain_share=1 / cfg["n_chains"],
                   r_ratio=mr.r_ratio(cfg), device=str(device), threads=torch.get_num_threads(),
-                  diag_share_zero=everywhere["diag: share exactly zero"],
-                  diag_share_below_ridge=everywhere["diag: share below ridge"],
-                  inactive_units=everywhere["units with zero G row"],
-                  precision_text=precision_verdict(precision, cfg["ridge"]),
+                  diag_share_zero=at_ridge["diag: share exactly zero"],
+                  diag_share_below_ridge=at_ridge["diag: share below ridge"],
+                  inactive_units=at_ridge["units with zero G row"], precision_text=precision_verdict(precision, ridge),
                   diag_mi_over_none_min=diag_mi.min(), diag_mi_over_none_max=diag_mi.max(),
                   diag_nll_above_map=int((m.loc[diagonal, "nll"] > m.loc["MAP", "nll"]).sum()),
                   map_nll_gap=abs(m.loc["MAP", "nll"] - summary["scores_mean"].loc["MAP", "nll"]),
@@ -468,4 +452,4 @@ def compute(ctx) -> None:
                               for r in range(cfg["smp_replicates"])},
                       "step_law": [step_law_seed(cfg, 0), step_law_seed(cfg, 1)]},
                device=str(device), data=provenance, r_ratio=mr.r_ratio(cfg), smp_path=mr.smp_path(device),
-               raw_files=["step_law_draws.csv.gz", "step_law_draws_set1.csv.gz"])
+               raw_files=list(RAW_FILES))

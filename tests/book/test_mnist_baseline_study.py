@@ -131,7 +131,7 @@ def test_method_names():
     assert mbs.ensemble_seed(cfg, 0) == cfg["seed"]  # member 0 is the MAP
     # MC dropout's networks: the MAP's settings and seed, their own cache keys
     for rate in cfg["dropout_rates"]:
-        settings = mbs.dropout_settings(cfg, rate)
+        settings = mbs.mnist_settings(cfg, rate)
         assert settings["seed"] == cfg["seed"] and settings["map_dropout"] == rate
         assert mr.map_key(settings) != mr.map_key(mbs.mnist_settings(cfg))
 
@@ -161,11 +161,11 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert tables["scores"].loc[mbs.DROPOUT, "logits_variance"] > 0  # the masks vary the logits
     # the MC dropout row is the selected rate's network, predicting under the test masks' seed
     rate = float(drop.index[drop["selected"]][0])
-    theta = mr.fit_map(mbs.dropout_settings(cfg, rate), data, **kw)["theta"]
+    theta = mr.fit_map(mbs.mnist_settings(cfg, rate), data, **kw)["theta"]
     sets = shifted.test_sets(cfg, data)
+    masks_seed = mbs.draw_seeds(cfg)["dropout_masks"]["test"]
     redo = shifted.evaluate(lambda x: baselines.mc_dropout_logits(
-        lenet5(rate), theta, x, cfg["n_chains"], torch.Generator().manual_seed(mbs.dropout_seed(cfg, "test"))),
-        sets, study["three"])
+        lenet5(rate), theta, x, cfg["n_chains"], torch.Generator().manual_seed(masks_seed)), sets, study["three"])
     assert redo["scores"] == study["evals"][mbs.DROPOUT]["scores"]
     assert np.isfinite(tables["laplace"]["gradient_norm"]).all()
     assert list(tables["scores"].index) == mbs.method_names(cfg)
