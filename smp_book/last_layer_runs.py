@@ -1,11 +1,9 @@
-"""The SMP runs of the last-layer chapter (:mod:`smp_book.last_layer_study`): LeNet-5 cut at its MAP, the
-frozen layers' output (the features) computed once, and one run per variant on the sampled layers.
-
-They live apart from the study's scoring so that their cache key holds the code they run alone (this
-module and :mod:`smp_core`, :func:`~smp_book.pipeline.code_hash`) and a digest of what they start from:
-a change to the code that scores them, to the baselines' code or to the verdicts reuses them. A run is
-the same recursion with the same random numbers as SMP on the whole network with the other layers frozen
-(``requires_grad=False``), which a test checks, at a fraction of the cost.
+"""The SMP runs of the last-layer chapter (:mod:`smp_book.last_layer_study`): LeNet-5 cut at its MAP, the frozen
+layers' output (the features) computed once, and one run per variant on the sampled layers: the same recursion
+with the same random numbers as SMP on the whole network with the other layers frozen (``requires_grad=False``),
+which a test checks, at a fraction of the cost. They live apart from the scoring so that their cache key holds
+only the code they run (this module and :mod:`smp_core`, :func:`~smp_book.pipeline.code_hash`) and a digest of
+what they start from: a change to the scoring, to the baselines' code or to the verdicts reuses them.
 """
 
 from __future__ import annotations
@@ -66,43 +64,33 @@ def run_variant(cfg: dict[str, Any], head: nn.Module, feats: dict, variant: str,
     ``n_fisher_periodic``), as the MNIST chapter takes it."""
     model = as_chain_model(head)
     theta0 = torch.nn.utils.parameters_to_vector(head.parameters()).detach()
-    strategy = variant.split("-")[0]
-    refresh = cfg["ema_refresh"] if ema_refresh_applies(variant) else 1
-    layers = kronecker_layers(model) if variant.endswith("-kfac") else ()
-    precond = preconditioner_from_name(variant, dim=model.layout.dim, blocks=model.layout.block_slices,
-                                       layers=layers, ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher",
-                                       ema_refresh=refresh)
+    strategy = variant.split("-")[0]  # "none" for SMP-none
+    precond = preconditioner_from_name(
+        variant, dim=model.layout.dim, blocks=model.layout.block_slices, ridge=cfg["ridge"], period=cfg["period"],
+        layers=kronecker_layers(model) if variant.endswith("-kfac") else (), ema_init="fisher",
+        ema_refresh=cfg["ema_refresh"] if ema_refresh_applies(variant) else 1)
     fv, yv = feats["val"]
-    n_fisher = cfg.get("n_fisher_periodic") if strategy == "periodic" else None
-    fisher = Fisher("empirical", fv[:n_fisher], yv[:n_fisher]) if n_fisher else Fisher("empirical", fv, yv)
+    n_fisher = (cfg.get("n_fisher_periodic") if strategy == "periodic" else None) or None  # None: all of them
     return run_smp(head, "categorical", feats["train"][0], theta0=theta0, preconditioner=precond,
-                   tau=cfg["tau"][strategy if variant != "none" else "none"], n_steps=cfg["n_steps"],
-                   n_chains=cfg["n_chains"], seed=cfg["seed"] + SEED_OFFSET + index, fisher=fisher,
+                   tau=cfg["tau"][strategy], n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+                   seed=cfg["seed"] + SEED_OFFSET + index, fisher=Fisher("empirical", fv[:n_fisher], yv[:n_fisher]),
                    progress=progress, options={"checkpoint": checkpoint})
-
-
-def inputs_digest(*tensors: torch.Tensor) -> str:
-    """A short hash of the tensors' values (dtype and shape included)."""
-    digest = hashlib.sha256()
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def run(cfg: dict[str, Any], subset: str, variant: str, index: int, head: nn.Module, feats: dict,
         use_cache: bool = True, progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
     """:func:`run_variant`, cached in ``<cache_root>/last_layer/`` by the settings, the run's name, this
     module's code and a digest of what the run starts from (the sampled layers at the MAP, the training
-    and validation features: a new MAP or other data runs it again): ``theta`` (the converged chains),
-    ``seconds`` and ``diverged`` (the chains left out)."""
+    and validation features, dtype and shape included: a new MAP or other data runs it again): ``theta``
+    (the converged chains), ``seconds`` and ``diverged`` (the chains left out)."""
     def compute():
         res = run_variant(cfg, head, feats, variant, index, progress)
         return {"theta": res.theta[~res.diverged], "seconds": res.elapsed, "diverged": int(res.n_diverged)}
 
-    start = inputs_digest(torch.nn.utils.parameters_to_vector(head.parameters()), feats["train"][0],
-                          *feats["val"])
+    digest = hashlib.sha256()
+    for t in (torch.nn.utils.parameters_to_vector(head.parameters()), feats["train"][0], *feats["val"]):
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode() + t.numpy().tobytes())
     key = {**cfg, "method": f"{PREFIX[subset]} SMP-{variant}", "part": "run", "code": code_hash(__name__),
-           "inputs": start}
+           "inputs": digest.hexdigest()[:16]}
     return cached("last_layer", key, compute, root=cache_root, enabled=use_cache)

@@ -1,22 +1,19 @@
 """Beyond the paper: SMP on LeNet-5's last layer(s) only, beside the whole network (``notebooks/last_layer.md``).
 
 The paper stops at diagonal preconditioners for MNIST because block and dense ones do not fit 47,154
-parameters. On a subset of the weights they fit again. This study freezes LeNet-5 at the MNIST
-chapter's MAP except for its last layer (d = 850) or its last two layers (d = 11,686), runs every
-preconditioner that fits with every strategy, and scores the samples as the MNIST baselines chapter
-scores its methods (the test set and the rotated test sets, the paper's metrics), beside the
-whole-network SMP runs and the baselines of that chapter and a last-layer Laplace approximation fitted
-with laplace-torch as its users run it.
-
-Frozen layers are the same for every sample, so the study computes their output (the features) once
-per image and runs SMP on the sampled layers alone, fed with the features: the same recursion, the same
-random numbers and the same samples as SMP on the whole network with the other layers frozen
-(``requires_grad=False``), which a test checks, at a fraction of the cost.
+parameters; on a subset of the weights they fit again. This study freezes LeNet-5 at the MNIST chapter's MAP
+except for its last layer (d = 850) or last two layers (d = 11,686), runs every preconditioner that fits with
+every strategy (:mod:`smp_book.last_layer_runs`: SMP on the frozen layers' output, computed once) and scores
+the samples as the MNIST baselines chapter scores its methods (the test set and the rotated test sets, the
+paper's metrics), beside that chapter's whole-network SMP runs and baselines and a last-layer Laplace
+approximation fitted with laplace-torch as its users run it.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +26,7 @@ from . import mnist_runs as mr
 from . import shifted
 from .config import MNIST_TAU, get_config
 from .last_layer_runs import PREFIX, SEED_OFFSET, STRATEGIES, STRUCTURES, SUBSETS, features, run, split, variants
-from .pipeline import CACHE
+from .pipeline import CACHE, cached, code_hash
 
 LAPLACE = "LL Laplace (laplace-torch)"
 
@@ -63,11 +60,10 @@ def fit_laplace(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict) -> dic
 
     net = lenet5()
     torch.nn.utils.vector_to_parameters(theta_map.to(torch.float32), net.parameters())
-    x, y = data["train"]
     started = time.perf_counter()
     la = Laplace(net, "classification", subset_of_weights="last_layer",
                  hessian_structure=cfg["laplace"]["hessian_structure"])
-    la.fit(DataLoader(TensorDataset(x, y), batch_size=500))
+    la.fit(DataLoader(TensorDataset(*data["train"]), batch_size=500))
     la.optimize_prior_precision(method=cfg["laplace"]["prior_precision"])
     generator = torch.Generator().manual_seed(cfg["seed"] + SEED_OFFSET - 1)
     draws = la.sample(n_samples=cfg["laplace"]["n_samples"], generator=generator).detach()
@@ -77,47 +73,35 @@ def fit_laplace(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict) -> dic
 
 def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress: bool = True,
               cache_root: str | Path = CACHE) -> dict[str, Any]:
-    """Every run of :func:`~smp_book.last_layer_runs.variants` (cached by
-    :func:`~smp_book.last_layer_runs.run`) and the Laplace approximation (cached by the config and this
-    module's code in ``<cache_root>/last_layer/``), evaluated with the MAP on the test set and the rotated
-    sets (:func:`smp_book.mnist_baseline_study.evaluate`). Returns ``evals`` by method, the MAP's
-    (``map_eval``, for the paired comparisons), ``runs`` (one row per run: subset, variant, d, seconds,
-    diverged chains) and the Laplace fit's prior precision."""
-    from .pipeline import cached, code_hash
-
-    fit = mr.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
-                     progress=progress, cache_root=cache_root)
-    theta_map = fit["theta"].cpu()
+    """Every run of :func:`~smp_book.last_layer_runs.variants` (cached by :func:`~smp_book.last_layer_runs.run`)
+    and the Laplace approximation (cached by the config and this module's code in ``<cache_root>/last_layer/``),
+    evaluated with the MAP on the test set and the rotated sets (:func:`smp_book.shifted.evaluate`). Returns
+    ``evals`` by method, the MAP's (``map_eval``, for the paired comparisons), ``runs`` (one row per run:
+    subset, variant, d, seconds, diverged chains) and the Laplace fit's prior precision."""
+    theta_map = mr.chapter_map({**cfg, "study": "mnist"}, data, torch.device("cpu"), use_cache=use_cache,
+                               progress=progress, cache_root=cache_root)["theta"].cpu()
     sets = shifted.test_sets(cfg, data)
     chain = as_chain_model(lenet5(), mr.INPUT_SHAPE)
     map_probs = torch.softmax(predict(chain, theta_map[None], sets[0][0]).double(), -1)
     three = mr.ambiguous_three(map_probs, data["test"][1])
-    map_eval = shifted.evaluate(lambda x: predict(chain, theta_map[None], x), sets, three)
+    map_eval = shifted.evaluate(partial(predict, chain, theta_map[None]), sets, three)
     evals, rows = {}, []
-    for subset, n_layers in cfg["subsets"].items():
-        body, head = split(theta_map, n_layers)
+    for subset, runs in groupby(enumerate(variants(cfg)), key=lambda indexed: indexed[1][0]):  # subset by subset
+        body, head = split(theta_map, cfg["subsets"][subset])
         feats = features(body, {**sets, "train": data["train"], "val": data["val"]})
         model, test_feats = as_chain_model(head), {a: feats[a] for a in sets}
-        for index, (sub, variant) in enumerate(variants(cfg)):
-            if sub != subset:
-                continue
+        for index, (_, variant) in runs:
             name = f"{PREFIX[subset]} SMP-{variant}"
             out = run(cfg, subset, variant, index, head, feats, use_cache, progress, cache_root)
-            evals[name] = shifted.evaluate(lambda f, m=model, theta=out["theta"]: predict(m, theta, f), test_feats,
-                                           three)
+            evals[name] = shifted.evaluate(partial(predict, model, out["theta"]), test_feats, three)
             rows.append({"subset": subset, "variant": variant, "method": name, "d": model.layout.dim,
                          "seconds": out["seconds"], "diverged": out["diverged"]})
     body, head = split(theta_map, 1)
-    feats = features(body, sets)
-    model = as_chain_model(head)
-
-    def laplace():
-        fitted = fit_laplace(cfg, theta_map, data)
-        return {"theta": fitted["theta"], "seconds": fitted["seconds"], "prior_precision": fitted["prior_precision"]}
-
-    la = cached("last_layer", {**cfg, "method": LAPLACE, "code": code_hash(__name__)}, laplace, root=cache_root,
+    feats, model = features(body, sets), as_chain_model(head)
+    la = cached("last_layer", {**cfg, "method": LAPLACE, "code": code_hash(__name__)},
+                lambda: {k: v for k, v in fit_laplace(cfg, theta_map, data).items() if k != "la"}, root=cache_root,
                 enabled=use_cache)
-    evals[LAPLACE] = shifted.evaluate(lambda f: predict(model, la["theta"], f), feats, three)
+    evals[LAPLACE] = shifted.evaluate(partial(predict, model, la["theta"]), feats, three)
     rows.append({"subset": "last layer", "variant": "Laplace", "method": LAPLACE, "d": model.layout.dim,
                  "seconds": la["seconds"], "diverged": 0})
     return {"evals": evals, "map_eval": map_eval, "runs": pd.DataFrame(rows).set_index("method"),
@@ -125,39 +109,31 @@ def run_study(cfg: dict[str, Any], data: dict, use_cache: bool = True, progress:
 
 
 def verdicts(scores: pd.DataFrame, leads: pd.DataFrame, ensemble: str, worst: int) -> pd.DataFrame:
-    """The chapter's three questions per method (ours); the MAP and the ensemble set the bars, so their
-    rows are marked ``reference`` and left unjudged:
-
-    * ``non_degenerate``: its mutual information on the test set is at least a tenth of the deep
-      ensemble's (the MAP's is zero; SMP-none's on the whole network about a hundredth of it);
-    * ``calibrated``: its ECE on the test set is at most twice the larger of the MAP's and the ensemble's;
-    * ``helps_under_shift``: its NLL on the images rotated by the largest angle is below the MAP's by at
-      least two standard errors of the difference, paired over the images (``leads``, method x angle, as
-      :func:`smp_book.mnist_baseline_study.leads_over` gives them), the MNIST baselines chapter's bar.
-    """
-    mi_bar = scores.loc[ensemble, "mutual_info"] / 10
-    ece_bar = 2 * max(scores.loc[ensemble, "ece"], scores.loc["MAP", "ece"])
+    """The chapter's three questions per method (ours); the MAP and the ensemble set the bars, so their rows are
+    marked ``reference`` and left unjudged. ``non_degenerate``: its mutual information on the test set is at
+    least a tenth of the deep ensemble's (the MAP's is zero; SMP-none's on the whole network about a hundredth
+    of it). ``calibrated``: its test ECE is at most twice the larger of the MAP's and the ensemble's.
+    ``helps_under_shift``: its NLL on the images rotated by the largest angle (``worst``) is below the MAP's by
+    at least two standard errors of the difference, paired over the images (``leads``, method x angle, as
+    :func:`smp_book.shifted.leads_over` gives them), the MNIST baselines chapter's bar."""
     out = pd.DataFrame({"mutual_info": scores["mutual_info"], "ece": scores["ece"],
                         f"nll_lead_at_{worst}": leads[worst].reindex(scores.index)})
-    out["non_degenerate"] = out["mutual_info"] >= mi_bar
-    out["calibrated"] = out["ece"] <= ece_bar
+    out["non_degenerate"] = out["mutual_info"] >= scores.loc[ensemble, "mutual_info"] / 10
+    out["calibrated"] = out["ece"] <= 2 * max(scores.loc[ensemble, "ece"], scores.loc["MAP", "ece"])
     out["helps_under_shift"] = out[f"nll_lead_at_{worst}"] >= 2
     out["all_three"] = out["non_degenerate"] & out["calibrated"] & out["helps_under_shift"]
-    reference = out.index.isin(["MAP", ensemble])
-    out = out.astype({c: object for c in ("non_degenerate", "calibrated", "helps_under_shift", "all_three")})
-    out.loc[reference, ["non_degenerate", "calibrated", "helps_under_shift", "all_three"]] = "reference"
-    out.index.name = "method"
-    return out
+    judged = ["non_degenerate", "calibrated", "helps_under_shift", "all_three"]
+    out = out.astype(dict.fromkeys(judged, object))
+    out.loc[out.index.isin(["MAP", ensemble]), judged] = "reference"
+    return out.rename_axis("method")
 
 
 def compute(ctx) -> None:
     """The chapter's results (:mod:`smp_book.pipeline`): the runs, the scores beside the MNIST baselines
     chapter's methods (read from its results), the verdicts, the rotation figure and the prose's numbers."""
     cfg = ctx.config
-    data, _ = mr.load_data(cfg)
-    study = run_study(cfg, data, use_cache=ctx.use_cache, progress=ctx.progress)
-    ours = shifted.tables({**study, "fit_seconds": {m: study["runs"].loc[m, "seconds"] for m in study["evals"]},
-                       "laplace": None})
+    study = run_study(cfg, mr.load_data(cfg)[0], use_cache=ctx.use_cache, progress=ctx.progress)
+    ours = shifted.tables({**study, "fit_seconds": study["runs"]["seconds"].to_dict(), "laplace": None})
     base = ctx.read("mnist_baselines")
     ensemble = f"Ensemble ({cfg['ensemble_members']})"
     base_scores = base.table("scores")
@@ -166,11 +142,9 @@ def compute(ctx) -> None:
     best_laplace = base_scores.loc[laplaces, "nll"].idxmin()
     whole = [m for m in base_scores.index if m == "MAP" or m.startswith("SMP-")
              or m in (best_laplace, "MC dropout", ensemble)]
-    scores = pd.concat([base_scores.loc[whole], ours["scores"]])
-    shift = pd.concat([base.table("shift").loc[whole], ours["shift"]])
     ctx.table("runs", study["runs"])
-    ctx.table("scores", scores)
-    ctx.table("shift", shift)
+    scores = ctx.table("scores", pd.concat([base_scores.loc[whole], ours["scores"]]))
+    shift = ctx.table("shift", pd.concat([base.table("shift").loc[whole], ours["shift"]]))
     ours_leads = shifted.leads_over({"MAP": study["map_eval"], **study["evals"]}).drop(index="MAP")
     base_leads = base.table("nll_lead_over_map").rename(columns=int)
     leads = ctx.table("nll_lead_over_map", pd.concat([base_leads.loc[whole], ours_leads]))
@@ -180,15 +154,12 @@ def compute(ctx) -> None:
     best = [m for m in smp_ll if judged.loc[m, "all_three"] not in ("reference", False)]
     shown_methods = ["MAP", ensemble, "SMP-fixed-diag"] + best[:4] + [LAPLACE]
     ctx.figure("rotation", shifted.rotation_figure(shift, list(dict.fromkeys(shown_methods))))
-    ctx.value("passing", ", ".join(best) if best else "none")
-    ctx.value("best_laplace", best_laplace)
-    ctx.value("n_passing", len(best))
-    ctx.value("n_runs", len(smp_ll))
-    ctx.value("prior_precision", study["prior_precision"])
-    ctx.value("worst_angle", worst)
-    ctx.value("n_steps", cfg["n_steps"])
-    ctx.value("n_chains", cfg["n_chains"])
-    seconds = ctx.value("smp_seconds", float(study["runs"].loc[smp_ll, "seconds"].sum()))
-    # what K = 10^6 would cost: the step count scales the recursion's time (the Fisher's recomputations too)
-    factor = ctx.value("paper_scale_factor", 1_000_000 / cfg["n_steps"])
-    ctx.value("paper_scale_hours", seconds * factor / 3600)
+    seconds = float(study["runs"].loc[smp_ll, "seconds"].sum())
+    factor = 1_000_000 / cfg["n_steps"]  # K = 10^6 scales the recursion's time (the Fisher's recomputations too)
+    for name, value in {
+        "passing": ", ".join(best) if best else "none", "best_laplace": best_laplace, "n_passing": len(best),
+        "n_runs": len(smp_ll), "prior_precision": study["prior_precision"], "worst_angle": worst,
+        "n_steps": cfg["n_steps"], "n_chains": cfg["n_chains"], "smp_seconds": seconds,
+        "paper_scale_factor": factor, "paper_scale_hours": seconds * factor / 3600,
+    }.items():
+        ctx.value(name, value)

@@ -28,22 +28,19 @@ def growth_point(theta: torch.Tensor, data: dict, zero_mask: torch.Tensor,
                  device: torch.device | None = None) -> dict[str, float]:
     """The dispersion of the samples ``theta`` ``(S, d)`` on the test set (jackknife standard errors over the
     chains; the parameter variance also over the zero-Fisher coordinates ``zero_mask`` and the others)."""
-    yt = data["test"][1]
-    logits = logits_on_test_set(theta, data, device).double()
-    probs = torch.softmax(logits, dim=-1)
-    theta, zero_mask = theta.cpu().double(), zero_mask.cpu()
-    part = {"zero_fisher": zero_mask, "other": ~zero_mask}
-    return {
-        "params_variance": metrics.params_variance(theta),
-        "params_variance_se": metrics.jackknife_se(theta, metrics.params_variance),
-        **{f"params_variance_{name}": metrics.params_variance(theta[:, mask]) if mask.any() else np.nan
-           for name, mask in part.items()},
-        "logits_variance": metrics.logits_variance(logits),
-        "logits_variance_se": metrics.jackknife_se(logits, metrics.logits_variance),
-        "mutual_info": metrics.mutual_information(probs),
-        "mutual_info_se": metrics.jackknife_se(probs, metrics.mutual_information),
-        "nll": metrics.nll(probs, yt), "accuracy": metrics.accuracy(probs, yt),
-        "largest_chain_share": largest_chain_shares(logits)["largest_chain_share"]}
+    yt, logits = data["test"][1], logits_on_test_set(theta, data, device).double()
+    probs, theta, zero_mask = torch.softmax(logits, dim=-1), theta.cpu().double(), zero_mask.cpu()
+
+    def with_se(name, x, measure):
+        return {name: measure(x), f"{name}_se": metrics.jackknife_se(x, measure)}
+
+    return {**with_se("params_variance", theta, metrics.params_variance),
+            **{f"params_variance_{name}": metrics.params_variance(theta[:, mask]) if mask.any() else np.nan
+               for name, mask in (("zero_fisher", zero_mask), ("other", ~zero_mask))},
+            **with_se("logits_variance", logits, metrics.logits_variance),
+            **with_se("mutual_info", probs, metrics.mutual_information),
+            "nll": metrics.nll(probs, yt), "accuracy": metrics.accuracy(probs, yt),
+            "largest_chain_share": largest_chain_shares(logits)["largest_chain_share"]}
 
 
 def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
@@ -54,30 +51,27 @@ def run_growth(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: di
     from its checkpoint at each K and each row is cached by its K (a longer grid extends the run). Every K is a
     multiple of ``run_smp``'s ``check_every``, so that the divergence checks are those of a run of K steps."""
     device = device or default_device()
-    grid = list(cfg["growth_steps"])
-    if not grid or any(b <= a for a, b in zip(grid, grid[1:], strict=False)) or grid[0] < 1:
+    grid, block = list(cfg["growth_steps"]), RunOptions().check_every
+    if not grid or grid[0] < 1 or grid != sorted(set(grid)):
         raise ValueError(f"growth_steps must be increasing positive step counts, got {grid}")
-    block = RunOptions().check_every
     if any(k % block for k in grid):
         raise ValueError(f"every K of growth_steps must be a multiple of {block} (run_smp's check_every), got {grid}")
     # the settings without the grid: a longer grid extends the same run
     key = {**{k: v for k, v in cfg.items() if k not in ("growth_steps", "n_steps", "smp_replicates")},
            "part": f"growth-{variant}", "code": code_hash(__name__), "smp_path": smp_path(device)}
-    rows = []
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(cache_root) / "mnist_growth" if use_cache else Path(scratch)
         folder.mkdir(parents=True, exist_ok=True)
         checkpoint = folder / f"{config_key(key)}.checkpoint.pt"
-        for n_steps in grid:
-            def compute(n_steps=n_steps):
-                res = run_variant({**cfg, "n_steps": n_steps}, variant, theta0, data, index, device, checkpoint,
-                                  progress=progress)
-                point = growth_point(res.theta[~res.diverged], data, zero_mask, device)
-                return {"K": n_steps, "reached_share": reached_share(cfg["n_train"], n_steps),
-                        "seconds": res.elapsed, "diverged": res.n_diverged, **point}
 
-            rows.append(cached("mnist_growth", {**key, "n_steps": n_steps}, compute, root=cache_root,
-                               enabled=use_cache))
+        def row(n_steps):
+            res = run_variant({**cfg, "n_steps": n_steps}, variant, theta0, data, index, device, checkpoint,
+                              progress=progress)
+            return {"K": n_steps, "reached_share": reached_share(cfg["n_train"], n_steps), "seconds": res.elapsed,
+                    "diverged": res.n_diverged, **growth_point(res.theta[~res.diverged], data, zero_mask, device)}
+
+        rows = [cached("mnist_growth", {**key, "n_steps": k}, lambda k=k: row(k), root=cache_root, enabled=use_cache)
+                for k in grid]
     table = pd.DataFrame(rows).set_index("K")
     table.insert(0, "method", f"SMP-{variant}")
     return table
@@ -134,9 +128,6 @@ SHOWN = ["params_variance", "params_variance_se", "logits_variance", "logits_var
          "mutual_info_se", "nll", "accuracy", "largest_chain_share", "diverged"]
 """The columns of the growth table that the chapter shows, per method and K."""
 
-_RELATIVE = ["params_variance", "params_variance_zero_fisher", "params_variance_other", "logits_variance",
-             "mutual_info"]
-
 
 def zero_fisher_share(growth: pd.DataFrame, zero_fraction: float, steps: list[int]) -> pd.DataFrame:
     """The zero-Fisher coordinates' share of the parameter variance per method (rows) at each K of ``steps``."""
@@ -149,17 +140,15 @@ def growth_figure(growth: pd.DataFrame, n_chains: int):
     """Each dispersion against K per method (jackknife error bars), with one Fisher's growth (dotted)."""
     import matplotlib.pyplot as plt
 
-    colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(growth["method"]))}  # same in every panel
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, column, label in zip(axes, ("params_variance", "logits_variance", "mutual_info"),
                                  ("parameter variance", "logit variance", "mutual information"), strict=True):
-        for method, t in growth.groupby("method", sort=False):
+        for i, (method, t) in enumerate(growth.groupby("method", sort=False)):  # a method's colour in every panel
             if method == "SMP-none" and column == "mutual_info":
                 continue  # 1e-5 to 1e-3: it would flatten the log scale of the others
             ax.errorbar(t.index, t[column], yerr=t[f"{column}_se"], marker="o", ms=3, capsize=2, label=method,
-                        color=colors[method])
-            ax.plot(t.index, t[column].iloc[0] * t["reached_share"] / t["reached_share"].iloc[0], ls=":",
-                    color=colors[method])
+                        color=f"C{i}")
+            ax.plot(t.index, t[column].iloc[0] * t["reached_share"] / t["reached_share"].iloc[0], ls=":", color=f"C{i}")
         ax.set(xscale="log", yscale="log", xlabel="K", title=label)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Dispersion against K (S = {n_chains}; dotted: growth with one Fisher)", fontsize=10)
@@ -199,9 +188,10 @@ def compute(ctx) -> None:
     ctx.table("growth", growth.reset_index().set_index(["method", "K"]))
     ctx.table("reached_share", pd.DataFrame({"K": grid, "reached share 1 - r_K^2/r_0^2":
                                              [reached_share(n, k) for k in grid]}).set_index("K"))
-    # undefined (NaN, not infinite) where a part of the parameters has no variance at the first K
+    relative = ("params_variance", "params_variance_zero_fisher", "params_variance_other", "logits_variance",
+                "mutual_info")  # undefined (NaN, not infinite) where a part has no variance at the first K
     ctx.table("growth_against_linear", pd.concat(
-        {method: pd.DataFrame({c: growth_against_linear(t, c) for c in _RELATIVE})
+        {method: pd.DataFrame({c: growth_against_linear(t, c) for c in relative})
          for method, t in growth.groupby("method", sort=False)}, names=["method"]).replace([np.inf, -np.inf], np.nan))
     summary = ctx.table("growth_summary", growth_summary(growth, zero_fraction))
     ctx.table("zero_fisher_share", zero_fisher_share(growth, zero_fraction, [first, last]))

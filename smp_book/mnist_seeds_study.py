@@ -14,7 +14,7 @@ from .mnist_runs import DIAGONAL_METHODS, fit_map, map_seed, run_replicates, smp
 from .pipeline import CACHE
 from .summaries import summarise_replicates, variance_components
 
-FIXED, EMA, PERIODIC = DIAGONAL_METHODS
+FIXED, EMA, PERIODIC = DIAGONAL = list(DIAGONAL_METHODS)
 
 
 def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
@@ -32,25 +32,23 @@ def run_map_seeds(cfg: dict[str, Any], data: dict, device: torch.device | None =
         means = summarise_replicates(runs["tables"])
         per_map.append({name: means[f"{name}_mean"] for name in runs["tables"][0]})
         diverged.append(runs["diverged"].sum().rename(m))
-        scores = runs["tables"][0]["scores"].loc["MAP"]
         maps.append({"map": m, "seed": member["seed"], "map_seconds": fit["seconds"],
-                     "accuracy": scores["accuracy"], "nll": scores["nll"]})
+                     **runs["tables"][0]["scores"].loc["MAP", ["accuracy", "nll"]]})
     return {"runs": runs_per_map, "tables": per_map, "diverged": pd.DataFrame(diverged).rename_axis("map"),
             "maps": pd.DataFrame(maps).set_index("map")}
 
 
 def least_dispersed_per_map(per_map: list[dict[str, pd.DataFrame]]) -> pd.DataFrame:
     """Per MAP, each diagonal variant's mutual information and the least (the paper's claim: periodic)."""
-    table = pd.DataFrame([t["scores"].loc[list(DIAGONAL_METHODS), "mutual_info"] for t in per_map])
+    table = pd.DataFrame([t["scores"].loc[DIAGONAL, "mutual_info"] for t in per_map])
     table = table.reset_index(drop=True).rename_axis("map")
-    table["least"] = table[list(DIAGONAL_METHODS)].idxmin(axis=1)
+    table["least"] = table[DIAGONAL].idxmin(axis=1)
     return table
 
 
 def values_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], table: str, column: str) -> pd.DataFrame:
     """One column of one of a run's tables for each diagonal variant in every run, indexed by ``(map, replicate)``."""
-    rows = {(m, r): t[table].loc[list(DIAGONAL_METHODS), column]
-            for m, runs in enumerate(runs_per_map) for r, t in enumerate(runs)}
+    rows = {(m, r): t[table].loc[DIAGONAL, column] for m, runs in enumerate(runs_per_map) for r, t in enumerate(runs)}
     out = pd.DataFrame.from_dict(rows, orient="index")
     out.index = pd.MultiIndex.from_tuples(out.index, names=["map", "replicate"])
     return out
@@ -65,7 +63,7 @@ def dispersion_per_run(runs_per_map: list[list[dict[str, pd.DataFrame]]], measur
     table = values_per_run(runs_per_map, table_of[measure], measure)
     table["log periodic/fixed"] = np.log(table[PERIODIC] / table[FIXED])
     table["log periodic/EMA"] = np.log(table[PERIODIC] / table[EMA])
-    table["least"] = table[list(DIAGONAL_METHODS)].idxmin(axis=1)
+    table["least"] = table[DIAGONAL].idxmin(axis=1)
     return table
 
 
@@ -82,7 +80,7 @@ def least_dispersed_figure(least: pd.DataFrame, seed: int):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.4))
-    for variant in DIAGONAL_METHODS:
+    for variant in DIAGONAL:
         ax.plot(least.index, least[variant], marker="o", label=variant)
     ax.set(xlabel=f"MAP (seed {seed} + 100 m)", ylabel="mutual information", yscale="log", xticks=list(least.index))
     ax.legend(fontsize=8)
@@ -90,12 +88,12 @@ def least_dispersed_figure(least: pd.DataFrame, seed: int):
     return fig
 
 
-def ratio_figure(panels: list[tuple[str, pd.Series]], ylabel: str):
-    """One panel per ``(title, values)``: every run's value (indexed by ``(map, replicate)``) against its MAP."""
+def ratio_figure(panels: pd.DataFrame, ylabel: str):
+    """One panel per column (its title): every run's value (rows indexed by ``(map, replicate)``) against its MAP."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(8, 3.2), sharey=True, squeeze=False)
-    for ax, (title, values) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(1, panels.shape[1], figsize=(8, 3.2), sharey=True, squeeze=False)
+    for ax, (title, values) in zip(axes[0], panels.items(), strict=True):
         for m, group in values.groupby(level="map"):
             ax.scatter([m] * len(group), group, color="C0", s=18)
         ax.axhline(0.0, color="0.5", lw=0.8)
@@ -119,42 +117,40 @@ def excursions(per_run: pd.DataFrame, trimmed: pd.DataFrame, shares: pd.DataFram
                split: pd.DataFrame | None = None, split_trimmed: pd.DataFrame | None = None) -> dict[str, Any]:
     """Whether "periodic least" rests on a few fixed-diag chains' excursions, from :func:`dispersion_per_run` by
     the mutual information and the trimmed one (``n_left_out`` chains left out), the largest chain's ``shares``
-    and :func:`map_or_stream` of both: ``excursion`` (periodic is least in exactly the runs with the largest
-    fixed-diag shares, and there are runs of both kinds), ``bulk_fixed_least`` (fixed-diag is least trimmed
-    in every run; ``None`` when none is left out), ``lines`` (the numbers) and ``conclusion``."""
+    and (both or neither) :func:`map_or_stream` of both: ``excursion`` (periodic is least in exactly the runs with
+    the largest fixed-diag shares, and there are runs of both kinds), ``bulk_fixed_least`` (fixed-diag is least
+    trimmed in every run; ``None`` when none is left out), ``lines`` (the numbers) and ``conclusion``."""
     least = per_run["least"] == PERIODIC
     mixed = bool(least.any() and (~least).any())
     excursion = mixed and bool(shares.loc[least, FIXED].min() > shares.loc[~least, FIXED].max())
-    lines = ["The largest chain's share of each run's mutual information: " + "; ".join(
-        f"{v} {_range(shares[v], '.0%')} (median {shares[v].median():.0%})" for v in DIAGONAL_METHODS) + "."]
     where = ", ".join(f"MAP {m} {int(k)} of {int(n)}"
                       for m, (k, n) in least.groupby(level="map").agg(["sum", "size"]).iterrows() if k > 0)
-    lines.append(f"By the mutual information, periodic is the least dispersed in {int(least.sum())} of "
-                 f"{len(per_run)} runs" + (f" ({where}); there fixed-diag's largest chain carries "
-                                           f"{_range(shares.loc[least, FIXED], '.0%')} of its mutual information, "
-                                           f"in the others {_range(shares.loc[~least, FIXED], '.0%')}." if mixed
-                                           else "."))
-    bulk_fixed_least = None if n_left_out == 0 else bool((trimmed["least"] == FIXED).all())
-    if n_left_out:
-        ratio = per_run[list(DIAGONAL_METHODS)] / trimmed[list(DIAGONAL_METHODS)]
-        lines.append(f"Without the {n_left_out} most deviant chains the mutual information is smaller by a factor "
-                     "of " + "; ".join(f"{v} {_range(ratio[v], '.1f')}" for v in DIAGONAL_METHODS) + ".")
-        lines.append(f"Trimmed, the least dispersed per run: {_counts(trimmed['least'])} (of {len(per_run)}); "
-                     f"periodic's is {_range(np.exp(trimmed['log periodic/fixed']), '.1f')} times fixed's, EMA's "
-                     f"{_range(np.exp(-trimmed['log periodic/EMA']), '.1f')} times periodic's.")
-        per_map = trimmed[FIXED].groupby(level="map").mean()
-        lines.append(f"Trimmed, fixed-diag's mean per MAP ranges from {per_map.min():.4f} (MAP {per_map.idxmin()}) "
-                     f"to {per_map.max():.4f} (MAP {per_map.idxmax()}), a factor {per_map.max() / per_map.min():.1f}.")
-        if split is not None and split_trimmed is not None:
-            before, after = split.loc[f"log {FIXED}"], split_trimmed.loc[f"log {FIXED}"]
-            lines.append(f"The stream's standard deviation of log {FIXED}: {before['sd_stream']:.2f}, trimmed "
-                         f"{after['sd_stream']:.2f}; the MAP's {before['sd_map']:.2f} and {after['sd_map']:.2f} "
-                         f"(trimmed, the MAP carries {after['map_share']:.0%} of the variance; F test: p = "
-                         f"{after['p_value']:.2g}).")
-    if n_left_out == 0:
-        conclusion = ("At this scale the excursions cannot be set apart from the bulk of the chains (no chain is "
-                      "left out), so this section has no verdict.")
-    elif excursion and bulk_fixed_least:
+    there = (f" ({where}); there fixed-diag's largest chain carries {_range(shares.loc[least, FIXED], '.0%')} of "
+             f"its mutual information, in the others {_range(shares.loc[~least, FIXED], '.0%')}." if mixed else ".")
+    lines = ["The largest chain's share of each run's mutual information: " + "; ".join(
+        f"{v} {_range(shares[v], '.0%')} (median {shares[v].median():.0%})" for v in DIAGONAL) + ".",
+        f"By the mutual information, periodic is the least dispersed in {int(least.sum())} of {len(per_run)} runs"
+        + there]
+    if not n_left_out:
+        return {"lines": lines, "excursion": excursion, "bulk_fixed_least": None, "conclusion": (
+            "At this scale the excursions cannot be set apart from the bulk of the chains (no chain is left out), "
+            "so this section has no verdict.")}
+    bulk_fixed_least = bool((trimmed["least"] == FIXED).all())
+    ratio, per_map = per_run[DIAGONAL] / trimmed[DIAGONAL], trimmed[FIXED].groupby(level="map").mean()
+    lines += [f"Without the {n_left_out} most deviant chains the mutual information is smaller by a factor of "
+              + "; ".join(f"{v} {_range(ratio[v], '.1f')}" for v in DIAGONAL) + ".",
+              f"Trimmed, the least dispersed per run: {_counts(trimmed['least'])} (of {len(per_run)}); periodic's is "
+              f"{_range(np.exp(trimmed['log periodic/fixed']), '.1f')} times fixed's, EMA's "
+              f"{_range(np.exp(-trimmed['log periodic/EMA']), '.1f')} times periodic's.",
+              f"Trimmed, fixed-diag's mean per MAP ranges from {per_map.min():.4f} (MAP {per_map.idxmin()}) to "
+              f"{per_map.max():.4f} (MAP {per_map.idxmax()}), a factor {per_map.max() / per_map.min():.1f}."]
+    if split is not None:
+        before, after = split.loc[f"log {FIXED}"], split_trimmed.loc[f"log {FIXED}"]
+        lines.append(f"The stream's standard deviation of log {FIXED}: {before['sd_stream']:.2f}, trimmed "
+                     f"{after['sd_stream']:.2f}; the MAP's {before['sd_map']:.2f} and {after['sd_map']:.2f} "
+                     f"(trimmed, the MAP carries {after['map_share']:.0%} of the variance; F test: p = "
+                     f"{after['p_value']:.2g}).")
+    if excursion and bulk_fixed_least:
         conclusion = ("So at this scale periodic over-disperses least, by the paper's measure, exactly in the runs "
                       "where fixed-diag has its largest excursions, and the bulk of the chains says the opposite: "
                       "fixed-diag disperses least in every run. The verdict on \"periodic least\" at this K is a "
@@ -164,8 +160,8 @@ def excursions(per_run: pd.DataFrame, trimmed: pd.DataFrame, shares: pd.DataFram
             "the runs where periodic is least by the mutual information are not exactly those with the largest "
             "fixed-diag excursions" if mixed else "periodic is the least dispersed by the mutual information in "
             + ("every run" if least.all() else "no run")]
-        reasons += [] if bulk_fixed_least else ["fixed-diag is not the least dispersed by the trimmed mutual "
-                                                "information in every run"]
+        reasons += [] if bulk_fixed_least else [
+            "fixed-diag is not the least dispersed by the trimmed mutual information in every run"]
         conclusion = ("At this scale the verdict on \"periodic least\" does not rest on the excursions of a few "
                       "fixed-diag chains alone: " + "; ".join(reasons) + ".")
     return {"lines": lines, "excursion": excursion, "bulk_fixed_least": bulk_fixed_least, "conclusion": conclusion}
@@ -194,20 +190,18 @@ def compute(ctx) -> None:
     ctx.figure("least_dispersed", least_dispersed_figure(least, cfg["seed"]))
 
     per_run = ctx.table("per_run", dispersion_per_run(runs))
-    ctx.figure("periodic_ratio_per_run", ratio_figure([(r, per_run[r]) for r in ("log periodic/fixed",
-                                                                               "log periodic/EMA")],
+    ctx.figure("periodic_ratio_per_run", ratio_figure(per_run[["log periodic/fixed", "log periodic/EMA"]],
                                                       "log ratio of mutual information"))
     ctx.table("least_per_run", pd.crosstab(per_run.index.get_level_values("map"), per_run["least"]).reindex(
-        columns=list(DIAGONAL_METHODS), fill_value=0).rename_axis(index="MAP", columns="least dispersed run"))
+        columns=DIAGONAL, fill_value=0).rename_axis(index="MAP", columns="least dispersed run"))
     below = per_run["log periodic/fixed"] < 0
     split = ctx.table("map_or_stream", map_or_stream(per_run)) if n_reps >= 2 else None
 
     shares = ctx.table("mi_largest_chain_share", values_per_run(runs, "tails", "mi_largest_chain_share"))
     trimmed = ctx.table("per_run_trimmed", dispersion_per_run(runs, measure="trimmed_mutual_info"))
-    ctx.figure("periodic_ratio_trimmed", ratio_figure(
-        [(f"log periodic/fixed, {name}", table["log periodic/fixed"])
-         for name, table in [("mutual information", per_run), ("trimmed mutual information", trimmed)]],
-        "log ratio"))
+    ctx.figure("periodic_ratio_trimmed", ratio_figure(pd.DataFrame({
+        f"log periodic/fixed, {name}": table["log periodic/fixed"]
+        for name, table in [("mutual information", per_run), ("trimmed mutual information", trimmed)]}), "log ratio"))
     split_trimmed = ctx.table("map_or_stream_trimmed", map_or_stream(trimmed)) if n_reps >= 2 else None
     n_left_out = metrics.n_trimmed(cfg["n_chains"], TRIM)
     found = excursions(per_run, trimmed, shares, n_left_out, split, split_trimmed)
@@ -222,8 +216,8 @@ def compute(ctx) -> None:
         "n_periodic_least_maps": int((least["least"] == PERIODIC).sum()), "least_counts": _counts(least["least"]),
         "map_accuracy_min": maps["accuracy"].min(), "map_accuracy_max": maps["accuracy"].max(),
         "map_nll_min": maps["nll"].min(), "map_nll_max": maps["nll"].max(),
-        "map0_nll_rank": int(maps["nll"].rank().loc[0]),
-        "runs_periodic_below_fixed": int(below.sum()), "periodic_below_fixed_per_map": ", ".join(
+        "map0_nll_rank": int(maps["nll"].rank().loc[0]), "runs_periodic_below_fixed": int(below.sum()),
+        "periodic_below_fixed_per_map": ", ".join(
             f"MAP {m} {int(k)} of {n_reps}" for m, k in below.groupby(level="map").sum().items()),
         "df_map": n_maps - 1, "df_stream": n_maps * (n_reps - 1),
         "split_text": (f"For log(periodic / fixed), the MAP's standard deviation is {ratio['sd_map']:.2f} against "
