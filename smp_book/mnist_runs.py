@@ -8,6 +8,7 @@ tail, baselines, last layer) call these; each expensive leaf (a MAP fit, one SMP
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 from smp_core import metrics
 from smp_core.fisher import estimate_fisher, kronecker_layers
 from smp_core.fused import FusedSequentialChainModel
+from smp_core.likelihoods import Categorical
 from smp_core.memory import retain_freed_memory
 from smp_core.models import as_chain_model, lenet5, predict
 from smp_core.preconditioners import ema_refresh_applies, preconditioner_from_name
@@ -27,9 +29,18 @@ from smp_core.recursion import Fisher, residual_variance_ratio, run_smp
 
 from .config import MNIST_VARIANTS
 from .mnist import mnist_tensors
-from .pipeline import CACHE, DATA, RESULTS, cached, code_hash, config_key
+from .pipeline import CACHE, DATA, RESULTS, cached, code_hash, config_key, stale_reason, study_config
 from .results import Results
 from .summaries import summarise_replicates
+
+INPUT_SHAPE = (1, 28, 28)
+FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
+DIAGONAL_METHODS = tuple(f"SMP-{v}" for v in MNIST_VARIANTS if v != "none")
+TRIM = 0.1  # the share of chains :func:`mutual_information_tail` trims by default
+# Where the paper-scale results of this study are, once a run at the paper scale has written them
+# (``python -m smp_book.reproduce --scale paper --only mnist`` and its folder copied here).
+PAPER_RESULTS = RESULTS / "paper" / "mnist"
+_categorical = Categorical  # the likelihood of the empirical Fisher (smp_book.mnist_kfac_study's too)
 
 
 def map_seed(cfg: dict[str, Any], member: int) -> int:
@@ -37,15 +48,6 @@ def map_seed(cfg: dict[str, Any], member: int) -> int:
     (MAP 0 is the study's own; the MNIST baselines chapter's ensemble and the MAP-seeds chapter use
     these, so they share the MAPs)."""
     return cfg["seed"] + 100 * member
-
-
-INPUT_SHAPE = (1, 28, 28)
-
-
-FULL_SIZES = (54_000, 6_000, 10_000)  # train, validation, test: the paper's split of MNIST
-
-
-DIAGONAL_METHODS = tuple(f"SMP-{v}" for v in MNIST_VARIANTS if v != "none")
 
 
 def default_device() -> torch.device:
@@ -68,15 +70,13 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
               progress: bool = True) -> dict[str, Any]:
     """MAP estimate (Section 3.3.2): NLL + L2 weight decay, Adam, batch 48, lr 1e-3, a fixed number of epochs.
 
-    Weight decay is coupled L2 (``torch.optim.Adam(weight_decay=...)``, the gradient of
-    ``wd/2 ||theta||^2`` added to that of the mean NLL of the batch), as Flux's
-    ``OptimiserChain(WeightDecay, Adam)``. Returns the flat parameters, the validation loss and
-    accuracy per epoch and the training time.
+    Weight decay is coupled L2 (``torch.optim.Adam(weight_decay=...)``, the gradient of ``wd/2 ||theta||^2``
+    added to that of the mean NLL of the batch), as Flux's ``OptimiserChain(WeightDecay, Adam)``. Returns the
+    flat parameters, the validation loss and accuracy per epoch and the training time.
 
-    ``cfg["map_dropout"] = p > 0`` (beyond the paper: the MC dropout baseline) trains
-    ``lenet5(dropout=p)`` instead, with the same seed, initial weights and minibatch order; the
-    validation loss is then that of the network in eval mode (dropout off). Without the key, the
-    paper's network.
+    ``cfg["map_dropout"] = p > 0`` (beyond the paper: the MC dropout baseline) trains ``lenet5(dropout=p)``
+    instead, with the same seed, initial weights and minibatch order; the validation loss is then that of
+    the network in eval mode (dropout off). Without the key, the paper's network.
     """
     device = device or default_device()
     if device.type == "cpu":
@@ -87,8 +87,7 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
     x, y = (t.to(device) for t in data["train"])
     xv, yv = (t.to(device) for t in data["val"])
     gen = torch.Generator().manual_seed(cfg["seed"])
-    history = []
-    started = time.perf_counter()
+    history, started = [], time.perf_counter()
     for epoch in tqdm(range(cfg["map_epochs"]), desc="MAP epochs", disable=not progress):
         net.train()
         order = torch.randperm(len(y), generator=gen).to(device)
@@ -111,9 +110,8 @@ def train_map(cfg: dict[str, Any], data: dict, device: torch.device | None = Non
 
 def map_key(cfg: dict[str, Any]) -> dict[str, Any]:
     """The cache key of the MAP fit: the data sizes and split, the seed, the ``map_*`` settings."""
-    key = {k: cfg[k] for k in ("n_train", "n_val", "n_test", "split_seed", "seed") if k in cfg}
-    key.update({k: v for k, v in cfg.items() if k.startswith("map_")}, part="map", code=code_hash(__name__))
-    return key
+    return {**{k: cfg[k] for k in ("n_train", "n_val", "n_test", "split_seed", "seed") if k in cfg},
+            **{k: v for k, v in cfg.items() if k.startswith("map_")}, "part": "map", "code": code_hash(__name__)}
 
 
 def fit_map(cfg: dict[str, Any], data: dict, device: torch.device | None = None, use_cache: bool = True,
@@ -143,34 +141,25 @@ def chapter_map(cfg: dict[str, Any], data: dict, device: torch.device | None = N
     return {**fits[best], "seed": seeds[best], "candidates": candidates}
 
 
-def validation_fisher_diagonal(theta0: torch.Tensor, data: dict, device: torch.device | None = None
-                               ) -> torch.Tensor:
+def validation_fisher_diagonal(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
     """The diagonal of the empirical Fisher at ``theta0`` over the whole validation set (the fixed
     preconditioners' data; the periodic strategy uses its first ``n_fisher_periodic`` images), Section
     3.3.3: the mean squared score of the observed labels, as a ``(d,)`` tensor on the CPU."""
     device = device or default_device()
     model = as_chain_model(lenet5().to(device), INPUT_SHAPE)
     xv, yv = (t.to(device) for t in data["val"])
-    (diag,) = estimate_fisher(model, _categorical(), theta0.to(device)[None], xv, yv, kind="empirical",
-                              structure="diag")
+    (diag,) = estimate_fisher(model, Categorical(), theta0.to(device)[None], xv, yv, kind="empirical", structure="diag")
     return diag.reshape(-1).cpu()
 
 
 def fisher_zero_mask(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
-    """Where the diagonal of the empirical Fisher at ``theta0`` over the validation set is exactly zero
-    (a ``(d,)`` boolean tensor on the CPU)."""
+    """Where :func:`validation_fisher_diagonal` is exactly zero (a ``(d,)`` boolean tensor on the CPU)."""
     return validation_fisher_diagonal(theta0, data, device) == 0
 
 
 def fisher_zero_fraction(theta0: torch.Tensor, data: dict, device: torch.device | None = None) -> float:
-    """Fraction of exact zeros on the diagonal of the empirical Fisher at ``theta0`` over the validation set."""
+    """The fraction of exact zeros of :func:`validation_fisher_diagonal` (:func:`fisher_zero_mask`)."""
     return float(fisher_zero_mask(theta0, data, device).double().mean())
-
-
-def _categorical():
-    from smp_core.likelihoods import Categorical
-
-    return Categorical()
 
 
 def smp_path(device: torch.device) -> str:
@@ -190,10 +179,9 @@ def study_variants(cfg: dict[str, Any]) -> list[str]:
 
 def variant_tau(cfg: dict[str, Any], variant: str) -> float:
     """tau of ``variant``: ``cfg["tau"]`` (the paper's unless a chapter's parameters change it)."""
-    taus = cfg["tau"]
-    if variant not in taus:
-        raise KeyError(f"no tau for the MNIST variant {variant!r}; known: {sorted(taus)}")
-    return taus[variant]
+    if variant not in cfg["tau"]:
+        raise KeyError(f"no tau for the MNIST variant {variant!r}; known: {sorted(cfg['tau'])}")
+    return cfg["tau"][variant]
 
 
 def variant_index(cfg: dict[str, Any], variant: str) -> int:
@@ -203,36 +191,32 @@ def variant_index(cfg: dict[str, Any], variant: str) -> int:
 
 
 def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
-    """The seed of SMP variant number ``index`` (its place in :func:`study_variants`) in one replicate.
-
-    Replicate 0 keeps the seeds of the study's single run (``seed + 10 + index``); replicate ``r``
-    adds ``1000 r``, as the toy study's replicates do. A study with a ``seed_offset`` (the KFAC one)
-    numbers its variants after the paper's four, so that it draws other random numbers.
-    """
+    """The seed of SMP variant number ``index`` (:func:`variant_index`) in one replicate: ``seed + 10 + index``
+    in replicate 0 (the study's single run), plus ``1000 r`` in replicate ``r``, as the toy study's replicates.
+    A study with a ``seed_offset`` (the KFAC one) numbers its variants after the paper's four, so that it
+    draws other random numbers."""
     return cfg["seed"] + 10 + cfg.get("seed_offset", 0) + index + 1000 * replicate
 
 
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
     """The cache key of one SMP run: its scale's settings, the variant, the replicate, the code it runs
-    (:func:`~smp_book.pipeline.code_hash`) and :func:`smp_path`. The number of
-    replicates is left out, so that asking for more replicates reuses the ones already run, and so are
-    the ``step_law_*`` settings, which no run uses (:func:`~smp_book.mnist_kfac_study.step_law_at_map`)."""
+    (:func:`~smp_book.pipeline.code_hash`) and :func:`smp_path`. The number of replicates is left out, so
+    that asking for more replicates reuses the ones already run, and so are the ``step_law_*`` settings,
+    which no run uses (:func:`~smp_book.mnist_kfac_study.step_law_at_map`)."""
     settings = {k: v for k, v in cfg.items() if k != "smp_replicates" and not k.startswith("step_law_")}
     return {**settings, "part": variant, "replicate": replicate, "code": code_hash(__name__), "smp_path": path}
 
 
 def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: dict, index: int,
                 device: torch.device | None = None, checkpoint=None, progress: bool = True, replicate: int = 0,
-                preconditioner=None, n_steps: int | None = None, first_chain: int = 0):
+                first_chain: int = 0):
     """One SMP variant from theta_0 = MAP; the empirical Fisher (of the variant's structure) from the
-    validation set.
+    validation set (the periodic variants: its first ``cfg["n_fisher_periodic"]`` images, where set).
 
-    ``index`` is the variant's place in :func:`study_variants` and, with ``replicate``, sets its seed
-    (:func:`smp_seed`); tau is :func:`variant_tau`; an EMA variant refactorises its statistic every
-    ``cfg["ema_refresh"]`` steps when the study sets it (the KFAC study; the diagonal EMA ignores it):
-    :func:`variant_preconditioner`. ``preconditioner``: one to use instead (that one wrapped by
-    a wrapped preconditioner, say); ``n_steps``: stop before ``cfg["n_steps"]``; ``first_chain``: run chains
-    ``first_chain, ...`` of the seed's streams (another stream of the same run, :mod:`smp_book.paper_streams`).
+    ``index`` (:func:`variant_index`) and ``replicate`` set its seed (:func:`smp_seed`); tau is
+    :func:`variant_tau`; the preconditioner :func:`variant_preconditioner`. ``checkpoint``: a file to save to
+    every ``cfg["checkpoint_every"]`` steps and resume from; ``first_chain``: run chains ``first_chain, ...``
+    of the seed's streams (another stream of the same run, :mod:`smp_book.paper_streams`).
     """
     device = device or default_device()
     net = lenet5().to(device)
@@ -240,50 +224,51 @@ def run_variant(cfg: dict[str, Any], variant: str, theta0: torch.Tensor, data: d
     xv, yv = (t.to(device) for t in data["val"])
     n_fisher = cfg.get("n_fisher_periodic") if variant.startswith("periodic") else None
     fisher_data = (xv[:n_fisher], yv[:n_fisher]) if n_fisher else (xv, yv)
-    return run_smp(net, "categorical", x, theta0=theta0.to(device),
-                   preconditioner=variant_preconditioner(cfg, variant) if preconditioner is None else preconditioner,
-                   tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"] if n_steps is None else n_steps,
-                   n_chains=cfg["n_chains"], seed=smp_seed(cfg, index, replicate),
-                   fisher=Fisher("empirical", *fisher_data), progress=progress,
+    return run_smp(net, "categorical", x, theta0=theta0.to(device), preconditioner=variant_preconditioner(cfg, variant),
+                   tau=variant_tau(cfg, variant), n_steps=cfg["n_steps"], n_chains=cfg["n_chains"],
+                   seed=smp_seed(cfg, index, replicate), fisher=Fisher("empirical", *fisher_data), progress=progress,
                    options={"checkpoint": checkpoint, "checkpoint_every": cfg.get("checkpoint_every"),
                             "first_chain": first_chain})
 
 
+def variant_preconditioner(cfg: dict[str, Any], variant: str):
+    """The :class:`~smp_core.preconditioners.Preconditioner` of ``variant`` for LeNet-5 (ridge, T and, for an
+    EMA variant where the study sets it, the KFAC study, ``cfg["ema_refresh"]``: the steps between
+    refactorisations of its statistic; the diagonal EMA ignores it)."""
+    model = as_chain_model(lenet5(), INPUT_SHAPE)
+    refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
+    layers = kronecker_layers(model) if variant.endswith("-kfac") else ()
+    return preconditioner_from_name(variant, dim=model.layout.dim, blocks=model.layout.block_slices, layers=layers,
+                                    ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh)
+
+
 def run_replicates(cfg: dict[str, Any], theta_map: torch.Tensor, data: dict, device: torch.device | None = None,
                    use_cache: bool = True, progress: bool = True, cache_root: str | Path = CACHE) -> dict[str, Any]:
-    """Every SMP variant (:func:`study_variants`) in each of ``cfg["smp_replicates"]`` replicates from
-    the same MAP, evaluated.
+    """Every SMP variant (:func:`study_variants`) in each of ``cfg["smp_replicates"]`` replicates from the
+    same MAP, evaluated.
 
-    Each run is cached in ``<cache_root>/<study>/`` (``mnist`` or ``mnist_kfac``) by :func:`run_key`
-    and, while it runs, saves a
-    checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from (deleted once the
-    run is in the cache). Returns
-    ``tables``: :func:`tables` per replicate (MAP row included); ``diverged``: the diverged chains
-    per replicate (rows) and variant (columns), which every metric leaves out; ``divergence``: the
-    check steps that stopped them and the largest move of a kept chain, per replicate and variant
-    (:func:`divergence_record`); ``figure_evals``:
-    the :func:`evaluate` results of the first replicate (with the test-set probabilities; the later
-    replicates keep only the tables).
+    Each run is cached in ``<cache_root>/<study>/`` (``mnist`` or ``mnist_kfac``) by :func:`run_key` and,
+    while it runs, saves a checkpoint beside it every ``cfg["checkpoint_every"]`` steps to resume from
+    (deleted once the run is in the cache). Returns ``tables``: :func:`tables` per replicate (MAP row
+    included); ``diverged``: the diverged chains per replicate (rows) and variant (columns), which every
+    metric leaves out; ``divergence``: :func:`divergence_record` per replicate and variant; ``figure_evals``:
+    the :func:`evaluate` results of the first replicate (the later ones drop the test-set probabilities).
     """
     device = device or default_device()
-    path = smp_path(device)
-    variants, folder = study_variants(cfg), cfg.get("study", "mnist")
+    path, variants, folder = smp_path(device), study_variants(cfg), cfg.get("study", "mnist")
     map_eval = evaluate(theta_map[None], data, device=device)
     per_replicate, diverged, divergence, figure_evals = [], {}, [], None
     for r in range(cfg["smp_replicates"]):
         evals, elapsed = {"MAP": map_eval}, {"MAP": 0.0}
         for variant in variants:
-            i, key = variant_index(cfg, variant), run_key(cfg, variant, r, path)
+            key, name = run_key(cfg, variant, r, path), f"SMP-{variant}"
             checkpoint = Path(cache_root) / folder / f"{config_key(key)}.checkpoint.pt" if use_cache else None
-
-            def compute(variant=variant, i=i, r=r, checkpoint=checkpoint):
-                return run_variant(cfg, variant, theta_map, data, i, device, checkpoint, progress, replicate=r)
-
-            res = cached(folder, key, compute, root=cache_root, enabled=use_cache)
+            res = cached(folder, key, partial(run_variant, cfg, variant, theta_map, data, variant_index(cfg, variant),
+                                              device, checkpoint, progress, replicate=r),
+                         root=cache_root, enabled=use_cache)
             if checkpoint is not None:
                 # the run is in the cache now, and K is part of its key: nothing will resume from this file
                 checkpoint.unlink(missing_ok=True)
-            name = f"SMP-{variant}"
             elapsed[name], diverged[(r, name)] = res.elapsed, res.n_diverged
             divergence.append(divergence_record(res, theta_map, r, name, cfg["period"]))
             evals[name] = evaluate(res.theta[~res.diverged], data, device=device)
@@ -305,19 +290,8 @@ def divergence_record(result, theta0: torch.Tensor, replicate: int, method: str,
     kept = result.theta[~result.diverged]
     largest = float((kept.cpu() - theta0.cpu()).abs().max()) if kept.shape[0] else float("nan")
     return {"replicate": replicate, "method": method, "diverged": len(steps),
-            "caught_at_steps": " ".join(map(str, steps)),
-            "steps_modulo_T": " ".join(str(k % period) for k in steps),
+            "caught_at_steps": " ".join(map(str, steps)), "steps_modulo_T": " ".join(str(k % period) for k in steps),
             "largest_move_of_a_kept_chain": largest}
-
-
-def variant_preconditioner(cfg: dict[str, Any], variant: str):
-    """The :class:`~smp_core.preconditioners.Preconditioner` that :func:`run_variant` builds from the
-    variant's name for LeNet-5 (the same settings: ridge, T, ``ema_refresh``)."""
-    model = as_chain_model(lenet5(), INPUT_SHAPE)
-    refresh = cfg.get("ema_refresh", 1) if ema_refresh_applies(variant) else 1
-    layers = kronecker_layers(model) if variant.endswith("-kfac") else ()
-    return preconditioner_from_name(variant, dim=model.layout.dim, blocks=model.layout.block_slices, layers=layers,
-                                    ridge=cfg["ridge"], period=cfg["period"], ema_init="fisher", ema_refresh=refresh)
 
 
 def logits_on_test_set(theta: torch.Tensor, data: dict, device: torch.device | None = None) -> torch.Tensor:
@@ -328,18 +302,15 @@ def logits_on_test_set(theta: torch.Tensor, data: dict, device: torch.device | N
 
 
 def evaluate(theta: torch.Tensor, data: dict, n_bins: int = 10, device: torch.device | None = None) -> dict:
-    """Scores, variances, calibration curve and test-set class probabilities of parameter samples."""
+    """Scores, variances, calibration curve, test-set class probabilities and tail shares of parameter samples."""
     yt = data["test"][1]
     logits = logits_on_test_set(theta, data, device)  # (S, n, 10)
     probs = torch.softmax(logits.double(), dim=-1)
-    return {
-        "scores": metrics.all_scores(probs, yt, n_bins=n_bins),
-        "variances": {"params_variance": metrics.params_variance(theta.cpu()),
-                      "logits_variance": metrics.logits_variance(logits)},
-        "curve": metrics.calibration_curve(probs, yt, n_bins=n_bins),
-        "probs": probs.float(),
-        "tail": {**largest_chain_shares(logits), **mutual_information_tail(probs)},
-    }
+    return {"scores": metrics.all_scores(probs, yt, n_bins=n_bins),
+            "variances": {"params_variance": metrics.params_variance(theta.cpu()),
+                          "logits_variance": metrics.logits_variance(logits)},
+            "curve": metrics.calibration_curve(probs, yt, n_bins=n_bins), "probs": probs.float(),
+            "tail": {**largest_chain_shares(logits), **mutual_information_tail(probs)}}
 
 
 def largest_chain_shares(logits: torch.Tensor) -> dict[str, float]:
@@ -356,9 +327,6 @@ def largest_chain_shares(logits: torch.Tensor) -> dict[str, float]:
     return {"largest_chain_share": float(top[0]), "largest_two_share": float(top[:2].sum())}
 
 
-TRIM = 0.1
-
-
 def mutual_information_tail(probs: torch.Tensor, trim: float = TRIM) -> dict[str, float]:
     """How much of the test-set mutual information its most deviant chains carry, and what is left
     without them: the largest chain's share of :func:`smp_core.metrics.mutual_information_per_sample`
@@ -369,10 +337,8 @@ def mutual_information_tail(probs: torch.Tensor, trim: float = TRIM) -> dict[str
         return {"mi_largest_chain_share": float("nan"), "trimmed_mutual_info": float("nan")}
     parts = metrics.mutual_information_per_sample(probs)
     total, largest = float(parts.sum()), float(parts.max())
-    # identical chains: the parts (in nats, each at most log C) are rounding of about 1e-16, and their
-    # shares mean nothing
-    spread = total > 1e-12
-    return {"mi_largest_chain_share": largest / total if spread else float("nan"),
+    # identical chains: the parts (in nats, each at most log C) are rounding of about 1e-16; no share means anything
+    return {"mi_largest_chain_share": largest / total if total > 1e-12 else float("nan"),
             "trimmed_mutual_info": metrics.trimmed_mutual_information(probs, trim, parts=parts)}
 
 
@@ -385,14 +351,12 @@ def ambiguous_three(map_probs: torch.Tensor, labels: torch.Tensor) -> int:
 
 
 def tables(evals: dict[str, dict], elapsed: dict[str, float]) -> dict[str, pd.DataFrame]:
-    names = list(evals)
-    scores = pd.DataFrame([evals[n]["scores"] for n in names], index=names)[list(metrics.SCORE_KEYS)]
-    variances = pd.DataFrame([evals[n]["variances"] for n in names], index=names)
-    el = pd.DataFrame({"seconds": [elapsed[n] for n in names]}, index=names)
-    tails = pd.DataFrame([evals[n]["tail"] for n in names], index=names)
-    for df in (scores, variances, el, tails):
-        df.index.name = "method"
-    return {"scores": scores, "variances": variances, "elapsed": el, "tails": tails}
+    """One replicate's tables, a row per method of ``evals``: scores, variances, seconds (``elapsed``), tails."""
+    names = pd.Index(list(evals), name="method")
+    return {"scores": pd.DataFrame([evals[n]["scores"] for n in names], index=names)[list(metrics.SCORE_KEYS)],
+            "variances": pd.DataFrame([evals[n]["variances"] for n in names], index=names),
+            "elapsed": pd.DataFrame({"seconds": [elapsed[n] for n in names]}, index=names),
+            "tails": pd.DataFrame([evals[n]["tail"] for n in names], index=names)}
 
 
 def summarise(per_replicate: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
@@ -417,17 +381,10 @@ def top_probabilities(evals: dict[str, dict], index: int) -> pd.DataFrame:
                         index=[str(c) for c in range(10)]).T.astype(np.float64)
 
 
-# Where the paper-scale results of this study are, once a run at the paper scale has written them
-# (``python -m smp_book.reproduce --scale paper --only mnist`` and its folder copied here).
-PAPER_RESULTS = RESULTS / "paper" / "mnist"
-
-
 def paper_scale_results(folder: str | Path = PAPER_RESULTS):
     """The paper-scale results of this study (:class:`smp_book.results.Results`) when a complete folder
     of them holds the paper scale's current settings, else ``None``: they are only read here, never computed
     (at ``K = 10^6`` they take hours)."""
-    from .pipeline import stale_reason, study_config
-
     folder = Path(folder)
     if stale_reason(folder, study_config("mnist", "paper")) is not None:
         return None
