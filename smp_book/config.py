@@ -125,23 +125,20 @@ MNIST_GROWTH: dict[str, dict[str, Any]] = {
 # same strategy, so that only the structure changes. Seeds follow the four variants of the MNIST study (seed_offset).
 # ema_refresh (ours): the EMA's factors are eigendecomposed every 50 steps (1 / (1 - beta), the EMA's memory) instead
 # of every step, which costs more than the rest of the step for LeNet-5's 257 x 257 input factor
-# (benchmarks/bench_kfac.py). The law of one step at the MAP for none and the two fixed preconditioners
-# (notebooks/mnist_kfac.md, "Why KFAC stays near the MAP"; smp_book.step_law): step_law_draws steps drawn per
-# structure, their output change measured on the first step_law_eval test images. All ours.
+# (benchmarks/bench_kfac.py).
 _MNIST_KFAC_CHANGES: dict[str, Any] = {
     "variants": MNIST_KFAC_VARIANTS,
-    # ours: the paper's diagonal tau for the same strategy, beside the step law's none and fixed-diag
+    # ours: the paper's diagonal tau for the same strategy (the diagonal variants' own are kept beside them)
     "tau": {**MNIST_TAU, **{v: MNIST_TAU[v.replace("kfac", "diag")] for v in MNIST_KFAC_VARIANTS}},
     "ema_refresh": 50,  # ours
     "seed_offset": len(MNIST_VARIANTS),
 }
-_STEP_LAW = {"step_law_draws": 1000, "step_law_eval": 500}  # ours
 MNIST_KFAC: dict[str, dict[str, Any]] = {
-    "paper": {**_MNIST_PAPER_SCALE, **_MNIST_KFAC_CHANGES, **_STEP_LAW},
+    "paper": {**_MNIST_PAPER_SCALE, **_MNIST_KFAC_CHANGES},
     # laptop: the MNIST laptop settings (K = 10^4) with one replicate: each kfac run takes 7 to 21 times a diagonal
     # one on 2 cores (594, 1221 and 719 s for fixed, EMA and periodic)
-    "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1, **_STEP_LAW},
-    "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES, "step_law_draws": 40, "step_law_eval": 20},
+    "laptop": {**MNIST["laptop"], **_MNIST_KFAC_CHANGES, "smp_replicates": 1},
+    "ci": {**MNIST["ci"], **_MNIST_KFAC_CHANGES},
 }
 
 # Beyond the paper (notebooks/mnist_seeds.md): the MNIST study's four SMP variants, in the MNIST study's smp_replicates

@@ -4,8 +4,6 @@ That chapter is a tutorial of the :mod:`smp_core` API, so the calls a user write
 :func:`smp_core.run_smp`, :func:`smp_core.tail.add_gaussian_tail`, :mod:`smp_core.metrics`) stay in the notebook;
 what is here is what checks their answers or lays them out:
 
-* :func:`step_law_table`: the variances a fixed-``P`` run is predicted to reach from the law of one step
-  (:mod:`smp_book.step_law`) beside the observed ones;
 * :func:`least_squares_linear` and :func:`linear_gaussian_check`: a linear-Gaussian regression started at least
   squares, whose SMP has a closed-form mean and covariance at every ``K`` (and at ``K = infinity``), by z-scores;
 * :func:`fit_map`: the MAP of a network under a ``N(0, I / alpha)`` prior (Adam, then L-BFGS in float64);
@@ -31,15 +29,6 @@ from smp_core.recursion import SMPResult
 
 # P(|Z| >= 3) for a standard normal Z
 P_BEYOND_3 = math.erfc(3 / math.sqrt(2))
-
-
-def step_law_table(predicted: Mapping[str, float], samples: torch.Tensor, logits: torch.Tensor) -> pd.DataFrame:
-    """The two variance columns of the paper's tables, as :func:`smp_book.step_law.predicted_variances`
-    predicts them (with their standard errors) and as the run gave them: ``samples`` ``(S, d)``, ``logits``
-    ``(S, n)`` or ``(S, n, C)`` on the evaluation inputs."""
-    observed = {"params_variance": metrics.params_variance(samples), "logits_variance": metrics.logits_variance(logits)}
-    return pd.DataFrame({"predicted": {c: float(predicted[c]) for c in observed},
-                         "standard error": {c: float(predicted[f"{c}_se"]) for c in observed}, "observed": observed})
 
 
 def least_squares_linear(x: torch.Tensor, y: torch.Tensor) -> tuple[nn.Linear, torch.Tensor]:

@@ -201,9 +201,8 @@ def smp_seed(cfg: dict[str, Any], index: int, replicate: int = 0) -> int:
 def run_key(cfg: dict[str, Any], variant: str, replicate: int, path: str) -> dict[str, Any]:
     """The cache key of one SMP run: its scale's settings, the variant, the replicate, the code it runs
     (:func:`~smp_book.pipeline.code_hash`) and :func:`smp_path`. The number of replicates is left out, so
-    that asking for more replicates reuses the ones already run, and so are the ``step_law_*`` settings,
-    which no run uses (:func:`~smp_book.mnist_kfac_study.step_law_at_map`)."""
-    settings = {k: v for k, v in cfg.items() if k != "smp_replicates" and not k.startswith("step_law_")}
+    that asking for more replicates reuses the ones already run."""
+    settings = {k: v for k, v in cfg.items() if k != "smp_replicates"}
     return {**settings, "part": variant, "replicate": replicate, "code": code_hash(__name__), "smp_path": path}
 
 

@@ -51,7 +51,7 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "tail_study": ("nuts", "tails", "toy"), "toy_gaps_study": ("nuts", "toy"),
     "mnist_runs": ("mnist", "summaries"), "mnist_study": ("mnist_runs",),
     "mnist_seeds_study": ("mnist_runs", "summaries"), "mnist_growth_study": ("mnist_runs",),
-    "mnist_kfac_study": ("mnist_runs", "step_law"), "mnist_tail_study": ("mnist_runs", "tails"),
+    "mnist_kfac_study": ("mnist_runs",), "mnist_tail_study": ("mnist_runs", "tails"),
     "shifted": ("summaries",), "mnist_baseline_study": ("baselines", "mnist_runs", "shifted", "summaries"),
     "last_layer_study": ("last_layer_runs", "mnist_runs", "shifted"),
     "regression_study": ("baselines", "nuts", "summaries"), "summary_study": ("summaries",),

@@ -651,9 +651,9 @@ class PreconditionerState(NamedTuple):
     def of_chain(self, chain: int) -> PreconditionerState:
         """The state of one chain alone: each tensor with one row per chain cut to ``[chain : chain + 1]``,
         a tensor shared by all chains (leading size 1) kept as it is. For instance the ``P`` a chain
-        ends a run with (``SMPResult.precond_state.of_chain(i)``), for
-        :func:`smp_book.step_law.draw_steps`, which takes one ``P`` for all its draws. A state shared by
-        all chains (every tensor of leading size 1, or none) is every chain's: it comes back as it is."""
+        ends a run with (``SMPResult.precond_state.of_chain(i)``), for a computation that takes one ``P``
+        for all its inputs. A state shared by all chains (every tensor of leading size 1, or none) is every
+        chain's: it comes back as it is."""
         sizes = {t.shape[0] for t in (*self.stat, *self.factor) if isinstance(t, torch.Tensor) and t.ndim > 0}
         chains = max(sizes, default=1)
         if isinstance(chain, bool) or not isinstance(chain, int) or (chains > 1 and not -chains <= chain < chains):

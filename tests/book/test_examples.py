@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import matplotlib
-import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -23,10 +22,9 @@ from smp_book.examples import (
     least_squares_linear,
     linear_gaussian_check,
     regression_table,
-    step_law_table,
     verdict,
 )
-from smp_core import metrics, run_smp
+from smp_core import run_smp
 from smp_core.likelihoods import Gaussian
 from smp_core.tail import add_gaussian_tail
 
@@ -151,17 +149,6 @@ def test_regression_table_scores_every_method_and_region():
     # the point estimate at the truth: its intervals are +-1.645 sigma, and the coverage near 90 %
     assert row["interval_width"] == pytest.approx(2 * 1.6449 * 0.1, rel=1e-3)
     assert abs(table.loc[("point", "in range"), "coverage z"]) < 4
-
-
-def test_step_law_table_lays_out_prediction_and_run():
-    samples = torch.randn(30, 5, generator=torch.Generator().manual_seed(5))
-    logits = torch.randn(30, 7, generator=torch.Generator().manual_seed(6))
-    predicted = {"params_variance": 1.0, "params_variance_se": 0.1, "logits_variance": 2.0, "logits_variance_se": 0.2}
-    table = step_law_table(predicted, samples, logits)
-    assert isinstance(table, pd.DataFrame) and list(table.columns) == ["predicted", "standard error", "observed"]
-    assert table.loc["logits_variance", "standard error"] == 0.2
-    assert table.loc["params_variance", "observed"] == pytest.approx(metrics.params_variance(samples))
-    assert table.loc["logits_variance", "observed"] == pytest.approx(metrics.logits_variance(logits))
 
 
 def test_bands_figure_has_a_panel_per_method():

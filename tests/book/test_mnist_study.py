@@ -11,7 +11,6 @@ from smp_book import mnist_runs as mr
 from smp_book import mnist_seeds_study as mss
 from smp_book import mnist_study as ms
 from smp_core import metrics
-from smp_core.tail import tail_variance
 
 
 def test_summarise_gives_the_map_row_no_spread():
@@ -392,107 +391,6 @@ def test_dispersion_per_run_and_map_or_stream():
         mss.dispersion_per_run(runs, measure="median")
 
 
-def test_step_law_at_map_pairs_the_variants_and_splits_the_steps(tmp_path):
-    from smp_book.config import get_config
-
-    cfg = {**get_config("mnist_kfac", "ci"), "n_train": 40, "step_law_draws": 12, "step_law_eval": 5}
-    data = _tiny_mnist(2)
-    torch.manual_seed(0)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
-    draws = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
-    assert list(draws["variant"].unique()) == list(mks.STEP_LAW_VARIANTS) and len(draws) == 36
-    by = {v: d.reset_index(drop=True) for v, d in draws.groupby("variant")}
-    for v in mks.STEP_LAW_VARIANTS:  # the same scores through every preconditioner
-        assert by[v]["row"].equals(by["none"]["row"]) and by[v]["score_sq"].equals(by["none"]["score_sq"])
-        assert (by[v]["training_label"].to_numpy() == data["train"][1].numpy()[by[v]["row"].to_numpy()]).all()
-        for parts in (["layer 1", "layer 2", "layer 3", "layer 4", "layer 5"],
-                      ["diag Fisher below ridge", "diag Fisher at or above ridge"]):
-            total = sum(by[v][f"step_sq[{g}]"] for g in parts)
-            assert total.to_numpy() == pytest.approx(by[v]["step_sq"].to_numpy(), rel=1e-4)
-    assert by["none"]["step_sq"].to_numpy() == pytest.approx(by["none"]["score_sq"].to_numpy())  # P = I
-    assert not np.allclose(by["fixed-diag"]["step_sq"], by["fixed-kfac"]["step_sq"])
-    assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 3
-    again = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path))
-    assert again.equals(draws)
-    # the step-law settings are not part of any run's cache key
-    other = {**cfg, "step_law_draws": 99}
-    assert mr.run_key(cfg, "fixed-kfac", 0, "p") == mr.run_key(other, "fixed-kfac", 0, "p")
-
-    groups = mks.step_law_groups(theta0, data, cfg["ridge"], torch.device("cpu"))
-    by_group = mks.step_law_by_group(draws, groups)
-    layers = by_group.loc[(slice(None), [f"layer {i}" for i in range(1, 6)]), :]
-    assert layers.groupby("method")["share of E||u||^2"].sum().to_numpy() == pytest.approx(1.0, rel=1e-4)
-    assert layers.groupby("method")["parameters"].sum().eq(theta0.numel()).all()
-    none = by_group.loc["SMP-none"]
-    assert none["share of E||u||^2"].to_numpy() == pytest.approx(none["share of E||s||^2"].to_numpy())
-
-    observed = pd.DataFrame({"params_variance": [2e-6], "logits_variance": [0.5], "largest_chain_share": [0.3]},
-                            index=["SMP-fixed-diag"])
-    pred = mks.step_law_prediction(draws, cfg, observed)
-    # a second, independent set of draws: other scores, its own cache files, the same pairing
-    again = mks.step_law_at_map(cfg, theta0, data, torch.device("cpu"), progress=False, cache_root=str(tmp_path),
-                               draw_set=1)
-    assert len(list((tmp_path / "mnist_kfac").glob("*.pt"))) == 6
-    assert not again["score_sq"].equals(draws["score_sq"])
-    sets = mks.step_law_sets({"a": draws, "b": again}, cfg, observed)
-    assert list(sets.loc["SMP-fixed-diag"].index) == ["a", "b", "pooled", "difference (se)"]
-    pooled = mks.step_law_prediction(pd.concat([draws, again], ignore_index=True), cfg, observed)
-    for name, table in (("a", pred), ("pooled", pooled)):
-        assert sets.loc[("SMP-fixed-kfac", name), "params_variance: predicted"] == pytest.approx(
-            table.loc["SMP-fixed-kfac", "params_variance: predicted"])
-    b = mks.step_law_prediction(again, cfg, observed).loc["SMP-none"]
-    expected = (b["logits_variance: predicted"] - pred.loc["SMP-none", "logits_variance: predicted"]) / math.hypot(
-        b["logits_variance: predicted se"], pred.loc["SMP-none", "logits_variance: predicted se"])
-    assert sets.loc[("SMP-none", "difference (se)"), "logits_variance: predicted"] == pytest.approx(expected)
-    assert mks.step_law_seed(cfg, 1) == mks.step_law_seed(cfg) + 1
-    with pytest.raises(ValueError, match="draw_set"):
-        mks.step_law_seed(cfg, -1)
-    with pytest.raises(ValueError, match="draw_set"):
-        mks.step_law_seed(cfg, True)
-    assert mks.step_law_seed(cfg, np.int64(1)) == mks.step_law_seed(cfg, 1)
-    with pytest.raises(ValueError, match="pooled"):
-        mks.step_law_sets({"pooled": draws, "b": again}, cfg, observed)
-    assert list(pred.index) == [f"SMP-{v}" for v in mks.STEP_LAW_VARIANTS]
-    for v, tau in (("none", 1.0), ("fixed-diag", 0.05), ("fixed-kfac", 0.05)):  # each variant's own tau
-        expected = tail_variance(40, 0, cfg["n_steps"], tau) * by[v]["step_sq"].mean() / theta0.numel()
-        assert pred.loc[f"SMP-{v}", "params_variance: predicted"] == pytest.approx(expected)
-    row = pred.loc["SMP-fixed-diag"]
-    assert row["params_variance: observed / predicted"] == pytest.approx(2e-6 / row["params_variance: predicted"])
-    assert row["largest chain's share of the observed logit variance"] == 0.3
-    assert np.isnan(pred.loc["SMP-none", "logits_variance: observed"])
-
-    tails = mks.step_law_tails(draws)
-    diag = by["fixed-diag"]["output_sq"]
-    assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "largest"] == diag.max()
-    assert tails.loc[("SMP-fixed-diag", "mean (J u)^2"), "share of the largest 1.0%"] == pytest.approx(
-        diag.max() / diag.sum())  # 1 % of 12 draws: the largest one
-    top = mks.largest_steps(draws, "fixed-diag", n=3)
-    assert list(top["mean (J u)^2"]) == sorted(diag.nlargest(3))[::-1]
-    assert top["share of the sum"].to_numpy() == pytest.approx((diag.nlargest(3) / diag.sum()).to_numpy())
-    assert set(top["layer changing the outputs most"]) <= {f"layer {i}" for i in range(1, 6)}
-    assert top["probability of the drawn label"].between(0, 1).all()
-    surprise = mks.step_law_surprise(draws, threshold=1.01)  # every draw counts as surprising
-    assert surprise.iloc[:, 0].eq(1.0).all() and surprise.iloc[:, 1:].to_numpy() == pytest.approx(1.0)
-    with pytest.raises(KeyError, match="no tau"):
-        mr.variant_tau(cfg, "dense-fixed")
-
-
-def test_linearised_against_actual_is_exact_for_a_small_move():
-    torch.manual_seed(0)
-    theta0 = torch.cat([p.detach().reshape(-1) for p in mr.lenet5().parameters()])
-    direction = torch.randn(3, theta0.numel(), dtype=torch.float64)
-    thetas = (theta0.double() + 1e-4 * direction * torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)).float()
-    thetas = torch.cat([thetas, torch.full((1, theta0.numel()), float("nan"))])  # a stopped chain
-    x = _tiny_mnist(3)["test"][0][:6]
-    table = mks.linearised_against_actual(theta0, thetas, x, torch.device("cpu"))
-    assert sorted(table["chain"]) == [0, 1, 2]
-    assert table["share of the logit variance"].sum() == pytest.approx(1.0)
-    assert table["linearised mean (J (theta - theta_0))^2"].to_numpy() == pytest.approx(
-        table["actual mean (f - f_0)^2"].to_numpy(), rel=0.02)
-    assert table.set_index("chain").loc[2, "largest move"] == pytest.approx(
-        float((thetas[2] - theta0).abs().max()), rel=1e-6)
-
-
 def test_validation_fisher_diagonal_is_the_mean_squared_score_of_the_observed_labels():
     data = _tiny_mnist(3)
     torch.manual_seed(1)
@@ -511,22 +409,6 @@ def test_validation_fisher_diagonal_is_the_mean_squared_score_of_the_observed_la
     zero = mr.fisher_zero_mask(theta0, data, torch.device("cpu"))
     assert zero.dtype == torch.bool and torch.equal(zero, diag == 0)
     assert ms.fisher_zero_fraction(theta0, data, torch.device("cpu")) == pytest.approx(zero.double().mean().item())
-
-
-def test_kfac_statistic_precision_compares_a_float32_and_a_float64_statistic():
-    """One row per LeNet-5 layer; the float32 and float64 statistics give the same directions at the
-    ridge and solves that differ by rounding only: more than nothing (the float64 path was taken),
-    far less than a per cent."""
-    data = _tiny_mnist(4)
-    torch.manual_seed(2)
-    net = mr.lenet5()
-    theta0 = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    table = mks.kfac_statistic_precision(theta0, data, 1e-4, n_scores=8, device=torch.device("cpu"))
-    assert list(table.index) == [1, 2, 3, 4, 5]
-    assert list(table["shape [W, b]"]) == ["6 x 26", "16 x 151", "128 x 257", "84 x 129", "10 x 85"]
-    median = table["P^-1 s: relative difference, median"]
-    assert (median > 0).all() and (table["P^-1 s: relative difference, largest"] < 1e-2).all()
-    assert table["share below ridge (float32)"].to_numpy() == pytest.approx(table["share below ridge (float64)"])
 
 
 def _tiny_chapter(monkeypatch):

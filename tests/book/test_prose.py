@@ -50,8 +50,8 @@ def internal_names(text: str) -> list[str]:
 
 
 def test_the_check_finds_internal_names():
-    text = "See `smp_book.step_law.draw_steps`; run `python  -m smp_book.reproduce`, or `a` smp_book.x `b`.\n"
-    assert internal_names(text) == ["smp_book.step_law.draw_steps"]
+    text = "See `smp_book.nuts.run_nuts`; run `python  -m smp_book.reproduce`, or `a` smp_book.x `b`.\n"
+    assert internal_names(text) == ["smp_book.nuts.run_nuts"]
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p.parent.name == "notebooks" and p.stem not in API_PAGES],
