@@ -6,7 +6,9 @@ the cached runs, so that neither the book's note nor a later recomputation treat
 For each study named, every results folder of it (``results/<scale>/<study>``, ``results/custom/*-<study>-*``)
 whose manifest holds the old checkout's code hash gets the current one; every cached run under ``.cache/`` whose
 key holds the old hash of the study's module, or of a module it depends on, gets the new one (the file is
-rewritten under its new key). Nothing else changes; the script prints what it did.
+rewritten under its new key). Nothing else changes; the script prints what it did, and each results folder it
+leaves with another code than the current one. The old hashes are taken with the current ``DEPENDS``, so a study
+whose ``DEPENDS`` entry changed is one of those left: re-stamp it by hand once checked.
 """
 
 import json
@@ -32,6 +34,9 @@ def main(old_root: Path, studies: list[str]) -> None:
             if manifest.get("code") == old and old != new:
                 path.write_text(json.dumps({**manifest, "code": new}, indent=2, default=str))
                 print(f"{folder.relative_to(RESULTS.parent)}: code {old} -> {new}")
+            elif manifest.get("code") != new:  # e.g. its DEPENDS entry changed (see above)
+                print(f"{folder.relative_to(RESULTS.parent)}: left as it was (code {manifest.get('code')}, neither "
+                      f"the old checkout's {old} nor the current {new})")
     for path in sorted(CACHE.rglob("*.pt")):
         payload = torch.load(path, map_location="cpu", weights_only=False)
         key = payload.get("config") if isinstance(payload, dict) else None
