@@ -7,34 +7,49 @@ For each study named, every results folder of it (``results/<scale>/<study>``, `
 whose manifest holds the old checkout's code hash gets the current one; every cached run under ``.cache/`` whose
 key holds the old hash of the study's module, or of a module it depends on, gets the new one (the file is
 rewritten under its new key). Nothing else changes; the script prints what it did, and each results folder it
-leaves with another code than the current one. The old hashes are taken with the current ``DEPENDS``, so a study
-whose ``DEPENDS`` entry changed is one of those left: re-stamp it by hand once checked.
+leaves with another code than the current one. The old hashes are taken with the old checkout's ``DEPENDS``.
 """
 
+import ast
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from smp_book import pipeline
 from smp_book.pipeline import CACHE, RESULTS, STUDIES, code_hash, config_key, rests_on
+
+
+def old_code_hash(module: str, old_root: Path) -> str:
+    """:func:`~smp_book.pipeline.code_hash` of ``module`` in the checkout ``old_root``, with that checkout's
+    ``DEPENDS`` (a module whose imports changed rests on other files there)."""
+    tree = ast.parse((old_root / "smp_book" / "pipeline.py").read_text())
+    value = next(node.value for node in ast.walk(tree) if isinstance(node, ast.AnnAssign | ast.Assign)
+                 and "DEPENDS" in [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                                   if isinstance(t, ast.Name)])
+    current, pipeline.DEPENDS = pipeline.DEPENDS, ast.literal_eval(value)
+    try:
+        return code_hash.__wrapped__(module, old_root)
+    finally:
+        pipeline.DEPENDS = current
 
 
 def main(old_root: Path, studies: list[str]) -> None:
     if unknown := [s for s in studies if s not in STUDIES]:
         raise SystemExit(f"studies: unknown {unknown}; known: {', '.join(STUDIES)}")
     modules = {f"smp_book.{name}" for s in studies for name in rests_on(STUDIES[s])}
-    moved = {code_hash(m, old_root): code_hash(m) for m in sorted(modules)}
+    moved = {old_code_hash(m, old_root): code_hash(m) for m in sorted(modules)}
     moved = {old: new for old, new in moved.items() if old != new}
     for study in studies:
-        old, new = code_hash(STUDIES[study], old_root), code_hash(STUDIES[study])
+        old, new = old_code_hash(STUDIES[study], old_root), code_hash(STUDIES[study])
         for folder in [*RESULTS.glob(f"*/{study}"), *RESULTS.glob(f"custom/*-{study}-*")]:
             path = folder / "manifest.json"
             manifest = json.loads(path.read_text()) if path.exists() else {}
             if manifest.get("code") == old and old != new:
                 path.write_text(json.dumps({**manifest, "code": new}, indent=2, default=str))
                 print(f"{folder.relative_to(RESULTS.parent)}: code {old} -> {new}")
-            elif manifest.get("code") != new:  # e.g. its DEPENDS entry changed (see above)
+            elif manifest.get("code") != new:
                 print(f"{folder.relative_to(RESULTS.parent)}: left as it was (code {manifest.get('code')}, neither "
                       f"the old checkout's {old} nor the current {new})")
     for path in sorted(CACHE.rglob("*.pt")):
