@@ -217,16 +217,9 @@ MNIST_BASELINES: dict[str, dict[str, Any]] = {
 # times NUTS's at 1e-3; kfac and dense with lambda = 1e-4 stay about 10^4 times above it even there, and diverge at
 # large tau); the kfac and dense statistics in float64 (the Fisher's eigenvalues span more than float32 resolves
 # against lambda = 1e-4); five data sets; on the first, the MAP, NUTS and Laplace again under the priors
-# N(0, I / alpha), alpha = 0.25 and 4. Beyond the paper's empirical design, SMP again with its covariates resampled
-# from 1200 points uniform on [min x, max x] (the gap included) or from a smoothed bootstrap (Silverman's bandwidth),
-# the preconditioner's Fisher from the 120 training inputs (or from the design), lambda = 1, 0.1, 0.01.
+# N(0, I / alpha), alpha = 0.25 and 4.
 REGRESSION_VARIANTS = [["none", 1e-4], ["fixed-diag", 1e-4], ["ema-diag", 1e-4], ["fixed-kfac", 1e-4],
                        ["fixed-kfac", 1.0], ["fixed-dense", 1e-4], ["fixed-dense", 1.0]]
-REGRESSION_DESIGN_VARIANTS = [  # [design, preconditioner, ridge, Fisher from "data" or "design"]
-    ["uniform", "none", 1e-4, "data"], ["uniform", "fixed-diag", 1e-4, "data"], ["uniform", "fixed-dense", 1.0, "data"],
-    ["uniform", "fixed-dense", 0.1, "data"], ["uniform", "fixed-dense", 0.01, "data"],
-    ["uniform", "fixed-dense", 1.0, "design"], ["uniform", "fixed-dense", 0.01, "design"],
-    ["smoothed", "none", 1e-4, "data"], ["smoothed", "fixed-dense", 1.0, "data"]]
 _REGRESSION_LAPTOP: dict[str, Any] = {
     "n_train": 120, "n_in": 1000, "n_gap": 500, "grid_points": 401, "noise": 0.1, "hidden": 50,
     "prior_precision": 1.0, "map_restarts": 4, "level": 0.9,
@@ -235,22 +228,13 @@ _REGRESSION_LAPTOP: dict[str, Any] = {
     "n_chains": 200, "n_steps": 2000, "ridge": 1e-4, "statistic_dtype": "float64",
     "smp_variants": REGRESSION_VARIANTS, "tau_grid": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0],
     "data_sets": 5, "seed": 2026, "prior_sensitivity": [0.25, 4.0],
-    # beyond the paper's empirical design: covariates resampled from 10 N points of a wider law
-    # (regression_study.design_pool), the preconditioner's Fisher from the data or from the design
-    "design_pool_size": 1200, "design_variants": REGRESSION_DESIGN_VARIANTS,
-    # the tau grid of the design runs: finer between 0.1 and 1, where the first pass found the dense ones leaving
-    # the MAP's neighbourhood as their spread in range neared NUTS's
-    "design_tau_grid": [0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1.0, 3.0],
 }
 REGRESSION: dict[str, dict[str, Any]] = {
     "paper": _REGRESSION_LAPTOP,
     "laptop": dict(_REGRESSION_LAPTOP),
     "ci": {**_REGRESSION_LAPTOP, "n_train": 40, "n_in": 200, "n_gap": 100, "grid_points": 81, "map_restarts": 1,
            "nuts_chains": 2, "nuts_warmup": 100, "nuts_samples": 100, "n_chains": 30, "n_steps": 100,
-           "tau_grid": [0.1, 1.0], "data_sets": 2, "prior_sensitivity": [4.0], "design_pool_size": 400,
-           "design_tau_grid": [0.1, 1.0],
-           "design_variants": [["uniform", "none", 1e-4, "data"], ["uniform", "fixed-dense", 1.0, "data"],
-                               ["smoothed", "fixed-dense", 1.0, "design"]]},
+           "tau_grid": [0.1, 1.0], "data_sets": 2, "prior_sensitivity": [4.0]},
 }
 
 _TABLES = {"toy": TOY, "toy_baselines": TOY_BASELINES, "toy_kfac": TOY_KFAC, "toy_tail": TOY_TAIL, "mnist": MNIST,
@@ -333,5 +317,3 @@ def parameters(namespace: dict[str, Any], study: str | None = None) -> dict[str,
         raise ValueError(f"unknown parameter(s) {', '.join(unknown)}: this chapter takes {', '.join(sorted(allowed))}")
     return {name: namespace[name] for name in sorted(allowed - {"scale"}) if name in namespace}
 
-
-DESIGNS = ("empirical", "uniform", "smoothed")

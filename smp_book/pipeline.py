@@ -54,7 +54,7 @@ DEPENDS: dict[str, tuple[str, ...]] = {
     "mnist_kfac_study": ("mnist_runs",), "mnist_tail_study": ("mnist_runs", "tails"),
     "shifted": ("summaries",), "mnist_baseline_study": ("baselines", "mnist_runs", "shifted", "summaries"),
     "last_layer_study": ("last_layer_runs", "mnist_runs", "shifted"),
-    "regression_study": ("baselines", "nuts", "summaries"), "summary_study": ("summaries",),
+    "regression_study": ("baselines", "nuts"),
 }
 
 

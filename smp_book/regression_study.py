@@ -21,12 +21,9 @@ from smp_core.preconditioners import ROUNDED_STATISTIC_WARNING, parse_preconditi
 from smp_core.recursion import DivergenceError, Fisher, run_smp
 
 from .baselines import fit_laplace, linearised_logits
-from .config import DESIGNS
-from .summaries import empirical_counterpart
 
 REGIONS = ("in range", "in the gap")
 GAP = (-1.0, 1.0)
-POOL_SEED_OFFSET = 50  # a data set's design pools from seed + 1000 index + 50 + DESIGNS.index(design)
 REFERENCES = ("NUTS", "MAP", "Laplace (linearised)")
 
 
@@ -50,38 +47,9 @@ def gap_data(n_train: int, n_in: int, n_gap: int, noise: float,
     return {name: (x[:, None], curve(x) + noise * torch.randn(len(x), generator=gen)) for name, x in inputs.items()}
 
 
-def design_pool(x: torch.Tensor, design: str, size: int, seed: int) -> torch.Tensor:
-    """Covariates for SMP to resample from: ``x`` ``(N, p)`` itself (``"empirical"``, the paper's), or ``size`` points
-    ``"uniform"`` on the box ``x`` spans or ``"smoothed"``, ``x_I + h eps`` (:func:`smoothing_bandwidth`)."""
-    if design not in DESIGNS:
-        raise ValueError(f"unknown design {design!r}; choose one of {DESIGNS}")
-    if design == "empirical":
-        return x
-    gen, x64, shape = torch.Generator().manual_seed(seed), x.double(), (size, x.shape[1])
-    if design == "uniform":
-        low, high = x64.min(dim=0).values, x64.max(dim=0).values
-        return (low + (high - low) * torch.rand(shape, generator=gen, dtype=torch.float64)).to(x.dtype)
-    picked = x64[torch.randint(x.shape[0], (size,), generator=gen)]
-    return (picked + smoothing_bandwidth(x64) * torch.randn(shape, generator=gen, dtype=torch.float64)).to(x.dtype)
-
-
-def smoothing_bandwidth(x: torch.Tensor) -> torch.Tensor:
-    """Silverman's ``0.9 min(sd_j, IQR_j / 1.34) N^(-1/(p+4))`` per coordinate of ``x`` (the sd alone if IQR 0)."""
-    x64 = x.double()
-    n, p = x64.shape
-    quartiles = torch.quantile(x64, torch.tensor([0.25, 0.75], dtype=torch.float64), dim=0)
-    sd, iqr = x64.std(dim=0), quartiles[1] - quartiles[0]
-    return 0.9 * torch.where(iqr > 0, torch.minimum(sd, iqr / 1.34), sd) * n ** (-1.0 / (p + 4))
-
-
-def method_label(preconditioner: str, ridge: float, default_ridge: float, design: str | None = None,
-                 fisher_from: str = "data") -> str:
-    """``"SMP fixed-dense"``, then ``", ridge 1"`` (not the default), ``", uniform design, P from the design"``."""
-    if fisher_from not in ("data", "design"):
-        raise ValueError(f"fisher_from must be 'data' or 'design', got {fisher_from!r}")
-    label = f"SMP {preconditioner}" + ("" if ridge == default_ridge else f", ridge {ridge:g}")
-    own_p = ", P from the design" if fisher_from == "design" and preconditioner != "none" else ""
-    return label if design is None else f"{label}, {design} design{own_p}"
+def method_label(preconditioner: str, ridge: float, default_ridge: float) -> str:
+    """``"SMP fixed-dense"``, then ``", ridge 1"`` where the ridge is not the default."""
+    return f"SMP {preconditioner}" + ("" if ridge == default_ridge else f", ridge {ridge:g}")
 
 
 def regression_mlp(hidden: int) -> nn.Sequential:
@@ -185,35 +153,27 @@ def evaluate(means: dict[str, torch.Tensor], reference_sd: dict[str, torch.Tenso
     return out
 
 
-def _checked_settings(cfg: dict[str, Any]) -> list[tuple[str, str | None, str, float, str]]:
-    """``(label, design, preconditioner, ridge, fisher_from)`` of every SMP setting, checked before any work."""
+def _checked_settings(cfg: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """``(label, preconditioner, ridge)`` of every SMP setting, checked before any work."""
     settings = []
-    for name, form in (("smp_variants", "[preconditioner, ridge]"),
-                       ("design_variants", "[design, preconditioner, ridge, fisher_from]")):
-        for variant in cfg.get(name, []):
-            if len(variant) != form.count(",") + 1:
-                raise ValueError(f"each {name} entry is {form}, got {variant!r}")
-            settings.append((None, *variant, "data") if name == "smp_variants" else tuple(variant))
-    for design, preconditioner, _, _ in settings:
-        if design not in (None, *DESIGNS):
-            raise ValueError(f"unknown design {design!r} in design_variants; choose one of {DESIGNS}")
-        parse_preconditioner_name(preconditioner)
-    if cfg.get("design_variants") and not int(cfg.get("design_pool_size", 0)) >= 1:
-        raise ValueError(f"design_variants need a design_pool_size of at least 1, got {cfg.get('design_pool_size')!r}")
-    labels = [method_label(p, r, cfg["ridge"], d, f) for d, p, r, f in settings]
+    for variant in cfg["smp_variants"]:
+        if len(variant) != 2:
+            raise ValueError(f"each smp_variants entry is [preconditioner, ridge], got {variant!r}")
+        parse_preconditioner_name(variant[0])
+        settings.append((method_label(*variant, cfg["ridge"]), *variant))
+    labels = [label for label, _, _ in settings]
     if len(set(labels)) < len(labels):
         raise ValueError(f"two SMP settings share a label: {labels}")
-    if max(len(cfg["tau_grid"]), len(cfg.get("design_tau_grid", []))) > 10 or len(labels) > 89:
-        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants (designs included)")
-    return [(label, *setting) for label, setting in zip(labels, settings, strict=True)]
+    if len(cfg["tau_grid"]) > 10 or len(labels) > 89:
+        raise ValueError("the SMP seeds base + 100 + 10 v + t need at most 10 taus and 89 variants")
+    return settings
 
 
 def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dict[str, Any]:
     """One data set: its MAP, NUTS, the Laplace approximation and every SMP run of ``cfg``, evaluated.
 
-    Seeds: data ``base = seed + 1000 index``; MAP restarts, NUTS and Laplace ``base + 1``; SMP setting ``v`` (the
-    ``design_variants`` after the ``smp_variants``) at ``tau`` position ``t``: ``base + 100 + 10 v + t``; the pool of
-    design ``D``: ``base + 50 + DESIGNS.index(D)``. Every SMP run keeps ``N`` in its step size.
+    Seeds: data ``base = seed + 1000 index``; MAP restarts, NUTS and Laplace ``base + 1``; SMP setting ``v`` at ``tau``
+    position ``t``: ``base + 100 + 10 v + t``.
     """
     settings = _checked_settings(cfg)
     base, noise, alpha = cfg["seed"] + 1000 * index, cfg["noise"], cfg["prior_precision"]
@@ -238,19 +198,17 @@ def run_data_set(cfg: dict[str, Any], index: int, progress: bool = False) -> dic
                "MAP": (math.nan, network_means(theta_map[None]), 0, 0),
                "Laplace (linearised)": (math.nan, {name: linearised_logits(net, theta_map, laplace_draws, xs)
                                                    for name, xs in inputs.items()}, 0, 0)}
-    for v, (label, design, preconditioner, ridge, fisher_from) in enumerate(settings):
-        pool = x if design is None else design_pool(x, design, cfg["design_pool_size"],
-                                                    base + POOL_SEED_OFFSET + DESIGNS.index(design))
+    for v, (label, preconditioner, ridge) in enumerate(settings):
         structured = preconditioner != "none" and not preconditioner.endswith("-diag")
         precond = preconditioner_from_name(preconditioner, ridge=ridge,
                                            statistic_dtype=cfg["statistic_dtype"] if structured else None)
-        for t, tau in enumerate(cfg["tau_grid"] if design is None else cfg.get("design_tau_grid", cfg["tau_grid"])):
+        for t, tau in enumerate(cfg["tau_grid"]):
             draws, diverged = None, cfg["n_chains"]  # unless run_smp returns: it raises when every chain diverged
             with warnings.catch_warnings(record=True) as caught, contextlib.suppress(DivergenceError):
                 warnings.simplefilter("always")
-                run = run_smp(net, Gaussian(noise), pool, preconditioner=precond, tau=tau, n_steps=cfg["n_steps"],
+                run = run_smp(net, Gaussian(noise), x, preconditioner=precond, tau=tau, n_steps=cfg["n_steps"],
                               n_chains=cfg["n_chains"], seed=base + 100 + 10 * v + t, n_obs=len(x),
-                              fisher=Fisher("model", pool if fisher_from == "design" else x), progress=progress)
+                              fisher=Fisher("model", x), progress=progress)
                 draws, diverged = run.samples(), int(run.diverged.sum())
             methods[f"{label}|{tau:g}"] = (tau, network_means(draws) if draws is not None and len(draws) >= 2 else None,
                                            diverged, sum(str(w.message) == ROUNDED_STATISTIC_WARNING for w in caught))
@@ -335,28 +293,16 @@ def prior_table(runs: list[tuple[float, pd.DataFrame]]) -> pd.DataFrame:
         index=["method", "region"], columns="prior precision", values=["median sd", "coverage"], sort=False)
 
 
-def _first_order(shape: pd.DataFrame, method: str) -> tuple[float, float] | tuple[None, None]:
-    """``(tau, gap share)`` of ``method`` at its smallest eligible ``tau``, or ``(None, None)``."""
-    values = shape.loc[method].dropna() if method in shape.index else ()
-    return (float(values.index[0]), float(values.iloc[0])) if len(values) else (None, None)
-
-
 def _value(summary: pd.DataFrame, method: str, column: str, region: str) -> float:
     return float(summary.xs((method, region), level=("method", "region"))[column].iloc[0])
 
 
-def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, n_data_sets: int,
-             empirical_shape: pd.DataFrame | None = None) -> str:
-    """Markdown bullets per SMP setting at the ``tau`` of ``matched`` (with ``empirical_shape``: its gap shares too)."""
-    def first(table, method):
-        tau, share = _first_order(table, method)
-        return (f"{share:.3f} at tau = {tau:g}" if tau is not None else
-                "none eligible" if method in table.index else "not run")
-
+def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, n_data_sets: int) -> str:
+    """Markdown bullets per SMP setting at the ``tau`` of ``matched``, then NUTS, Laplace and the settings matched in
+    both regions."""
     lines = []
     for method, row in matched.iterrows():
-        parts = [] if empirical_shape is None else [f"gap share {first(shape, method)} (the empirical design's: "
-                                                    f"{first(empirical_shape, empirical_counterpart(method))})"]
+        parts = []
         if math.isnan(row["tau"]):
             parts.append("no tau of the grid gives a result on every data set without a diverged chain")
         elif not row["within 2x"]:
@@ -376,39 +322,6 @@ def findings(summary: pd.DataFrame, matched: pd.DataFrame, shape: pd.DataFrame, 
               "settings within a factor 2 of NUTS's spread in both regions: "
               + (", ".join(f"{m} at tau = {t:g}" for m, t in both) if both else "none")]
     return "\n".join(f"- {line}" for line in lines)
-
-
-def design_reading(matched: pd.DataFrame, shape: pd.DataFrame, empirical_shape: pd.DataFrame) -> str:
-    """The design runs' gap shares in four groups, each with what it is read against (Markdown)."""
-    reading = (("The design with $P = I$ or a diagonal $P$",
-                "smallest $\\tau$, against the empirical design's with the same preconditioner"),
-               ("The design with the data's structured $P$",
-                "smallest $\\tau$, against the empirical design's with the same preconditioner and ridge (NUTS: 1)"),
-               ("At NUTS's spread in range", "matched $\\tau$, against that at the smallest $\\tau$"),
-               ("The design's own $P$", "smallest $\\tau$, against the data's $P$ with the same design and ridge"))
-    groups = [[], [], [], []]
-    for method, row in matched.iterrows():
-        counterpart = empirical_counterpart(method)
-        share, empirical = _first_order(shape, method)[1], _first_order(empirical_shape, counterpart)[1]
-        kind = counterpart.removeprefix("SMP ").split(",")[0]
-        if share is None:
-            continue
-        if method.endswith(", P from the design"):
-            data_share = _first_order(shape, method.removesuffix(", P from the design"))[1]
-            groups[3].append(f"{method}: {share:.3f} (the data's P: "
-                             + ("not run" if data_share is None else f"{data_share:.3f}")
-                             + ("" if empirical is None else f"; the empirical design's: {empirical:.3f}") + ")")
-        elif kind == "none" or kind.endswith("-diag"):
-            groups[0] += [] if empirical is None else [
-                f"{method}: {share:.3f} against {empirical:.3f} ({share / empirical:.2f} times)"]
-        else:
-            groups[1].append(f"{method}: {share:.3f}" + (" (the empirical design: not run)" if empirical is None else
-                                                         f" against {empirical:.3f} ({share / empirical:.1f} times)"))
-        if not math.isnan(row["tau"]) and row["within 2x"]:
-            groups[2].append(f"{method}: {shape.loc[method, row['tau']]:.3f} at tau = {row['tau']:g} against "
-                             f"{share:.3f} at the smallest tau")
-    return "\n".join(f"- **{title}** (gap share at the {what}): " + "; ".join(items) + "."
-                     for (title, what), items in zip(reading, groups, strict=True) if items)
 
 
 def prior_findings(table: pd.DataFrame, rows: pd.DataFrame, matched: pd.DataFrame,
@@ -450,7 +363,7 @@ def spread_ratio_figure(summary: pd.DataFrame):
 
 def bands_figure(run: dict[str, Any], keys: list[str], fontsize: float = 8):
     """The 5-95 % predictive bands of the methods ``keys`` (``"NUTS"``, ``"<label>|<tau>"``) of one data set, four
-    to a row (a line break before a design in the titles)."""
+    to a row."""
     import matplotlib.pyplot as plt
 
     keys, grid = [key for key in keys if key in run["bands"]], run["grid"]
@@ -463,8 +376,6 @@ def bands_figure(run: dict[str, Any], keys: list[str], fontsize: float = 8):
         ax.plot(grid, band["q50"], lw=1)
         ax.plot(grid, curve(grid), "k--", lw=0.7)
         ax.plot(*run["train"], "k.", ms=2)
-        for design in DESIGNS:
-            label = label.replace(f", {design}", f",\n{design}")
         ax.set_title(label + (f", tau {tau}" if tau else ""), fontsize=fontsize)
         ax.set_ylim(-4, 4)
     for ax in list(axes.flat)[len(keys):]:
@@ -487,9 +398,7 @@ def compute(ctx) -> None:
         return [f"{m}|{row['tau']:g}" for m, row in matched.iterrows() if row["within 2x"]]
 
     runs, names = [run(cfg, i) for i in range(n)], [f"data set {i}" for i in range(n)]
-    all_rows = pd.concat([r["rows"] for r in runs], ignore_index=True)
-    from_a_design = all_rows["method"].str.contains(" design")  # the last section's runs
-    rows = all_rows[~from_a_design]
+    rows = pd.concat([r["rows"] for r in runs], ignore_index=True)
     summary = ctx.table("scores_median", summary_table(rows))
     ctx.table("map_fit", pd.DataFrame([r["map"] for r in runs], index=names))
     nuts = ctx.table("nuts_diagnostics", pd.DataFrame([r["nuts"] for r in runs], index=names))
@@ -502,26 +411,14 @@ def compute(ctx) -> None:
     ctx.figure("bands", bands_figure(runs[0], list(REFERENCES) + matched_keys(matched)))
 
     # the reference under the other priors: data set 0 without the SMP runs
-    reference_cfg = {k: v for k, v in cfg.items() if not k.startswith("design_")} | {"smp_variants": []}
+    reference_cfg = cfg | {"smp_variants": []}
     others = [(alpha, run(reference_cfg | {"prior_precision": alpha}, 0)) for alpha in cfg["prior_sensitivity"]]
     priors = ctx.table("prior_sensitivity", prior_table([(cfg["prior_precision"], rows)]
                                                         + [(alpha, r["rows"]) for alpha, r in others]))
     ctx.value("prior_text", prior_findings(priors, rows, matched, [(a, r["nuts"]) for a, r in others]))
 
-    design_rows = all_rows[from_a_design | all_rows["method"].isin(REFERENCES)]
-    design_summary = summary_table(design_rows)
-    ctx.table("design_scores_wide", wide_table(design_summary, ("sd_ratio", "coverage", "nll")))
-    design_matched = ctx.table("design_tau_matched_in_range", best_tau(design_summary, n, "in range"))
-    design_shape = ctx.table("design_spread_shape", spread_shape(design_rows, n))
-    ctx.value("design_text", findings(design_summary, design_matched, design_shape, n, shape))
-    ctx.value("design_reading", design_reading(design_matched, design_shape, shape))
-    ctx.figure("design_bands", bands_figure(runs[0], ["NUTS"] + matched_keys(design_matched), fontsize=7))
-
     # the settings and numbers the prose quotes
     settings, eigenvalues = _checked_settings(cfg), runs[0]["fisher_eigenvalues"]
-    x = runs[0]["train"][0][:, None]  # the first data set's training inputs
-    pools = {d: design_pool(x, d, cfg["design_pool_size"], cfg["seed"] + POOL_SEED_OFFSET + DESIGNS.index(d))
-             for d in DESIGNS[1:]}
     healthy = (nuts["divergences"] == 0) & (nuts["max_rhat_outputs"] < 1.05) & (nuts["min_ess_outputs"] > 100)
     fine = matched[matched["within 2x"]]["sd_ratio (in the gap)"]
     laplace_gap = _value(summary, REFERENCES[2], "sd_ratio", "in the gap")
@@ -532,21 +429,17 @@ def compute(ctx) -> None:
     quoted = {key: cfg[key] for key in (
         "n_train", "n_in", "n_gap", "noise", "hidden", "data_sets", "map_restarts", "nuts_chains", "nuts_warmup",
         "nuts_samples", "nuts_target_accept", "nuts_max_tree_depth", "nuts_init_jitter", "n_chains", "n_steps", "ridge",
-        "level", "prior_precision", "design_pool_size")} | {
+        "level", "prior_precision")} | {
         "dim": len(eigenvalues), "max_leapfrog": 2 ** cfg["nuts_max_tree_depth"] - 1,
         "share_at_K": 1 - cfg["n_train"] / (cfg["n_train"] + cfg["n_steps"]),
         "tau_grid": ", ".join(f"{v:g}" for v in cfg["tau_grid"]),
-        "design_tau_grid": ", ".join(f"{v:g}" for v in cfg.get("design_tau_grid", cfg["tau_grid"])),
         "prior_alphas": " and ".join(f"{a:g}" for a in cfg["prior_sensitivity"]),
-        "smp_settings": "; ".join(s[0].removeprefix("SMP ") for s in settings if s[1] is None),
-        "design_settings": "; ".join(s[0].removeprefix("SMP ") for s in settings if s[1] is not None),
+        "smp_settings": "; ".join(s[0].removeprefix("SMP ") for s in settings),
         "coverage_se_gap": math.sqrt(cfg["level"] * (1 - cfg["level"]) / cfg["n_gap"]),
         "nuts_healthy": int(healthy.sum()), "tree_depth_share_min": nuts["max_tree_depth_share"].min(),
         "tree_depth_share_max": nuts["max_tree_depth_share"].max(),
         "fisher_largest": ", ".join(f"{v:.3g}" for v in eigenvalues[:6].tolist()),
         "fisher_above_1": int((eigenvalues > 1).sum()), "fisher_above_ridge": int((eigenvalues > cfg["ridge"]).sum()),
-        "smoothed_bandwidth": float(smoothing_bandwidth(x)[0]),
-        **{f"{d}_gap_share": float(((p > GAP[0]) & (p < GAP[1])).double().mean()) for d, p in pools.items()},
         "nuts_coverage_gap": _value(summary, "NUTS", "coverage", "in the gap"),
         "answer": answer + f"; {len(matched_in_both(summary, n))} SMP setting(s) of the empirical design come within "
                   "a factor 2 of NUTS's spread in both regions."}

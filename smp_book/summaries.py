@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from .config import DESIGNS
-
 
 def summarise_replicates(per_replicate: list[dict[str, pd.DataFrame]]) -> dict[str, pd.DataFrame]:
     """Mean and standard deviation (``ddof=1``; NaN for one replicate) over replicates of every cell.
@@ -74,15 +72,6 @@ def variance_components(values: pd.DataFrame) -> pd.DataFrame:
                         "group_share": var_group / total if total > 0 else float("nan"), "F": f_stat,
                         "p_value": p_value}
     return pd.DataFrame.from_dict(rows, orient="index")
-
-
-def empirical_counterpart(label: str) -> str:
-    """The label of the same SMP setting with the empirical design: :func:`design_label`'s design part removed
-    (``"SMP fixed-dense, ridge 1, uniform design, P from the design"`` -> ``"SMP fixed-dense, ridge 1"``); a label
-    without one is returned as it is."""
-    for design in DESIGNS:
-        label = label.split(f", {design} design")[0]
-    return label
 
 
 def paired_lead(differences) -> float:

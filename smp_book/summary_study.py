@@ -88,9 +88,7 @@ def tail_table(mnist_tail, paper=None) -> pd.DataFrame | None:
 
 def regression_tables(ctx, regression) -> None:
     """Per SMP setting of the regression chapter, the tau matched to NUTS's spread in range and the spread
-    there (beside the linearised Laplace approximation's); and the wider design's gap shares."""
-    from .summaries import empirical_counterpart
-
+    there (beside the linearised Laplace approximation's)."""
     if not (regression.has("tau_matched_in_range") and regression.has("scores_median")):
         return
     matched = regression.table("tau_matched_in_range")
@@ -104,23 +102,3 @@ def regression_tables(ctx, regression) -> None:
     columns = ["tau", "within 2x", "sd_ratio (in range)", "sd_ratio (in the gap)", "coverage (in the gap)"]
     ctx.table("regression", matched.reindex(columns=columns).map(
         lambda v: "-" if pd.isna(v) else f"{v:.3g}" if isinstance(v, float) else v))
-    if not all(regression.has(n) for n in ("design_spread_shape", "spread_shape", "design_tau_matched_in_range")):
-        return
-    design_shape, empirical_shape = regression.table("design_spread_shape"), regression.table("spread_shape")
-    design_matched = regression.table("design_tau_matched_in_range")
-
-    def smallest_tau_share(table, method):
-        values = table.loc[method].dropna() if method in table.index else pd.Series(dtype=float)
-        return f"{values.iloc[0]:.3g} (tau {float(values.index[0]):g})" if len(values) else "-"
-
-    rows = {}
-    for m in design_matched.index:
-        row = design_matched.loc[m]
-        ok = bool(row["within 2x"])
-        rows[m] = {"gap share, smallest tau": smallest_tau_share(design_shape, m),
-                   "empirical design's": smallest_tau_share(empirical_shape, empirical_counterpart(m)),
-                   "tau matched in range": f"{row['tau']:.3g}" if ok and pd.notna(row["tau"]) else "-",
-                   "sd_ratio (in the gap) there": (f"{row['sd_ratio (in the gap)']:.3g}"
-                                                   if ok and pd.notna(row["sd_ratio (in the gap)"]) else "-"),
-                   "gap share there": f"{design_shape.loc[m, f'{row.tau}']:.3g}" if ok else "-"}
-    ctx.table("regression_design", pd.DataFrame.from_dict(rows, orient="index"))

@@ -91,24 +91,13 @@ def test_fit_map_reaches_a_stationary_point():
 def test_method_label():
     assert rs.method_label("fixed-dense", 1e-4, 1e-4) == "SMP fixed-dense"
     assert rs.method_label("fixed-dense", 1.0, 1e-4) == "SMP fixed-dense, ridge 1"
-    assert rs.method_label("none", 1e-4, 1e-4, "uniform", "data") == "SMP none, uniform design"
-    assert rs.method_label("none", 1e-4, 1e-4, "uniform", "design") == "SMP none, uniform design"  # no P to take it
-    assert (rs.method_label("fixed-dense", 1.0, 1e-4, "smoothed", "design")
-            == "SMP fixed-dense, ridge 1, smoothed design, P from the design")
-    with pytest.raises(ValueError, match="fisher_from"):
-        rs.method_label("fixed-dense", 1.0, 1e-4, "uniform", "pool")
-    for label in ("SMP fixed-dense, ridge 1, smoothed design, P from the design", "SMP fixed-dense, ridge 1"):
-        assert rs.empirical_counterpart(label) == "SMP fixed-dense, ridge 1"
-    assert rs.empirical_counterpart("SMP none, uniform design") == "SMP none"
 
 
 @pytest.fixture(scope="module")
 def small_run():
     cfg = {**get_config("regression", "ci"), "n_train": 20, "n_in": 30, "n_gap": 20, "grid_points": 9,
            "hidden": 4, "nuts_warmup": 50, "nuts_samples": 50, "n_chains": 8, "n_steps": 20, "tau_grid": [0.01, 1.0],
-           "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]], "design_pool_size": 40,
-           "design_tau_grid": [0.1],
-           "design_variants": [["uniform", "none", 1e-4, "data"], ["smoothed", "fixed-dense", 1.0, "design"]]}
+           "smp_variants": [["fixed-diag", 1e-4], ["fixed-dense", 1e-4]]}
     calls = []
 
     def recording_run_smp(net, likelihood, covariates, **kwargs):
@@ -126,10 +115,9 @@ def test_run_data_set_rows_and_reference(small_run):
     cfg, run = small_run
     rows = run["rows"]
     expected = ["NUTS", "MAP", "Laplace (linearised)", "SMP fixed-diag", "SMP fixed-diag", "SMP fixed-dense",
-                "SMP fixed-dense", "SMP none, uniform design",
-                "SMP fixed-dense, ridge 1, smoothed design, P from the design"]
+                "SMP fixed-dense"]
     assert list(rows["method"][::2]) == expected
-    assert list(rows["tau"][::2].dropna()) == [0.01, 1.0, 0.01, 1.0, 0.1, 0.1]        # the designs' own grid
+    assert list(rows["tau"][::2].dropna()) == [0.01, 1.0, 0.01, 1.0]
     assert list(rows["region"][:2]) == list(rs.REGIONS)
     nuts = rows[rows["method"] == "NUTS"]
     assert (nuts["sd_ratio"] == 1.0).all()                           # NUTS against itself
@@ -145,23 +133,18 @@ def test_run_data_set_rows_and_reference(small_run):
     assert (eigenvalues[:-1] >= eigenvalues[1:]).all()
 
 
-def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured(small_run):
+def test_smp_runs_resample_the_training_inputs_with_their_seeds(small_run):
+    """Algorithm 1's empirical design: every run resamples the training inputs, takes its Fisher there and N as
+    their number, with the seed base + 100 + 10 v + t of setting v at tau position t."""
     cfg, run = small_run
     base = cfg["seed"]                                                     # data set 0
     x = rs.gap_data(cfg["n_train"], cfg["n_in"], cfg["n_gap"], cfg["noise"], base)["train"][0]
-    uniform = rs.design_pool(x, "uniform", cfg["design_pool_size"], base + rs.POOL_SEED_OFFSET + 1)
-    smoothed = rs.design_pool(x, "smoothed", cfg["design_pool_size"], base + rs.POOL_SEED_OFFSET + 2)
-    expected = [  # (preconditioner, covariates, the Fisher's inputs, variant number v) per tau
-        ("fixed-diag", x, x, 0), ("fixed-dense", x, x, 1),                # the empirical design
-        ("none", uniform, x, 2),                                           # uniform design, Fisher from the data
-        ("fixed-dense", smoothed, smoothed, 3)]                            # smoothed design, P from the design
-    taus = [cfg["tau_grid"]] * 2 + [cfg["design_tau_grid"]] * 2
     calls = iter(run["run_smp_calls"])
-    for (preconditioner, covariates, fisher_x, v), grid in zip(expected, taus, strict=True):
-        for t in range(len(grid)):
+    for v, preconditioner in enumerate(("fixed-diag", "fixed-dense")):
+        for t in range(len(cfg["tau_grid"])):
             call = next(calls)
             assert call["preconditioner"].name == preconditioner
-            assert torch.equal(call["covariates"], covariates) and torch.equal(call["fisher_x"], fisher_x)
+            assert torch.equal(call["covariates"], x) and torch.equal(call["fisher_x"], x)
             assert call["n_obs"] == cfg["n_train"] and call["seed"] == base + 100 + 10 * v + t
     assert next(calls, None) is None
 
@@ -169,7 +152,7 @@ def test_design_runs_resample_their_pool_and_take_the_fisher_and_n_as_configured
 def test_the_prior_runs_reproduce_the_reference_and_prior_table_sets_them_side_by_side(small_run):
     """compute's runs under other priors are data set 0 without SMP: under the chapter's prior, its reference again."""
     cfg, run = small_run
-    alone = {a: rs.run_data_set({**cfg, "prior_precision": a, "smp_variants": [], "design_variants": []}, 0)["rows"]
+    alone = {a: rs.run_data_set({**cfg, "prior_precision": a, "smp_variants": []}, 0)["rows"]
              for a in (cfg["prior_precision"], 4.0)}
     references = run["rows"][run["rows"]["method"].isin(rs.REFERENCES)]
     pd.testing.assert_frame_equal(alone[cfg["prior_precision"]], references)
@@ -280,11 +263,10 @@ def tiny_map():
     null = vectors[:, values < 1e-10 * values.max()]
     assert null.shape[1] == theta0.numel() - 6
 
-    def outside_share(preconditioner, tau, ridge, covariates=None, fisher_x=None):
-        run = run_smp(net, Gaussian(0.1), x if covariates is None else covariates, tau=tau, n_steps=50, n_chains=20,
-                      seed=1, progress=False, n_obs=len(x),
+    def outside_share(preconditioner, tau, ridge):
+        run = run_smp(net, Gaussian(0.1), x, tau=tau, n_steps=50, n_chains=20, seed=1, progress=False, n_obs=len(x),
                       preconditioner=preconditioner_from_name(preconditioner, ridge=ridge),
-                      fisher=Fisher("model", x if fisher_x is None else fisher_x, None))
+                      fisher=Fisher("model", x, None))
         delta = run.theta - theta0
         return float(((delta @ null).norm(dim=1) / delta.norm(dim=1)).median())
 
@@ -302,70 +284,11 @@ def test_the_chapters_mechanism_none_and_dense_steps_stay_in_the_fishers_range(t
     assert outside_share("fixed-diag", 1e-3, 1e-4) > 0.3
 
 
-def test_covariates_from_a_wider_design_leave_the_fishers_range(tiny_map):
-    """The last section's premise: covariates uniform on the inputs' range (the gap included) give scores outside the
-    range of the training inputs' F, so the same runs now move the parameters there, most of all with P = F + I from
-    the training inputs, whose inverse passes those parts on unshrunk."""
-    x, outside_share = tiny_map
-    pool = rs.design_pool(x, "uniform", 200, seed=3)
-    assert outside_share("none", 1e-3, 1e-4, covariates=pool) > 0.1
-    assert outside_share("fixed-dense", 1e-2, 1.0, covariates=pool) > 0.5
-
-
-def test_smoothing_bandwidth_by_hand():
-    # 1..10: sd 3.0277 < IQR / 1.34 = (7.75 - 3.25) / 1.34 = 3.358, so h = 0.9 * 3.0277 * 10^(-1/5) = 1.7193
-    one_to_ten = torch.arange(1.0, 11.0)[:, None]
-    assert rs.smoothing_bandwidth(one_to_ten).item() == pytest.approx(1.719286, rel=1e-6)
-    # an outlier in place of 10 leaves the quartiles: h = 0.9 * 4.5 / 1.34 * 10^(-1/5) = 1.9070
-    outlier = one_to_ten.clone()
-    outlier[-1] = 1000.0
-    assert rs.smoothing_bandwidth(outlier).item() == pytest.approx(1.906998, rel=1e-6)
-    # eight zeros, 1 and 2: IQR 0, so the sd alone: 0.9 * 0.67495 * 10^(-1/5) = 0.38328
-    tied = torch.tensor([0.0] * 8 + [1.0, 2.0])[:, None]
-    assert rs.smoothing_bandwidth(tied).item() == pytest.approx(0.383277, rel=1e-6)
-    # two coordinates: N^(-1/6) in place of N^(-1/5), per coordinate
-    both = rs.smoothing_bandwidth(torch.cat([one_to_ten, outlier], dim=1))
-    factor = 10 ** (-1 / 6) / 10 ** (-1 / 5)
-    assert both.tolist() == pytest.approx([1.719286 * factor, 1.906998 * factor], rel=1e-6)
-
-
-def test_design_pool_laws_and_errors():
-    gen = torch.Generator().manual_seed(0)
-    x = torch.cat([torch.rand(60, 2, generator=gen) * 2 - 3, torch.rand(60, 2, generator=gen) * 2 + 1]).double()
-    assert rs.design_pool(x, "empirical", 10, seed=0) is x
-    size = 20000
-    uniform = rs.design_pool(x, "uniform", size, seed=1)
-    assert uniform.shape == (size, 2) and uniform.dtype == x.dtype
-    low, high = x.min(dim=0).values, x.max(dim=0).values
-    assert ((uniform >= low) & (uniform <= high)).all()
-    # uniform on [low, high]: mean (low + high) / 2 and variance (high - low)^2 / 12, per coordinate
-    z_mean = (uniform.mean(0) - (low + high) / 2) / ((high - low) / math.sqrt(12) / math.sqrt(size))
-    squares = (uniform - (low + high) / 2) ** 2
-    z_var = (squares.mean(0) - (high - low) ** 2 / 12) / (squares.std(0) / math.sqrt(size))
-    assert z_mean.abs().max() < 4.5 and z_var.abs().max() < 4.5, (z_mean, z_var)
-    smoothed = rs.design_pool(x, "smoothed", size, seed=2)
-    # x_I + h eps: mean mean(x), variance var_emp(x) + h^2 per coordinate (h checked by hand in the test above)
-    h = rs.smoothing_bandwidth(x)
-    variance = x.var(dim=0, unbiased=False) + h**2
-    z_mean = (smoothed.mean(0) - x.mean(0)) / (variance / size).sqrt()
-    centred = (smoothed - x.mean(0)) ** 2
-    z_var = (centred.mean(0) - variance) / (centred.std(0) / math.sqrt(size))
-    assert z_mean.abs().max() < 4.5 and z_var.abs().max() < 4.5, (z_mean, z_var)
-    assert torch.equal(smoothed, rs.design_pool(x, "smoothed", size, seed=2))    # reproducible from the seed
-    assert rs.design_pool(x.float(), "uniform", 5, seed=0).dtype == torch.float32
-    with pytest.raises(ValueError, match="unknown design"):
-        rs.design_pool(x, "grid", 10, seed=0)
-
-
 @pytest.mark.parametrize("change, match", [
-    ({"design_variants": [["uniform", "none", 1e-4, "data"], ["uniform", "none", 1e-4, "design"]]}, "share a label"),
-    ({"design_variants": [["grid", "none", 1e-4, "data"]]}, "unknown design"),
-    ({"design_variants": [["uniform", "none", 1e-4]]}, "design_variants entry"),
-    ({"design_variants": [["uniform", "fixed-dens", 1.0, "data"]]}, "unknown preconditioner"),
-    ({"design_variants": [["uniform", "none", 1e-4, "pool"]]}, "fisher_from"),
-    ({"design_pool_size": 0}, "design_pool_size"),
+    ({"smp_variants": [["none", 1e-4], ["none", 1e-4]]}, "share a label"),
+    ({"smp_variants": [["fixed-dens", 1.0]]}, "unknown preconditioner"),
     ({"smp_variants": [["none"]]}, "smp_variants entry"),
-    ({"design_tau_grid": [0.1] * 11}, "at most 10 taus")])
+    ({"tau_grid": [0.1] * 11}, "at most 10 taus")])
 def test_run_data_set_refuses_bad_settings_before_any_work(change, match, monkeypatch):
     def no_work(*args, **kwargs):
         raise AssertionError("the data were drawn before the settings were checked")
@@ -386,22 +309,3 @@ def test_wide_table_puts_the_regions_side_by_side_and_shown_marks_missing_cells(
     assert ("NUTS", "-") in shown.index                                   # NUTS has no tau
     assert shown.loc[("SMP b", 0.1), "sd_ratio (in range)"] == "-"       # every chain diverged
     assert shown.loc[("SMP a", 0.1), "sd_ratio (in range)"] == 0.75
-
-
-def test_design_reading_groups_the_design_runs_with_their_numbers():
-    nan = math.nan
-    labels = ["SMP none, uniform design", "SMP fixed-dense, ridge 1, uniform design",
-              "SMP fixed-dense, ridge 1, uniform design, P from the design"]
-    shape = pd.DataFrame({nan: [nan] * 3, 0.1: [0.02, 0.5, 0.05], 1.0: [0.03, 0.3, 0.06]}, index=labels)
-    empirical = pd.DataFrame({nan: [nan, nan], 0.1: [0.02, 0.1], 1.0: [0.02, 0.1]},
-                             index=["SMP none", "SMP fixed-dense, ridge 1"])
-    matched = pd.DataFrame({"tau": [nan, 1.0, 1.0], "within 2x": [False, True, False]}, index=labels)
-    reading = rs.design_reading(matched, shape, empirical).splitlines()
-    assert len(reading) == 4
-    assert reading[0].endswith("SMP none, uniform design: 0.020 against 0.020 (1.00 times).")
-    assert reading[1].endswith("SMP fixed-dense, ridge 1, uniform design: 0.500 against 0.100 (5.0 times).")
-    assert reading[2].endswith("SMP fixed-dense, ridge 1, uniform design: 0.300 at tau = 1 against 0.500 at the "
-                               "smallest tau.")
-    assert reading[3].endswith("P from the design: 0.050 (the data's P: 0.500; the empirical design's: 0.100).")
-    # a group without a run is left out
-    assert len(rs.design_reading(matched.iloc[:1], shape.iloc[:1], empirical).splitlines()) == 1
