@@ -25,10 +25,13 @@ def old_code_hash(module: str, old_root: Path) -> str:
     """:func:`~smp_book.pipeline.code_hash` of ``module`` in the checkout ``old_root``, with that checkout's
     ``DEPENDS`` (a module whose imports changed rests on other files there)."""
     tree = ast.parse((old_root / "smp_book" / "pipeline.py").read_text())
-    value = next(node.value for node in ast.walk(tree) if isinstance(node, ast.AnnAssign | ast.Assign)
-                 and "DEPENDS" in [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
-                                   if isinstance(t, ast.Name)])
-    current, pipeline.DEPENDS = pipeline.DEPENDS, ast.literal_eval(value)
+    values = [node.value for node in tree.body if isinstance(node, ast.AnnAssign | ast.Assign)
+              and "DEPENDS" in [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                                if isinstance(t, ast.Name)]]
+    if len(values) != 1:
+        raise SystemExit(f"{old_root}/smp_book/pipeline.py: expected one top-level DEPENDS = {{...}}, "
+                         f"found {len(values)}")
+    current, pipeline.DEPENDS = pipeline.DEPENDS, ast.literal_eval(values[0])
     try:
         return code_hash.__wrapped__(module, old_root)
     finally:

@@ -86,7 +86,7 @@ def test_mnist_kfac_study_changes_only_the_structure():
         assert mr.map_key(kfac) == mr.map_key(mnist)  # the same MAP, from the same cache
         same = set(mnist) - {"study", "smp_replicates", "variants", "tau"}
         assert {k: kfac[k] for k in same} == {k: mnist[k] for k in same}
-        assert {v: kfac["tau"][v] for v in mnist["tau"]} == mnist["tau"]  # the step law's none and diagonal
+        assert {v: kfac["tau"][v] for v in mnist["tau"]} == mnist["tau"]  # the MNIST variants' own, kept
         assert ms.study_variants(kfac) == MNIST_KFAC_VARIANTS and ms.study_variants(mnist) == MNIST_VARIANTS
         # tau of each KFAC variant is the paper's for the diagonal variant with the same strategy
         assert {v: mr.variant_tau(kfac, v) for v in MNIST_KFAC_VARIANTS} == {
