@@ -11,6 +11,7 @@ leaves with another code than the current one. The old hashes are taken with the
 """
 
 import ast
+import functools
 import json
 import sys
 from pathlib import Path
@@ -21,17 +22,23 @@ from smp_book import pipeline
 from smp_book.pipeline import CACHE, RESULTS, STUDIES, code_hash, config_key, rests_on
 
 
-def old_code_hash(module: str, old_root: Path) -> str:
-    """:func:`~smp_book.pipeline.code_hash` of ``module`` in the checkout ``old_root``, with that checkout's
-    ``DEPENDS`` (a module whose imports changed rests on other files there)."""
+@functools.cache
+def old_depends(old_root: Path) -> dict[str, tuple[str, ...]]:
+    """``DEPENDS`` as the checkout ``old_root`` declares it (its one top-level assignment, read, not run)."""
     tree = ast.parse((old_root / "smp_book" / "pipeline.py").read_text())
-    values = [node.value for node in tree.body if isinstance(node, ast.AnnAssign | ast.Assign)
-              and "DEPENDS" in [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
-                                if isinstance(t, ast.Name)]]
+    values = [node.value for node in tree.body
+              if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "DEPENDS"
+              or isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEPENDS" for t in node.targets)]
     if len(values) != 1:
         raise SystemExit(f"{old_root}/smp_book/pipeline.py: expected one top-level DEPENDS = {{...}}, "
                          f"found {len(values)}")
-    current, pipeline.DEPENDS = pipeline.DEPENDS, ast.literal_eval(values[0])
+    return ast.literal_eval(values[0])
+
+
+def old_code_hash(module: str, old_root: Path) -> str:
+    """:func:`~smp_book.pipeline.code_hash` of ``module`` in the checkout ``old_root``, with that checkout's
+    ``DEPENDS`` (a module whose imports changed rests on other files there)."""
+    current, pipeline.DEPENDS = pipeline.DEPENDS, old_depends(old_root)
     try:
         return code_hash.__wrapped__(module, old_root)
     finally:
