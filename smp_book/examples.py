@@ -6,15 +6,12 @@ what is here is what checks their answers or lays them out:
 
 * :func:`least_squares_linear` and :func:`linear_gaussian_check`: a linear-Gaussian regression started at least
   squares, whose SMP has a closed-form mean and covariance at every ``K`` (and at ``K = infinity``), by z-scores;
-* :func:`fit_map`: the MAP of a network under a ``N(0, I / alpha)`` prior (Adam, then L-BFGS in float64);
-* :func:`regression_table` and :func:`bands_figure`: the predictive scores of several sets of parameter draws of a
-  regression network in two regions, and their 90 % bands.
+* :func:`fit_map`: the MAP of a network under a ``N(0, I / alpha)`` prior (Adam, then L-BFGS in float64).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -22,9 +19,8 @@ import torch
 from scipy.special import polygamma
 from torch import nn
 
-from smp_core import metrics
 from smp_core.likelihoods import get_likelihood
-from smp_core.models import as_chain_model, predict
+from smp_core.models import as_chain_model
 from smp_core.recursion import SMPResult
 
 # P(|Z| >= 3) for a standard normal Z
@@ -198,45 +194,3 @@ def fit_map(net: nn.Module, likelihood, x: torch.Tensor, y: torch.Tensor, prior_
     net.to(dtype)
     return gradient_norm
 
-
-def regression_table(net: nn.Module, draws: Mapping[str, torch.Tensor], data: Mapping[str, tuple[torch.Tensor, ...]],
-                     noise: float, level: float = 0.9) -> pd.DataFrame:
-    """:func:`smp_core.metrics.regression_scores` of each method's parameter draws (``draws``: label -> ``(S, d)``;
-    a point estimate is ``S = 1``) in the regions ``"in range"`` and ``"in the gap"`` (``data``: region ->
-    ``(x, y)``), with the z-score of the coverage against ``level``: under a calibrated predictive the coverage of
-    ``n`` points is binomial, with standard error ``sqrt(level (1 - level) / n)``. Rows ``(method, region)``."""
-    chain = as_chain_model(net)
-    rows = {}
-    for label, theta in draws.items():
-        for region in ("in range", "in the gap"):
-            x, y = data[region]
-            row = metrics.regression_scores(predict(chain, theta, x), y, noise, level=level)
-            row["coverage z"] = (row["coverage"] - level) / math.sqrt(level * (1 - level) / len(x))
-            rows[(label, region)] = row
-    return pd.DataFrame(rows).T
-
-
-def bands_figure(net: nn.Module, draws: Mapping[str, torch.Tensor], train: tuple[torch.Tensor, torch.Tensor],
-                 noise: float, truth: Callable[[torch.Tensor], torch.Tensor], gap: tuple[float, float] = (-1.0, 1.0),
-                 span: tuple[float, float] = (-4.0, 4.0)):
-    """The central 90 % interval (:func:`smp_core.metrics.predictive_quantile`) and the mean of the predictive
-    of each method's draws over ``span``, one panel each, with ``truth`` (dashed), the training points
-    ``train`` and the gap (grey)."""
-    import matplotlib.pyplot as plt
-
-    chain = as_chain_model(net)
-    grid = torch.linspace(*span, 401)[:, None]
-    fig, (axes,) = plt.subplots(1, len(draws), figsize=(3.6 * len(draws), 3.3), sharey=True, squeeze=False)
-    for ax, (label, theta) in zip(axes, draws.items(), strict=True):
-        means = predict(chain, theta, grid)
-        ax.axvspan(*gap, color="0.92", lw=0)
-        ax.fill_between(grid[:, 0], *(metrics.predictive_quantile(means, noise, q) for q in (0.05, 0.95)), alpha=0.35,
-                        label="central 90 % interval")
-        ax.plot(grid[:, 0], metrics.predictive_mean(means)[:, 0], lw=1.2, label="predictive mean")
-        ax.plot(grid[:, 0], truth(grid[:, 0]), "k--", lw=0.8, label="truth")
-        ax.plot(train[0][:, 0], train[1], "k.", ms=3)
-        ax.set(title=label, xlabel="x", ylim=span)
-    axes[0].set_ylabel("y")
-    axes[0].legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    return fig

@@ -251,52 +251,6 @@ def findings(evals: dict[str, dict], resolved_at: float = 2.0) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def highlights(cfg: dict[str, Any], out: dict[str, pd.DataFrame], over_map: pd.DataFrame, dim: int) -> str:
-    """The chapter's main numbers as a Markdown list, from :func:`tables` (``out``), :func:`leads_over`
-    (``over_map``) and the number of parameters ``dim``."""
-    s, lap, shift = out["scores"], out["laplace"], out["shift"]
-    ens, drop = f"Ensemble ({cfg['ensemble_members']})", DROPOUT
-    dropout = out.get("dropout")
-    smp = [m for m in s.index if m.startswith("SMP-")]
-    glm = [m for m in s.index if m.startswith("Laplace-") and "-nn" not in m]
-    worst = max(cfg["shift_angles"])
-    nll = shift["nll"].unstack("angle")
-    others = smp + glm + ([drop] if drop in s.index else []) + [ens]
-    lines = [
-        f"- Test NLL: MAP {s.loc['MAP', 'nll']:.4f}; the best SMP variant {s.loc[smp, 'nll'].idxmin()} "
-        f"{s.loc[smp, 'nll'].min():.4f}; the best linearised Laplace {s.loc[glm, 'nll'].idxmin()} "
-        f"{s.loc[glm, 'nll'].min():.4f}"
-        + (f"; MC dropout (p = {float(dropout.index[dropout['selected']][0]):g}) {s.loc[drop, 'nll']:.4f}"
-           if dropout is not None else "")
-        + f"; the ensemble {s.loc[ens, 'nll']:.4f}.",
-        f"- Accuracy: MAP {s.loc['MAP', 'accuracy']:.4f}, "
-        + (f"MC dropout {s.loc[drop, 'accuracy']:.4f}, " if dropout is not None else "")
-        + f"ensemble {s.loc[ens, 'accuracy']:.4f}; SMP "
-        + ", ".join(f"{m.removeprefix('SMP-')} {s.loc[m, 'accuracy']:.4f}" for m in smp) + ".",
-        f"- At {worst} degrees, NLL: MAP {nll.loc['MAP', worst]:.3f}, "
-        + ", ".join(f"{m} {nll.loc[m, worst]:.3f}" for m in others) + ".",
-        "- The prior that maximises the evidence: "
-        + ", ".join(f"{st} alpha = {lap.loc[(st, 'evidence'), 'prior_precision']:.3g} (wd: "
-                    f"{lap.loc[(st, 'wd'), 'prior_precision']:.3g}), gamma = "
-                    f"{lap.loc[(st, 'evidence'), 'effective_parameters']:,.0f} of {dim:,}"
-                    for st in lap.index.get_level_values("structure").unique()) + ".",
-        f"- At {worst} degrees the MAP classifies {shift.loc[('MAP', worst), 'accuracy']:.1%} of the images "
-        "correctly.",
-        "- The network's own predictive at Laplace draws (wd prior): NLL "
-        + ", ".join(f"{m} {s.loc[m, 'nll']:.3f}" for m in s.index if m.endswith("-nn (wd)"))
-        + ", against the linearised " + ", ".join(f"{m} {s.loc[m, 'nll']:.4f}" for m in glm if m.endswith("(wd)"))
-        + ".",
-        "- NLL below the MAP's by 2 paired standard errors or more: " + "; ".join(
-            f"at {a} degrees " + (", ".join(m for m in over_map.index if over_map.loc[m, a] >= 2) or "none")
-            for a in over_map.columns) + ".",
-        "- Seconds to fit: SMP " + ", ".join(f"{m.removeprefix('SMP-')} {s.loc[m, 'fit_seconds']:.0f}" for m in smp)
-        + "; Laplace " + ", ".join(f"{m.removeprefix('Laplace-')} {s.loc[m, 'fit_seconds']:.0f}" for m in glm)
-        + (f"; MC dropout {s.loc[drop, 'fit_seconds']:.0f} ({len(dropout)} trainings)" if dropout is not None else "")
-        + f"; the ensemble {s.loc[ens, 'fit_seconds']:.0f} (MAP {s.loc['MAP', 'fit_seconds']:.0f}).",
-    ]
-    return "\n".join(lines)
-
-
 CALIBRATION_SHOWN = ("MAP", "SMP-none", "SMP-periodic-diag", "Laplace-diag (evidence)", "Laplace-kfac (wd)",
                      "Laplace-kfac (evidence)", DROPOUT)
 """The methods of the calibration figure (with the ensemble), where they are among the study's rows."""
@@ -327,7 +281,7 @@ def compute(ctx) -> None:
     ctx.table("mnist_chapter_gap", gap.to_frame())
 
     found = ctx.table("findings", findings(study["evals"]), index=False)
-    over_map = ctx.table("nll_lead_over_map", shifted.leads_over(study["evals"]))
+    ctx.table("nll_lead_over_map", shifted.leads_over(study["evals"]))
     shown = [n for n in (*CALIBRATION_SHOWN, f"Ensemble ({cfg['ensemble_members']})") if n in study["evals"]]
     ctx.figure("calibration_baselines", plots.calibration_all({n: study["evals"][n]["curve"] for n in shown},
                                                               "Calibration, MNIST test set"))
@@ -337,7 +291,6 @@ def compute(ctx) -> None:
     nll = out["shift"]["nll"].unstack("angle")
     wd = out["laplace"].xs("wd", level="prior").iloc[0]  # the first structure's, under the MAP's prior
     values = {
-        "what_this_shows": highlights(cfg, out, over_map, theta_map.numel()),
         **{k: cfg[k] for k in ("n_train", "n_val", "n_test", "n_chains", "n_steps", "ensemble_members",
                                "map_weight_decay")},
         "dim": theta_map.numel(), "angles": " and ".join(str(a) for a in cfg["shift_angles"]), "worst_angle": worst,

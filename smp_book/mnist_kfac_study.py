@@ -5,22 +5,12 @@ from __future__ import annotations
 import pandas as pd
 import torch
 
-from smp_core.fisher import estimate_fisher, kronecker_layers
+from smp_core.fisher import structure_for
 from smp_core.models import as_chain_model, lenet5
 
 from . import mnist_runs as mr
 
 KFAC_STRATEGIES = ("fixed", "ema", "periodic")
-
-
-def _lenet(device: torch.device | None = None):
-    return as_chain_model(lenet5().to(device), mr.INPUT_SHAPE)
-
-
-def _at(theta0: torch.Tensor, data: dict, device: torch.device | None):
-    """The device, LeNet-5 there, ``theta0`` there as one chain ``(1, d)`` and the validation set there."""
-    device = device or mr.default_device()
-    return device, _lenet(device), theta0.to(device)[None], *(t.to(device) for t in data["val"])
 
 
 def structure_table(scores: pd.DataFrame, variances: pd.DataFrame, elapsed: pd.DataFrame) -> pd.DataFrame:
@@ -45,36 +35,10 @@ def kfac_against_diag(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("strategy") if rows else pd.DataFrame()
 
 
-def directions_at_the_ridge(theta0: torch.Tensor, data: dict, ridge: float,
-                            device: torch.device | None = None) -> pd.DataFrame:
-    """Per layer, the share of the directions of the fixed strategies' ``P - ridge I`` below ``ridge`` (diagonal
-    entries; KFAC's ``lambda_G lambda_A``), and the units whose ``G`` row is zero (never active)."""
-    _, model, theta, xv, yv = _at(theta0, data, device)
-    (diag,) = estimate_fisher(model, mr._categorical(), theta, xv, yv, kind="empirical", structure="diag")
-    factors = estimate_fisher(model, mr._categorical(), theta, xv, yv, kind="empirical", structure="kfac")
-    rows = []
-    for i, layer in enumerate(kronecker_layers(model)):
-        a, g = factors[2 * i][0].double().cpu(), factors[2 * i + 1][0].double().cpu()
-        products = torch.linalg.eigvalsh(g).clamp_min(0)[:, None] * torch.linalg.eigvalsh(a).clamp_min(0)[None, :]
-        entries = diag[0, layer.positions()].double().cpu()
-        rows.append({"layer": i + 1, "shape [W, b]": f"{layer.n_out} x {layer.n_cols}", "parameters": entries.numel(),
-                     "diag: share below ridge": float((entries < ridge).double().mean()),
-                     "diag: share exactly zero": float((entries == 0).double().mean()),
-                     "kfac: share below ridge": float((products < ridge).double().mean()),
-                     "units with zero G row": int((g.diagonal() == 0).sum())})
-    table = pd.DataFrame(rows).set_index("layer")
-    weights = table["parameters"] / table["parameters"].sum()
-    table.loc["all"] = {"shape [W, b]": "", "parameters": table["parameters"].sum(),
-                        **{c: float((table[c] * weights).sum()) for c in table.columns if "share" in c},
-                        "units with zero G row": int(table["units with zero G row"].sum())}
-    return table
-
-
 def storage_per_chain() -> dict[str, int]:
     """How many numbers one chain's preconditioner holds for LeNet-5, per structure."""
-    model = _lenet()
-    return {"diag": model.layout.dim, "kfac": sum(la.n_out**2 + la.n_cols**2 for la in kronecker_layers(model)),
-            "block": sum((s.stop - s.start) ** 2 for s in model.layout.block_slices), "dense": model.layout.dim**2}
+    model = as_chain_model(lenet5(), mr.INPUT_SHAPE)
+    return {name: structure_for(model, name).stat_numel() for name in ("diag", "kfac", "block", "dense")}
 
 
 def comparison(kfac: dict[str, pd.DataFrame], mnist: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -109,7 +73,7 @@ def compute(ctx) -> None:
     map_fit = mr.chapter_map(cfg, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
     theta_map = map_fit["theta"]
 
-    at_ridge = ctx.table("directions_at_the_ridge", directions_at_the_ridge(theta_map, data, ridge, device)).loc["all"]
+    fisher_diagonal = mr.validation_fisher_diagonal(theta_map, data, device)  # the fixed diagonal's, at the MAP
     runs = mr.run_replicates(cfg, theta_map, data, device, use_cache=ctx.use_cache, progress=ctx.progress)
     summary = mr.summarise(runs["tables"])
     for key, df in {**summary, "diverged": runs["diverged"]}.items():
@@ -136,9 +100,8 @@ def compute(ctx) -> None:
                   replicates=cfg["smp_replicates"], mnist_replicates=mnist.config["smp_replicates"],
                   mean_chain_share=1 / cfg["n_chains"],
                   r_ratio=mr.r_ratio(cfg), device=str(device), threads=torch.get_num_threads(),
-                  diag_share_zero=at_ridge["diag: share exactly zero"],
-                  diag_share_below_ridge=at_ridge["diag: share below ridge"],
-                  inactive_units=at_ridge["units with zero G row"],
+                  diag_share_zero=float((fisher_diagonal == 0).double().mean()),
+                  diag_share_below_ridge=float((fisher_diagonal < ridge).double().mean()),
                   diag_mi_over_none_min=diag_mi.min(), diag_mi_over_none_max=diag_mi.max(),
                   diag_nll_above_map=int((m.loc[diagonal, "nll"] > m.loc["MAP", "nll"]).sum()),
                   map_nll_gap=abs(m.loc["MAP", "nll"] - summary["scores_mean"].loc["MAP", "nll"]),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
 import numpy as np
@@ -44,13 +43,6 @@ def beside_paper(ours: pd.DataFrame, paper: pd.DataFrame, std: pd.DataFrame | No
                  digits: int = 4) -> pd.DataFrame:
     """Per column, the paper's number (where it has one) and ours (``mean ± sd`` with ``std``)."""
     return beside_scales(paper, {"ours": (ours, std)}, digits)
-
-
-def ratio_to_paper(ours: pd.DataFrame, paper: pd.DataFrame) -> pd.DataFrame:
-    """Ours over the paper's on the rows and columns both have (1 is the paper's number; NaN where it is 0)."""
-    rows, columns = [r for r in ours.index if r in paper.index], [c for c in ours.columns if c in paper.columns]
-    theirs = paper.loc[rows, columns].astype(float)
-    return ours.loc[rows, columns].astype(float) / theirs.where(theirs != 0)
 
 
 def shown(df: pd.DataFrame, digits: int = 3, significant: bool = False) -> pd.DataFrame:
@@ -192,24 +184,6 @@ def benchmark(name: str, table: str, index: list[str] | None = None,
     headings = json.loads(headings.read_text()) if headings.exists() else {}
     df.attrs["heading"], df.attrs["machine"] = headings.get(table, ""), headings.get("machine", "")
     return df.set_index(index) if index else df
-
-
-def gpu_estimate(scaling: pd.DataFrame, steps: pd.DataFrame) -> str | None:
-    """An estimate in words: one GPU's SMP-fixed-diag step (``steps``, the GPU's step table) against the most
-    processes of ``scaling`` on this CPU. ``None`` when a row it needs is missing."""
-    try:
-        chains = int(re.search(r"S = (\d+)", steps.attrs.get("heading", "")).group(1))
-        graphs, eager = (float(steps.loc[("cuda", "SMP-fixed-diag", mode), "ms / step"])
-                         for mode in ("CUDA graphs", "batched torch, one by one"))
-    except (AttributeError, KeyError, ValueError):
-        return None
-    gpu, cpu = chains / (graphs / 1000), float(scaling["chain-steps / s"].iloc[-1])
-    return (f"An estimate from these tables and `benchmarks/gpu_h200/`, not a run: with CUDA graphs one H200 "
-            f"steps {chains} chains of SMP-fixed-diag in {graphs} ms, {gpu:,.0f} chain-steps per second, "
-            f"{gpu / cpu:.0f} times the {scaling.index[-1]} processes here. Without the graphs, which take away "
-            f"the overhead of launching each kernel, the step takes {eager} ms ({eager / graphs:.1f} times as "
-            "long): it is bound by launches more than by arithmetic, so we expect that splitting these chains "
-            "over more GPUs would shorten a run little, and that more GPUs pay for more chains or a larger network.")
 
 
 # The data and MAP training that make a MAP of the same seed the same MAP (with the same S: comparable runs).

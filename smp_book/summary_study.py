@@ -10,9 +10,6 @@ import pandas as pd
 
 from .paper import paper_table
 
-SOURCES = ("toy", "toy_baselines", "toy_kfac", "toy_tail", "mnist", "mnist_baselines", "mnist_seeds",
-           "mnist_growth", "mnist_kfac", "mnist_tail", "regression")
-
 
 def config(scale: str) -> dict[str, str]:
     """The summary has no settings of its own: it is recomputed when a chapter it reads is."""

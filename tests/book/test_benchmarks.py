@@ -118,16 +118,6 @@ def test_the_committed_benchmark_tables_read_as_the_book_reads_them():
     assert benchmark("gpu_h200", "missing") is None and benchmark("nowhere", "runs") is None
 
 
-def test_the_gpu_estimate_reads_both_tables():
-    from smp_book.show import benchmark, gpu_estimate
-
-    steps = benchmark("gpu_h200", "steps", index=["device", "variant", "step run by"])
-    scaling = benchmark("scaling", "scaling", index=["ranks"])
-    text = gpu_estimate(scaling, steps)
-    assert text.startswith("An estimate") and "chain-steps per second" in text and "the 2 processes" in text
-    assert gpu_estimate(scaling, steps.drop(index=("cuda", "SMP-fixed-diag", "CUDA graphs"))) is None
-
-
 def test_a_benchmark_saves_each_table_as_csv(tmp_path, capsys):
     import sys
 

@@ -9,26 +9,21 @@ from __future__ import annotations
 
 import math
 
-import matplotlib
 import pytest
 import torch
 from torch import nn
 
 from smp_book.examples import (
     P_BEYOND_3,
-    bands_figure,
     chance_beyond_3,
     fit_map,
     least_squares_linear,
     linear_gaussian_check,
-    regression_table,
     verdict,
 )
 from smp_core import run_smp
 from smp_core.likelihoods import Gaussian
 from smp_core.tail import add_gaussian_tail
-
-matplotlib.use("Agg")
 
 NOISE = 0.5
 
@@ -130,33 +125,3 @@ def test_fit_map_of_a_classifier_has_a_small_gradient():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
     assert fit_map(net, "bernoulli", x, y, prior_precision=1.0, max_iter=500) < 1e-5
-
-
-def test_regression_table_scores_every_method_and_region():
-    gen = torch.Generator().manual_seed(4)
-    net = nn.Linear(1, 1)
-    theta = torch.cat([net.weight.flatten(), net.bias]).detach()
-    data = {}
-    for region, n in (("in range", 400), ("in the gap", 100)):
-        x = torch.randn(n, 1, generator=gen)
-        data[region] = (x, net(x).detach()[:, 0] + 0.1 * torch.randn(n, generator=gen))
-    draws = {"point": theta[None], "spread": theta + 0.01 * torch.randn(20, 2, generator=gen)}
-    table = regression_table(net, draws, data, 0.1)
-    assert list(table.index) == [(m, r) for m in draws for r in ("in range", "in the gap")]
-    assert {"rmse", "nll", "crps", "coverage", "interval_width", "coverage z"} <= set(table.columns)
-    row = table.loc[("point", "in the gap")]
-    assert row["coverage z"] == pytest.approx((row["coverage"] - 0.9) / math.sqrt(0.09 / 100))
-    # the point estimate at the truth: its intervals are +-1.645 sigma, and the coverage near 90 %
-    assert row["interval_width"] == pytest.approx(2 * 1.6449 * 0.1, rel=1e-3)
-    assert abs(table.loc[("point", "in range"), "coverage z"]) < 4
-
-
-def test_bands_figure_has_a_panel_per_method():
-    import matplotlib.pyplot as plt
-
-    net = nn.Linear(1, 1)
-    theta = torch.cat([net.weight.flatten(), net.bias]).detach()
-    train = (torch.linspace(-3, 3, 10)[:, None], torch.zeros(10))
-    fig = bands_figure(net, {"a": theta[None], "b": theta + 0.1 * torch.randn(5, 2)}, train, 0.1, truth=torch.sin)
-    assert [ax.get_title() for ax in fig.axes] == ["a", "b"]
-    plt.close(fig)

@@ -180,9 +180,7 @@ def test_run_study_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
     assert all(study["evals"][n]["n_samples"] == cfg["n_chains"] for n in mbs.method_names(cfg) if n.startswith("Lap"))
     assert study["evals"]["Ensemble (2)"]["n_samples"] == 2
     assert not math.isnan(tables["scores"].loc["Laplace-kfac (wd)", "logits_variance"])
-    # the chapter's list of its main numbers and its figure of the rotated sets
-    text = mbs.highlights(cfg, tables, shifted.leads_over(study["evals"]), 47_154)
-    assert len(text.splitlines()) == 8 and f"MC dropout (p = {rate:g})" in text and "At 45 degrees" in text
+    # the chapter's figure of the rotated sets
     fig = shifted.rotation_figure(tables["shift"], list(tables["scores"].index))
     assert len(fig.axes[0].lines) == len(mbs.method_names(cfg)) - len(cfg["laplace_structures"])  # no -nn rows
     plt.close(fig)

@@ -69,16 +69,6 @@ def test_the_tail_table_gets_the_paper_scale_recursion_under_each_method(tmp_pat
     assert same.index[-1] == ("SMP-none", "recursion at the paper scale (K = 1,000,000)")
 
 
-def test_ratio_to_paper_divides_the_shared_cells_and_leaves_zeros_out():
-    paper = pd.DataFrame({"mi": [0.0, 2.0], "nll": [0.04, 1.0]}, index=["MAP", "SMP-fixed-diag"])
-    ours = pd.DataFrame({"mi": [0.0, 1.0], "nll": [0.05, 0.5], "extra": [1.0, 2.0]},
-                        index=["MAP", "SMP-fixed-diag"])
-    ratio = show.ratio_to_paper(ours, paper)
-    assert list(ratio.columns) == ["mi", "nll"]
-    assert ratio.loc["SMP-fixed-diag", "mi"] == 0.5 and ratio.loc["MAP", "nll"] == pytest.approx(1.25)
-    assert np.isnan(ratio.loc["MAP", "mi"])  # the paper's 0
-
-
 def test_a_claims_table_puts_each_verdict_beside_its_claim():
     claims = pd.DataFrame({"section": ["3.2"], "claim": ["c"], "criterion": ["k"], "evidence": ["e"],
                            "verdict (paper scale)": ["holds"], "verdict (laptop)": [np.nan]})
