@@ -2,7 +2,7 @@
 
 That chapter is a tutorial of the :mod:`smp_core` API, so the calls a user writes (building a model,
 :func:`smp_core.run_smp`, :func:`smp_core.tail.add_gaussian_tail`, :mod:`smp_core.metrics`) stay in the notebook;
-what is here is what checks their answers or lays them out:
+what is here checks their answers or prepares them:
 
 * :func:`least_squares_linear` and :func:`linear_gaussian_check`: a linear-Gaussian regression started at least
   squares, whose SMP has a closed-form mean and covariance at every ``K`` (and at ``K = infinity``), by z-scores;
