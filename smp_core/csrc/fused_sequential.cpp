@@ -38,6 +38,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -691,7 +692,7 @@ struct Lanes {
         int64_t n_acts, int64_t mode_, T beta_, T fold_, T ridge_, const T* shared_scale, bool per_chain_scale)
       : spec(spec_), starts(starts_), z(z_), d(d_), mode(mode_), beta(beta_), fold(fold_), ridge(ridge_),
         sc(shared_scale), P(d_), A(n_acts), D(z_.act), N(z_.act), SC(mode_ == 2 && per_chain_scale ? d_ : 0),
-        ST(mode_ == 3 ? d_ : 0), G(mode_ == 0 || mode_ == 4 ? d_ : 0) {}
+        ST(mode_ == 3 ? d_ : 0), G(mode_ == 0 || mode_ >= 4 ? d_ : 0) {}
 
   // rows[l] of a (rows, width) array into v[k][l] for k < n (and back)
   static void load(std::vector<VT>& v, const T* a, int64_t width, const int64_t* rows, int64_t n) {
@@ -747,7 +748,7 @@ struct Lanes {
         P[k] += gamma * g / (ST[k] + ridge);
         ST[k] = beta * ST[k] + fold * g * g;
         break;
-      default: G[k] = g;  // modes 0 and 4: the score
+      default: G[k] = g;  // modes 0, 4 and 5: the score
     }
   }
 
@@ -1031,7 +1032,7 @@ bool ema_solve(const T* M, const T* g, T* y, int64_t n, T ridge, std::vector<T>&
     const T ljj = std::sqrt(s);
     L[j * n + j] = ljj;
     for (int64_t i = j + 1; i < n; ++i) {
-      T t = M[i * n + j] + (i == j ? ridge : T(0));
+      T t = M[i * n + j];
       for (int64_t k = 0; k < j; ++k) t -= L[i * n + k] * L[j * n + k];
       L[i * n + j] = t / ljj;
     }
@@ -1102,9 +1103,103 @@ int64_t ema_matrix_step(const Matrices<T>& m, int64_t b, const T* g, T gamma, T 
   return redone;
 }
 
-// The whole steps of an MLP, lanes of chains (modes 1 to 4).
+// mode 5 for the kVL<T> chains of an MLP's lanes (ema_matrix_step side by side): each block's statistic MS[k]
+// (n * n vectors, lane l chain l's entries), the score in G. The Cholesky solve of every lane runs in
+// ema_solve's operations and order; a lane whose factorisation fails is solved again alone by ema_solve (in
+// double, from the eigendecomposition). Returns the number of such solves among the first nb lanes (the real
+// chains) whose result is finite.
+template <typename T>
+struct EmaLanes {
+  using VT = V<T>;
+  static constexpr int64_t W = kVL<T>;
+  std::vector<std::vector<VT>> MS;
+  std::vector<VT> L, Y;
+  std::vector<T> m1, g1, y1, l1;  // one lane's block, for ema_solve
+  std::vector<double> work;
+
+  explicit EmaLanes(const Matrices<T>& m) : MS(m.sizes.size()) {
+    int64_t largest = 1;
+    for (size_t k = 0; k < m.sizes.size(); ++k) {
+      MS[k].resize(m.sizes[k] * m.sizes[k]);
+      largest = std::max(largest, m.sizes[k]);
+    }
+    L.resize(largest * largest);
+    Y.resize(largest);
+    m1.resize(largest * largest);
+    l1.resize(largest * largest);
+    g1.resize(largest);
+    y1.resize(largest);
+    work.resize(largest);
+  }
+
+  // the group's statistics from the (B, n, n) tensors, and back (the first nb lanes)
+  void load(const Matrices<T>& m, const int64_t* chain) {
+    for (size_t k = 0; k < MS.size(); ++k)
+      for (int64_t i = 0; i < static_cast<int64_t>(MS[k].size()); ++i)
+        for (int64_t l = 0; l < W; ++l) MS[k][i][l] = m.data[k][chain[l] * m.strides[k] + i];
+  }
+  void store(const Matrices<T>& m, const int64_t* chain, int64_t nb) const {
+    for (size_t k = 0; k < MS.size(); ++k)
+      for (int64_t i = 0; i < static_cast<int64_t>(MS[k].size()); ++i)
+        for (int64_t l = 0; l < nb; ++l) const_cast<T*>(m.data[k])[chain[l] * m.strides[k] + i] = MS[k][i][l];
+  }
+
+  int64_t step(const Matrices<T>& m, const std::vector<VT>& G, std::vector<VT>& P, T gamma, T beta, T fold, T ridge,
+               int64_t nb) {
+    int64_t redone = 0;
+    for (size_t k = 0; k < MS.size(); ++k) {
+      const int64_t o = m.offsets[k], n = m.sizes[k];
+      VT* M = MS[k].data();
+      const VT* g = G.data() + o;
+      bool bad[W] = {};
+      bool any = false;
+      for (int64_t j = 0; j < n; ++j) {  // L L^T = M + ridge I, lower triangle
+        VT s = M[j * n + j] + ridge;
+        for (int64_t q = 0; q < j; ++q) s -= L[j * n + q] * L[j * n + q];
+        VT ljj;
+        for (int64_t l = 0; l < W; ++l) {
+          if (!(s[l] > T(0))) bad[l] = any = true;
+          ljj[l] = std::sqrt(s[l]);
+        }
+        L[j * n + j] = ljj;
+        for (int64_t i = j + 1; i < n; ++i) {
+          VT t = M[i * n + j];
+          for (int64_t q = 0; q < j; ++q) t -= L[i * n + q] * L[j * n + q];
+          L[i * n + j] = t / ljj;
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {  // L z = g, then L^T y = z
+        VT t = g[i];
+        for (int64_t q = 0; q < i; ++q) t -= L[i * n + q] * Y[q];
+        Y[i] = t / L[i * n + i];
+      }
+      for (int64_t i = n - 1; i >= 0; --i) {
+        VT t = Y[i];
+        for (int64_t q = i + 1; q < n; ++q) t -= L[q * n + i] * Y[q];
+        Y[i] = t / L[i * n + i];
+      }
+      for (int64_t l = 0; any && l < W; ++l) {
+        if (!bad[l]) continue;
+        for (int64_t i = 0; i < n * n; ++i) m1[i] = M[i][l];
+        for (int64_t i = 0; i < n; ++i) g1[i] = g[i][l];
+        bool finite = ema_solve(m1.data(), g1.data(), y1.data(), n, ridge, l1, work);
+        for (int64_t i = 0; i < n; ++i) {
+          finite = finite && std::isfinite(static_cast<double>(y1[i]));
+          Y[i][l] = y1[i];
+        }
+        redone += finite && l < nb ? 1 : 0;
+      }
+      for (int64_t j = 0; j < n; ++j) P[o + j] += gamma * Y[j];
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < n; ++j) M[i * n + j] = beta * M[i * n + j] + fold * (g[i] * g[j]);
+    }
+    return redone;
+  }
+};
+
+// The whole steps of an MLP, lanes of chains (modes 1 to 5). Returns the solves of mode 5 redone in double.
 template <typename T, typename Rows>
-void run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows rows, const T* ns, int64_t width,
+int64_t run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows rows, const T* ns, int64_t width,
                      const T* gammas, int64_t n_steps, const std::vector<int64_t>& spec,
                      const std::vector<int64_t>& starts, const Sizes& z, int64_t n_acts, int64_t out_offset,
                      int64_t n_out, int64_t likelihood, double sigma, int64_t mode, const T* sc, int64_t sc_stride,
@@ -1112,9 +1207,13 @@ void run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Row
   constexpr int64_t W = kVL<T>;
   using VT = V<T>;
   const int64_t groups = (B + W - 1) / W;
+  std::atomic<int64_t> redone{0};
   at::parallel_for(0, groups, 1, [&](int64_t gbegin, int64_t gend) {
     Lanes<T> ln(spec, starts, z, d, n_acts, mode, static_cast<T>(beta), static_cast<T>(1.0 - beta),
                 static_cast<T>(ridge), sc, sc_stride != 0);
+    std::optional<EmaLanes<T>> ema;
+    if (mode == 5) ema.emplace(*matrices);
+    int64_t mine = 0;
     std::vector<T> out_l(n_out), r_l(n_out);
     std::vector<VT> Y;
     if (mode == 4) {
@@ -1128,6 +1227,7 @@ void run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Row
       Lanes<T>::load(ln.P, th, d, chain, d);
       if (!ln.SC.empty()) Lanes<T>::load(ln.SC, sc, sc_stride, chain, d);
       if (mode == 3) Lanes<T>::load(ln.ST, st, d, chain, d);
+      if (mode == 5) ema->load(*matrices, chain);
       for (int64_t j = 0; j < n_steps; ++j) {
         const T gamma = gammas[j];
         for (int64_t l = 0; l < W; ++l) {
@@ -1158,11 +1258,15 @@ void run_steps_lanes(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Row
             for (int64_t jj = 0; jj < n; ++jj) ln.P[o + jj] += gamma * Y[jj];
           }
         }
+        if (mode == 5) mine += ema->step(*matrices, ln.G, ln.P, gamma, ln.beta, ln.fold, ln.ridge, nb);
       }
       Lanes<T>::store(ln.P, th, d, chain, nb, d);
       if (mode == 3) Lanes<T>::store(ln.ST, st, d, chain, nb, d);
+      if (mode == 5) ema->store(*matrices, chain, nb);
     }
+    redone += mine;
   });
+  return redone.load();
 }
 
 template <typename T, typename Rows>
@@ -1171,11 +1275,9 @@ int64_t run_steps(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows r
                const Sizes& z, int64_t n_acts, int64_t n_args, int64_t out_offset, int64_t n_out, int64_t likelihood,
                double sigma, int64_t mode, const T* sc, int64_t sc_stride, T* st, double beta, double ridge,
                const Matrices<T>* matrices) {
-  if (mode != 5 && is_mlp(spec, starts)) {
-    run_steps_lanes(th, B, d, xs, n_in, rows, ns, width, gammas, n_steps, spec, starts, z, n_acts, out_offset, n_out,
-                    likelihood, sigma, mode, sc, sc_stride, st, beta, ridge, matrices);
-    return 0;
-  }
+  if (is_mlp(spec, starts))
+    return run_steps_lanes(th, B, d, xs, n_in, rows, ns, width, gammas, n_steps, spec, starts, z, n_acts, out_offset,
+                           n_out, likelihood, sigma, mode, sc, sc_stride, st, beta, ridge, matrices);
   std::atomic<int64_t> redone{0};
   const bool matrices_mode = mode == 4 || mode == 5;
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {

@@ -238,11 +238,13 @@ def test_stored_matrices_step_like_the_score_then_the_matrices(name, lik_name, s
 
 
 @pytest.mark.parametrize("structure_name", ["block", "dense"])
-def test_ema_matrices_step_like_the_solve_then_the_update(structure_name):
+@pytest.mark.parametrize("name, lik_name", [("gelu-mlp", "categorical"), ("odd", "gaussian")])
+def test_ema_matrices_step_like_the_solve_then_the_update(name, lik_name, structure_name):
     # mode 5: theta += gamma (I_k + ridge I)^{-1} s per block (Cholesky), then I_{k+1} = beta I_k + (1 - beta) s s^T,
-    # against the structure's solve and EMA update on the batched model's score
-    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=6)
-    lik = get_likelihood("categorical")
+    # against the structure's solve and EMA update on the batched model's score; an MLP runs its chains in the
+    # lanes of a vector (6 chains: a last, partial group), another network chain by chain
+    fused, batched, theta, x, gen = _pair(name, n_chains=6)
+    lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
     _, stats = _matrices(fused, structure_name, 6, gen)
     rule = MatrixRule(_matrices(fused, structure_name, 1, gen)[0].structure, (0.9, 1e-3))
     assert rule.covers_update and fused.takes_whole_step(lik, rule, "cpu", torch.float64)
@@ -257,6 +259,19 @@ def test_ema_matrices_step_like_the_solve_then_the_update(structure_name):
     assert torch.allclose(mine, ref, **TOL)
     for a, b in zip(mine_stats, ref_stats, strict=True):
         assert torch.allclose(a, b, **TOL)
+    # a block of steps is its steps one by one, bit for bit
+    n, x_train = 5, torch.randn(9, *NETWORKS[name][1], generator=gen, dtype=torch.float64)
+    draws = torch.randint(0, 9, (n, 6), generator=gen)
+    noises = lik.draw_noise((n, 6), fused.out_dim, gen, "cpu", torch.float64)
+    gammas = 0.3 / (50 + torch.arange(1, n + 1, dtype=torch.float64))
+    block, block_stats = theta.clone(), tuple(m.clone() for m in stats)
+    one, one_stats = theta.clone(), tuple(m.clone() for m in stats)
+    assert fused.steps_(block, x_train, draws, lik, noises, rule, block_stats, gammas)
+    for j in range(n):
+        assert fused.step_(one, x_train[draws[j]], lik, noises[j], rule, one_stats, gammas[j])
+    assert torch.equal(block, one)
+    for a, b in zip(block_stats, one_stats, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns():
