@@ -6,7 +6,8 @@ initialises SMP. The posterior is multimodal (at least through the permutations 
 chain that wanders between symmetric modes is a poor classifier. Three defences: :func:`run_nuts` starts the chain
 at a MAP (:func:`find_map`), relabels every draw by the exact hidden-unit permutation (3! x 2! = 12) closest to the
 running mean (:func:`align_hidden_units`; predictions unchanged, the chain as drawn stays in ``raw_samples``), and
-:func:`check_nuts_mean` fails loudly when the mean predicts much worse than the ensemble.
+:func:`check_nuts_mean` measures how much worse the mean predicts than the ensemble (:func:`nuts_mean_passes`
+judges it; the toy chapter reports both).
 
 Everything runs in float64 inside ``jax.enable_x64(True)`` (the global setting is untouched) on the CPU
 (``jax_platforms`` is set to ``"cpu"`` at import when no platform was chosen). Order of the flat vector ``theta``
@@ -173,57 +174,19 @@ def find_map(x, y, seed: int, num_restarts: int = 4, prior_scale: float = 1.0, s
 
 
 @dataclass
-class NutsDiagnostics:
-    """Diagnostics of one NUTS chain (sampling phase unless the name says warm-up).
-
-    Tree depth is Stan's ``floor(log2(num_steps + 1))``. ESS and split R-hat (NumPyro's, on a
-    ``(1, S, .)`` array: split R-hat compares the two halves of the chain) per parameter of the
-    relabelled draws (``min_ess_params_raw``: of the chain as drawn) and per logit at ``x_eval``.
-    """
-
-    num_divergences: int
-    num_warmup_divergences: int
-    mean_accept_prob: float
-    step_size: float
-    max_tree_depth: int
-    max_tree_depth_reached: int
-    num_max_tree_depth_hits: int
-    mean_num_steps: float
-    ess_params: np.ndarray
-    rhat_params: np.ndarray
-    min_ess_params_raw: float
-    num_relabelled: int  # draws that align_hidden_units permuted
-    ess_logits: np.ndarray
-    rhat_logits: np.ndarray
-    warmup_time_s: float
-    sampling_time_s: float
-
-    @property
-    def wall_time_s(self) -> float:
-        """Warm-up plus sampling, compilation included."""
-        return self.warmup_time_s + self.sampling_time_s
-
-    def summary(self) -> dict[str, float]:
-        """Scalar diagnostics as a flat dict: the ESS arrays by their (nan-)min and median, R-hat by its max."""
-        out: dict[str, float] = {}
-        for name, value in vars(self).items():
-            if name.startswith("ess_"):
-                out.update({f"min_{name}": float(np.nanmin(value)), f"median_{name}": float(np.nanmedian(value))})
-            elif name.startswith("rhat_"):
-                out[f"max_{name}"] = float(np.nanmax(value))
-            else:
-                out[name] = value
-        return {**out, "wall_time_s": self.wall_time_s}
-
-
-@dataclass
 class NutsResult:
     """``samples`` ``(num_samples, 20)`` float64 draws after warm-up, relabelled by :func:`align_hidden_units`
     (``labels``: each draw's index into :data:`HIDDEN_UNIT_PERMUTATIONS`); ``raw_samples`` the chain as drawn;
-    ``init`` its initial point."""
+    ``init`` its initial point.
+
+    ``diagnostics``, of the sampling phase unless a name says warm-up: tree depth is Stan's
+    ``floor(log2(num_steps + 1))``; ESS (min and median) and split R-hat (max) are NumPyro's, on a ``(1, S, .)``
+    array (split R-hat compares the two halves of the chain), per parameter of the relabelled draws
+    (``min_ess_params_raw``: of the chain as drawn) and per logit at ``x_eval``; ``num_relabelled``: the draws that
+    :func:`align_hidden_units` permuted; ``wall_time_s``: warm-up plus sampling, compilation included."""
 
     samples: np.ndarray
-    diagnostics: NutsDiagnostics
+    diagnostics: dict[str, float]
     init: np.ndarray
     raw_samples: np.ndarray
     labels: np.ndarray
@@ -278,23 +241,27 @@ def run_nuts(x, y, seed: int, num_warmup: int = 1000, num_samples: int = 1000, t
     ess_params, ess_raw, ess_logits = (np.asarray(effective_sample_size(a[None]), dtype=np.float64)
                                        for a in (samples, raw, logits))
     rhat_params, rhat_logits = (np.asarray(split_gelman_rubin(a[None]), dtype=np.float64) for a in (samples, logits))
-    diagnostics = NutsDiagnostics(
-        num_divergences=int(extra["diverging"].sum()), num_warmup_divergences=warmup_div,
-        mean_accept_prob=float(extra["accept_prob"].mean()), step_size=step_size, max_tree_depth=max_tree_depth,
-        max_tree_depth_reached=int(tree_depth.max()), num_max_tree_depth_hits=int((tree_depth >= max_tree_depth).sum()),
-        mean_num_steps=float(extra["num_steps"].mean()), ess_params=ess_params, rhat_params=rhat_params,
-        min_ess_params_raw=float(np.nanmin(ess_raw)), num_relabelled=int((labels != 0).sum()),
-        ess_logits=ess_logits, rhat_logits=rhat_logits, warmup_time_s=t1 - t0, sampling_time_s=t2 - t1)
+    diagnostics = {
+        "num_divergences": int(extra["diverging"].sum()), "num_warmup_divergences": warmup_div,
+        "mean_accept_prob": float(extra["accept_prob"].mean()), "step_size": step_size,
+        "max_tree_depth": max_tree_depth, "max_tree_depth_reached": int(tree_depth.max()),
+        "num_max_tree_depth_hits": int((tree_depth >= max_tree_depth).sum()),
+        "mean_num_steps": float(extra["num_steps"].mean()),
+        "min_ess_params": float(np.nanmin(ess_params)), "median_ess_params": float(np.nanmedian(ess_params)),
+        "max_rhat_params": float(np.nanmax(rhat_params)), "min_ess_params_raw": float(np.nanmin(ess_raw)),
+        "num_relabelled": int((labels != 0).sum()),
+        "min_ess_logits": float(np.nanmin(ess_logits)), "median_ess_logits": float(np.nanmedian(ess_logits)),
+        "max_rhat_logits": float(np.nanmax(rhat_logits)), "warmup_time_s": t1 - t0, "sampling_time_s": t2 - t1,
+        "wall_time_s": t2 - t0}
     return NutsResult(samples=samples, diagnostics=diagnostics, init=init, raw_samples=raw, labels=labels)
 
 
-def check_nuts_mean(samples, x, y, raise_error: bool = True) -> dict[str, float]:
-    """Compare the ``NUTS-mean`` point estimate with the NUTS ensemble on ``(x, y)``; fail loudly.
+def check_nuts_mean(samples, x, y) -> dict[str, float]:
+    """Compare the ``NUTS-mean`` point estimate with the NUTS ensemble on ``(x, y)``.
 
     The ensemble predicts ``mean_l sigma(g(x, theta_l))``, the point estimate ``sigma(g(x, mean_l theta_l))``; a
-    chain that mixed across symmetric modes gives a mean that predicts far worse. Returns the accuracy and the
-    one-class Brier score ``mean (p - y)^2`` of the toy tables of both; raises ``RuntimeError`` (unless
-    ``raise_error=False``) when :func:`nuts_mean_passes` fails.
+    chain that mixed across symmetric modes gives a mean that predicts far worse (:func:`nuts_mean_passes`).
+    Returns the accuracy and the one-class Brier score ``mean (p - y)^2`` of the toy tables of both.
     """
     samples = np.atleast_2d(np.asarray(samples, dtype=np.float64))
     y = np.asarray(y, dtype=np.float64).reshape(-1)
@@ -307,12 +274,6 @@ def check_nuts_mean(samples, x, y, raise_error: bool = True) -> dict[str, float]
         "brier_ensemble": float(np.mean((p_ens - y) ** 2)),
         "brier_mean": float(np.mean((p_mean - y) ** 2)),
     }
-    if raise_error and not nuts_mean_passes(metrics):
-        raise RuntimeError(
-            f"the NUTS-mean point estimate predicts much worse than the NUTS ensemble ({metrics}; allowed: accuracy "
-            f"drop {MAX_ACCURACY_DROP}, Brier increase {MAX_BRIER_INCREASE}). The chain probably mixed across "
-            "posterior modes: start it inside one basin (run_nuts(init=find_map(...).theta)), change the seed, "
-            "or inspect the trace and ESS.")
     return metrics
 
 

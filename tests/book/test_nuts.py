@@ -139,22 +139,20 @@ def test_short_nuts_run(toy200, map200, nuts200):
     assert np.all(np.isfinite(res.samples))
     np.testing.assert_array_equal(res.init, map200.theta)
     d = res.diagnostics
-    assert d.num_divergences <= 3
-    assert 0.7 < d.mean_accept_prob <= 1.0
-    assert 1 <= d.max_tree_depth_reached <= d.max_tree_depth
-    assert 0 <= d.num_max_tree_depth_hits <= 150
-    summary = d.summary()
-    for key, value in summary.items():
+    assert d["num_divergences"] <= 3
+    assert 0.7 < d["mean_accept_prob"] <= 1.0
+    assert 1 <= d["max_tree_depth_reached"] <= d["max_tree_depth"]
+    assert 0 <= d["num_max_tree_depth_hits"] <= 150
+    for key, value in d.items():
         assert np.isfinite(value), key
-    assert list(summary) == [
+    assert list(d) == [
         "num_divergences", "num_warmup_divergences", "mean_accept_prob", "step_size", "max_tree_depth",
         "max_tree_depth_reached", "num_max_tree_depth_hits", "mean_num_steps", "min_ess_params", "median_ess_params",
         "max_rhat_params", "min_ess_params_raw", "num_relabelled", "min_ess_logits", "median_ess_logits",
         "max_rhat_logits", "warmup_time_s", "sampling_time_s", "wall_time_s"]  # the columns of the tables
-    assert d.ess_params.shape == d.rhat_params.shape == (20,)
-    assert d.ess_logits.shape == d.rhat_logits.shape == (200,)
-    assert summary["min_ess_params"] == np.nanmin(d.ess_params) > 1 and d.wall_time_s > 0
-    assert summary["num_relabelled"] == np.sum(res.labels != 0)
+    assert 1 < d["min_ess_params"] <= d["median_ess_params"] and d["min_ess_logits"] <= d["median_ess_logits"]
+    assert d["wall_time_s"] > 0
+    assert d["num_relabelled"] == np.sum(res.labels != 0)
     # Relabelling changes no draw's predictions.
     np.testing.assert_allclose(predict_logits(res.samples, x[:20]), predict_logits(res.raw_samples, x[:20]),
                                atol=1e-9)
@@ -162,21 +160,18 @@ def test_short_nuts_run(toy200, map200, nuts200):
     acc_mean = np.mean((predict_logits(res.samples.mean(axis=0), x)[0] > 0) == (y > 0.5))
     assert acc_mean > 0.8
     metrics = check_nuts_mean(res.samples, x, y)
-    assert metrics["accuracy_ensemble"] > 0.8
+    assert nuts_mean_passes(metrics) and metrics["accuracy_ensemble"] > 0.8
 
 
-def test_check_nuts_mean_fails_on_mixed_modes(toy200, map200):
+def test_check_nuts_mean_flags_mixed_modes(toy200, map200):
     x, y = toy200
     # An "ensemble" of exact relabellings of the MAP predicts like the MAP, but its mean does not.
     mixed = np.stack([permute_hidden_units(map200.theta, p1, p2) for p1, p2 in HIDDEN_UNIT_PERMUTATIONS])
-    with pytest.raises(RuntimeError, match="NUTS-mean"):
-        check_nuts_mean(mixed, x, y)
-    metrics = check_nuts_mean(mixed, x, y, raise_error=False)
+    metrics = check_nuts_mean(mixed, x, y)
     assert not nuts_mean_passes(metrics)
-    assert nuts_mean_passes(check_nuts_mean(map200.theta[None], x, y))
     assert metrics["accuracy_mean"] < metrics["accuracy_ensemble"]
     # A single basin passes.
-    check_nuts_mean(map200.theta[None], x, y)
+    assert nuts_mean_passes(check_nuts_mean(map200.theta[None], x, y))
 
 
 def test_jax_programs_read_from_the_compilation_cache_give_the_same_numbers(tmp_path):
