@@ -17,10 +17,10 @@ A block of steps (:meth:`FusedSequentialChainModel.steps_`) runs each chain's st
 An MLP (``Linear`` layers and element-wise activations, the toy network of the paper) has too little
 work per chain for one thread per chain to pay: its chains run eight (float32; four in float64) at a
 time in the lanes of a vector (the EMA's Cholesky solves of the block and dense structures included), each
-lane one chain with the operations of the per-chain code, so a chain's numbers still do not depend on its
-neighbours. Its float32 ``tanh`` (``Tanh``, and GELU's tanh
-form) is a rational approximation on whole vectors (Eigen's, which XLA uses), within 4 units in the
-last place of the correctly rounded value (a test checks it).
+lane one chain, so a chain's numbers still do not depend on its neighbours; they agree with the per-chain
+code's to rounding (sums in another order). Its float32 ``tanh`` (``Tanh``, and GELU's tanh form) is a
+rational approximation on whole vectors (Eigen's, which XLA uses), within 4 units in the last place of the
+correctly rounded value (a test checks it).
 
 The kernel (``smp_core/csrc/fused_sequential.cpp``) is compiled on first use with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed; about a minute, then

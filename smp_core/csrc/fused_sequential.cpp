@@ -7,7 +7,9 @@
 // pulled back through its current weights (the order of smp_core.models.SequentialChainModel), so
 // every weight and every preconditioner entry is read and written once per step. An MLP (Linear
 // layers and element-wise activations) runs its chains kVL<T> at a time in the lanes of a vector
-// instead (struct Lanes), each lane one chain, with the same operations.
+// instead (struct Lanes), each lane one chain, with the same operations summed in the lanes' own order.
+// The build uses -march=native, so the compiler may fuse a multiply and an add into one rounding (FMA),
+// differently in scalar and in vector code: the two paths agree to rounding, not bit for bit.
 //
 // The network is described by `spec`, a flat int64 list built by smp_core/fused.py: one record per
 // layer, [kind, fields...], with the offsets of its parameters in theta and of its input and output
@@ -674,8 +676,9 @@ inline bool is_mlp(const std::vector<int64_t>& spec, const std::vector<int64_t>&
 // vector: kVL<T> of them at a time run the same operations side by side. Each lane is one chain, so its
 // numbers do not depend on its neighbours or on its place: a last, partial group fills its spare lanes
 // with copies of its last chain and keeps them out of the results. The operations are those of
-// forward_chain / backward_chain in the same order; the element-wise activations, the response and its
-// residual are taken lane by lane.
+// forward_chain / backward_chain, but each dot product is summed term by term (not in register blocks) and
+// the float32 tanh is tanh_lanes; the element-wise activations, the response and its residual are taken
+// lane by lane.
 template <typename T>
 struct Lanes {
   static constexpr int64_t W = kVL<T>;
@@ -952,8 +955,9 @@ namespace {
 // Steps of every chain: for step j, chain b's input is row rows(j, b) of x, its noise
 // noise[(j * B + b) * width ...] and its step size gammas[j]; each chain runs all its steps on one thread
 // (chains are independent within a block: each reads only its own row of theta and of an EMA statistic,
-// and a shared scale is read-only), with its activations in per-thread scratch.
-// The matrices of mode 4: block b covers theta[offsets[b] : offsets[b] + sizes[b]]; data[b] points at its
+// and a shared scale is read-only), with its activations in per-thread scratch; an MLP's chains run in the
+// lanes of a vector instead (run_steps_lanes, modes 1 to 5).
+// The matrices of modes 4 and 5: block b covers theta[offsets[b] : offsets[b] + sizes[b]]; data[b] points at its
 // (1 or B, n, n) matrices, stride[b] = n * n when each chain has its own, 0 when they are shared.
 template <typename T>
 struct Matrices {
@@ -1105,9 +1109,11 @@ int64_t ema_matrix_step(const Matrices<T>& m, int64_t b, const T* g, T gamma, T 
 
 // mode 5 for the kVL<T> chains of an MLP's lanes (ema_matrix_step side by side): each block's statistic MS[k]
 // (n * n vectors, lane l chain l's entries), the score in G. The Cholesky solve of every lane runs in
-// ema_solve's operations and order; a lane whose factorisation fails is solved again alone by ema_solve (in
-// double, from the eigendecomposition). Returns the number of such solves among the first nb lanes (the real
-// chains) whose result is finite.
+// ema_solve's operations and order (up to the fusion of multiply-adds, see the top of this file); a lane whose
+// factorisation fails is solved again alone by ema_solve (in double, from the eigendecomposition), the spare
+// lanes of a partial group taking their chain's result. Returns the number of such solves among the first nb
+// lanes (the real chains) whose result is finite. Per thread it holds 2 n^2 vectors for the largest block
+// (for a dense d = 1,000 in float32, 64 MB), against n^2 numbers per chain for the statistics themselves.
 template <typename T>
 struct EmaLanes {
   using VT = V<T>;
@@ -1178,7 +1184,7 @@ struct EmaLanes {
         for (int64_t q = i + 1; q < n; ++q) t -= L[q * n + i] * Y[q];
         Y[i] = t / L[i * n + i];
       }
-      for (int64_t l = 0; any && l < W; ++l) {
+      for (int64_t l = 0; any && l < nb; ++l) {
         if (!bad[l]) continue;
         for (int64_t i = 0; i < n * n; ++i) m1[i] = M[i][l];
         for (int64_t i = 0; i < n; ++i) g1[i] = g[i][l];
@@ -1187,8 +1193,10 @@ struct EmaLanes {
           finite = finite && std::isfinite(static_cast<double>(y1[i]));
           Y[i][l] = y1[i];
         }
-        redone += finite && l < nb ? 1 : 0;
+        redone += finite ? 1 : 0;
       }
+      for (int64_t l = nb; any && l < W; ++l)  // the spare lanes: copies of chain nb - 1
+        for (int64_t i = 0; i < n; ++i) Y[i][l] = Y[i][nb - 1];
       for (int64_t j = 0; j < n; ++j) P[o + j] += gamma * Y[j];
       for (int64_t i = 0; i < n; ++i)
         for (int64_t j = 0; j < n; ++j) M[i * n + j] = beta * M[i * n + j] + fold * (g[i] * g[j]);
@@ -1318,14 +1326,14 @@ int64_t run_steps(T* th, int64_t B, int64_t d, const T* xs, int64_t n_in, Rows r
   return redone.load();
 }
 
-// The matrices of mode 4, checked: blocks = [offset, size, ...] tiling theta's d entries in order, one
+// The matrices of modes 4 and 5, checked: blocks = [offset, size, ...] tiling theta's d entries in order, one
 // contiguous (1 or B, n, n) tensor of theta's dtype per block.
 template <typename T>
 Matrices<T> matrices_of(const std::vector<int64_t>& blocks, const std::vector<torch::Tensor>& factors, int64_t B,
                         int64_t d, at::ScalarType dtype, bool per_chain) {
   Matrices<T> m;
   TORCH_CHECK(blocks.size() == 2 * factors.size() && !factors.empty(),
-              "fused_sequential: mode 4 needs one (offset, size) pair per matrix");
+              "fused_sequential: modes 4 and 5 need one (offset, size) pair per matrix");
   int64_t at = 0;
   for (size_t k = 0; k < factors.size(); ++k) {
     const int64_t o = blocks[2 * k], n = blocks[2 * k + 1];

@@ -274,30 +274,62 @@ def test_ema_matrices_step_like_the_solve_then_the_update(name, lik_name, struct
         assert torch.equal(a, b)
 
 
-def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns():
-    # rounding can leave a float32 statistic indefinite by more than the ridge: the kernel's Cholesky fails
-    # and the solve is redone in double from the eigendecomposition (negative eigenvalues set to 0), with
-    # smp_core.preconditioners' warning; a non-finite statistic gives NaN (the chain's divergence), silently
-    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=3, dtype=torch.float32)
+@pytest.mark.parametrize("structure_name", ["block", "dense"])
+@pytest.mark.parametrize("chains", [1, 9])
+def test_ema_matrices_in_float32_step_like_the_solve_then_the_update(structure_name, chains):
+    # float32 lanes: eight chains a group, so 9 chains are a full group and a partial one; one chain's
+    # statistic is read with stride 0. Sums in another order than the batched model's: a relative 1e-4 of the
+    # step, and of the statistic's scale
+    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=chains, dtype=torch.float32)
     lik = get_likelihood("categorical")
-    rule_dense = MatrixRule(Dense(fused.layout.dim), (0.9, 1e-3))
-    q, _ = torch.linalg.qr(torch.randn(fused.layout.dim, fused.layout.dim, generator=gen, dtype=torch.float64))
-    values = torch.linspace(-0.5, 2.0, fused.layout.dim, dtype=torch.float64)
-    stat = ((q * values) @ q.T).float().expand(3, -1, -1).clone()
-    stat[2, 0, 0] = float("nan")
-    noise = lik.draw_noise((3,), fused.out_dim, gen, "cpu", torch.float32)
-    mine, mine_stat = theta.clone(), stat.clone()
-    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
-        assert fused.step_(mine, x, lik, noise, rule_dense, (mine_stat,), 0.05)
+    structure_rule, stats = _matrices(fused, structure_name, chains, gen, dtype=torch.float32)
+    rule = MatrixRule(structure_rule.structure, (0.9, 1e-3))
+    noise = lik.draw_noise((chains,), fused.out_dim, gen, "cpu", torch.float32)
+    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
+    assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
     out, ctx = batched.forward(theta, x)
     score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
-    ref, ref_stat = theta.clone(), stat.clone()
+    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
+    rule.apply_(ref, score, ref_stats, 0.05)
+    step = (ref - theta).abs().max()
+    assert step > 1e-3 and (mine - ref).abs().max() <= 1e-4 * step
+    for a, b in zip(mine_stats, ref_stats, strict=True):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+@pytest.mark.parametrize("structure_name", ["block", "dense"])
+def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns(structure_name):
+    # rounding can leave a float32 statistic indefinite by more than the ridge: the kernel's Cholesky fails
+    # and the solve is redone in double from the eigendecomposition (negative eigenvalues set to 0), with
+    # smp_core.preconditioners' warning; a non-finite statistic gives NaN (the chain's divergence), silently.
+    # Ten chains in the lanes of a vector: the first group mixes six positive definite statistics with two
+    # indefinite ones, the last, partial group holds an indefinite one and a NaN
+    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=10, dtype=torch.float32)
+    lik = get_likelihood("categorical")
+    structure_rule, good = _matrices(fused, structure_name, 10, gen, dtype=torch.float32)
+    rule = MatrixRule(structure_rule.structure, (0.9, 1e-3))
+    stats = []
+    for block in good:
+        n = block.shape[1]
+        q, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+        values = torch.linspace(-0.5, 2.0, n, dtype=torch.float64)
+        stat = block.clone()
+        stat[6:] = ((q * values) @ q.T).float()
+        stat[9, 0, 0] = float("nan")
+        stats.append(stat)
+    noise = lik.draw_noise((10,), fused.out_dim, gen, "cpu", torch.float32)
+    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
     with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
-        rule_dense.apply_(ref, score, (ref_stat,), 0.05)
-    assert torch.isnan(mine[2]).all() and torch.isnan(ref[2]).all()
+        assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
+    out, ctx = batched.forward(theta, x)
+    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
+    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
+    with pytest.warns(RuntimeWarning, match="indefinite by more than the ridge"):
+        rule.apply_(ref, score, ref_stats, 0.05)
+    assert torch.isnan(mine[9]).all() and torch.isnan(ref[9]).all()
     # float32 scores and steps of another order of sums: a relative 1e-4 of the step
-    step = (ref[:2] - theta[:2]).abs().max()
-    assert step > 1e-3 and (mine[:2] - ref[:2]).abs().max() <= 1e-4 * step
+    step = (ref[:9] - theta[:9]).abs().max()
+    assert step > 1e-3 and (mine[:9] - ref[:9]).abs().max() <= 1e-4 * step
 
 
 def test_the_float_tanh_of_the_mlp_lanes_is_within_four_units_in_the_last_place():
