@@ -195,6 +195,33 @@ void gemm_nt(int64_t M, int64_t N, int64_t L, const T* A, int64_t lda, const T* 
   if (m0 < M) nt_row_block<T, 1>(N, L, A + m0 * lda, lda, B, ldb, C + m0 * ldc, ldc);
 }
 
+// out[q] = a[q * L] + a[q * L + 1] + ... + a[q * L + L - 1], each sum in that order from 0, for NQ rows side by
+// side: the rows' additions are independent, so none waits on the latency of another's.
+template <typename T, int NQ>
+inline void row_sums_block(const T* a, int64_t L, T* out) {
+  T acc[NQ];
+  for (int i = 0; i < NQ; ++i) acc[i] = T(0);
+  for (int64_t l = 0; l < L; ++l)
+    for (int i = 0; i < NQ; ++i) acc[i] += a[i * L + l];
+  for (int i = 0; i < NQ; ++i) out[i] = acc[i];
+}
+
+template <typename T>
+void row_sums(const T* a, int64_t rows, int64_t L, T* out) {
+  int64_t q = 0;
+  for (; q + 8 <= rows; q += 8) row_sums_block<T, 8>(a + q * L, L, out + q);
+  switch (rows - q) {
+    case 7: row_sums_block<T, 7>(a + q * L, L, out + q); break;
+    case 6: row_sums_block<T, 6>(a + q * L, L, out + q); break;
+    case 5: row_sums_block<T, 5>(a + q * L, L, out + q); break;
+    case 4: row_sums_block<T, 4>(a + q * L, L, out + q); break;
+    case 3: row_sums_block<T, 3>(a + q * L, L, out + q); break;
+    case 2: row_sums_block<T, 2>(a + q * L, L, out + q); break;
+    case 1: row_sums_block<T, 1>(a + q * L, L, out + q); break;
+    default: break;
+  }
+}
+
 // The parameter step of n consecutive entries from offset `at`, by mode, from their score g.
 template <typename T>
 struct Update {
@@ -511,11 +538,7 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
         gemm_nt<T>(O, K, ld, wide, ld, cols, ld, g, K);
         up.apply(r[15], g, O * K);
         if (r[16] >= 0) {
-          for (int64_t q = 0; q < O; ++q) {
-            T acc = T(0);
-            for (int64_t l = 0; l < L; ++l) acc += delta[q * L + l];
-            g[q] = acc;
-          }
+          row_sums(delta, O, L, g);
           up.apply(r[16], g, O);
         }
         if (need_input) std::swap(delta, next);
