@@ -1043,40 +1043,59 @@ inline void jacobi_eigen(std::vector<double>& a, std::vector<double>& v, int64_t
   }
 }
 
-// y = (M + ridge I)^{-1} g for one chain's n x n statistic M, by Cholesky in T (lower triangle, as LAPACK
-// reads it); where it fails, in double from the eigendecomposition of (M + M^T) / 2 with the negative
-// eigenvalues set to 0 (NaN for a non-finite M). Returns whether the double-precision redo was taken.
+// The square root of a positive pivot, and whether it is one: of a number, or of each lane of a vector
+// (bad[l] set where lane l's is not).
 template <typename T>
-bool ema_solve(const T* M, const T* g, T* y, int64_t n, T ridge, std::vector<T>& L, std::vector<double>& work) {
-  bool ok = true;
-  for (int64_t j = 0; j < n && ok; ++j) {
-    T s = M[j * n + j] + ridge;
+inline T pivot_root(T s, bool* bad) {
+  bad[0] = bad[0] || !(s > T(0));
+  return std::sqrt(s);
+}
+template <typename T>
+inline V<T> pivot_root(V<T> s, bool* bad) {
+  V<T> r;
+  for (int64_t l = 0; l < kVL<T>; ++l) {
+    bad[l] = bad[l] || !(s[l] > T(0));
+    r[l] = std::sqrt(s[l]);
+  }
+  return r;
+}
+
+// L L^T = M + ridge I (the lower triangle, as LAPACK reads M), then y = (L L^T)^{-1} g, on numbers (E = T)
+// or side by side on the lanes of vectors (E = V<T>, each lane one chain's matrix): the same operations in
+// the same order. bad[l] is set where a pivot was not positive (that lane's y is then meaningless).
+template <typename E, typename T>
+void cholesky_solve(const E* M, const E* g, E* y, E* L, int64_t n, T ridge, bool* bad) {
+  for (int64_t j = 0; j < n; ++j) {
+    E s = M[j * n + j] + ridge;
     for (int64_t k = 0; k < j; ++k) s -= L[j * n + k] * L[j * n + k];
-    if (!(s > T(0))) {
-      ok = false;
-      break;
-    }
-    const T ljj = std::sqrt(s);
+    const E ljj = pivot_root<T>(s, bad);
     L[j * n + j] = ljj;
     for (int64_t i = j + 1; i < n; ++i) {
-      T t = M[i * n + j];
+      E t = M[i * n + j];
       for (int64_t k = 0; k < j; ++k) t -= L[i * n + k] * L[j * n + k];
       L[i * n + j] = t / ljj;
     }
   }
-  if (ok) {  // L z = g, then L^T y = z
-    for (int64_t i = 0; i < n; ++i) {
-      T t = g[i];
-      for (int64_t k = 0; k < i; ++k) t -= L[i * n + k] * y[k];
-      y[i] = t / L[i * n + i];
-    }
-    for (int64_t i = n - 1; i >= 0; --i) {
-      T t = y[i];
-      for (int64_t k = i + 1; k < n; ++k) t -= L[k * n + i] * y[k];
-      y[i] = t / L[i * n + i];
-    }
-    return false;
+  for (int64_t i = 0; i < n; ++i) {  // L z = g, then L^T y = z
+    E t = g[i];
+    for (int64_t k = 0; k < i; ++k) t -= L[i * n + k] * y[k];
+    y[i] = t / L[i * n + i];
   }
+  for (int64_t i = n - 1; i >= 0; --i) {
+    E t = y[i];
+    for (int64_t k = i + 1; k < n; ++k) t -= L[k * n + i] * y[k];
+    y[i] = t / L[i * n + i];
+  }
+}
+
+// y = (M + ridge I)^{-1} g for one chain's n x n statistic M, by Cholesky in T (cholesky_solve); where it
+// fails, in double from the eigendecomposition of (M + M^T) / 2 with the negative eigenvalues set to 0 (NaN
+// for a non-finite M). Returns whether the double-precision redo was taken.
+template <typename T>
+bool ema_solve(const T* M, const T* g, T* y, int64_t n, T ridge, std::vector<T>& L, std::vector<double>& work) {
+  bool bad = false;
+  cholesky_solve(M, g, y, L.data(), n, ridge, &bad);
+  if (!bad) return false;
   bool finite = true;
   for (int64_t i = 0; i < n * n; ++i) finite = finite && std::isfinite(static_cast<double>(M[i]));
   if (!finite) {
@@ -1131,8 +1150,8 @@ int64_t ema_matrix_step(const Matrices<T>& m, int64_t b, const T* g, T gamma, T 
 }
 
 // mode 5 for the kVL<T> chains of an MLP's lanes (ema_matrix_step side by side): each block's statistic MS[k]
-// (n * n vectors, lane l chain l's entries), the score in G. The Cholesky solve of every lane runs in
-// ema_solve's operations and order (up to the fusion of multiply-adds, see the top of this file); a lane whose
+// (n * n vectors, lane l chain l's entries), the score in G. The Cholesky solve of every lane is ema_solve's
+// (cholesky_solve on vectors; up to the fusion of multiply-adds, see the top of this file); a lane whose
 // factorisation fails is solved again alone by ema_solve (in double, from the eigendecomposition), the spare
 // lanes of a partial group taking their chain's result. Returns the number of such solves among the first nb
 // lanes (the real chains) whose result is finite. Per thread it holds 2 n^2 vectors for the largest block
@@ -1181,32 +1200,9 @@ struct EmaLanes {
       VT* M = MS[k].data();
       const VT* g = G.data() + o;
       bool bad[W] = {};
+      cholesky_solve(static_cast<const VT*>(M), g, Y.data(), L.data(), n, ridge, bad);
       bool any = false;
-      for (int64_t j = 0; j < n; ++j) {  // L L^T = M + ridge I, lower triangle
-        VT s = M[j * n + j] + ridge;
-        for (int64_t q = 0; q < j; ++q) s -= L[j * n + q] * L[j * n + q];
-        VT ljj;
-        for (int64_t l = 0; l < W; ++l) {
-          if (!(s[l] > T(0))) bad[l] = any = true;
-          ljj[l] = std::sqrt(s[l]);
-        }
-        L[j * n + j] = ljj;
-        for (int64_t i = j + 1; i < n; ++i) {
-          VT t = M[i * n + j];
-          for (int64_t q = 0; q < j; ++q) t -= L[i * n + q] * L[j * n + q];
-          L[i * n + j] = t / ljj;
-        }
-      }
-      for (int64_t i = 0; i < n; ++i) {  // L z = g, then L^T y = z
-        VT t = g[i];
-        for (int64_t q = 0; q < i; ++q) t -= L[i * n + q] * Y[q];
-        Y[i] = t / L[i * n + i];
-      }
-      for (int64_t i = n - 1; i >= 0; --i) {
-        VT t = Y[i];
-        for (int64_t q = i + 1; q < n; ++q) t -= L[q * n + i] * Y[q];
-        Y[i] = t / L[i * n + i];
-      }
+      for (int64_t l = 0; l < W; ++l) any = any || bad[l];
       for (int64_t l = 0; any && l < nb; ++l) {
         if (!bad[l]) continue;
         for (int64_t i = 0; i < n * n; ++i) m1[i] = M[i][l];

@@ -237,6 +237,19 @@ def test_stored_matrices_step_like_the_score_then_the_matrices(name, lik_name, s
     assert torch.equal(block, one)
 
 
+def _ema_step_both_ways(fused, batched, theta, x, lik, rule, stats, gen):
+    """One step of the EMA matrices rule from ``theta`` and ``stats``: by the kernel, and by the structure's
+    solve and update on the batched model's score. Returns both thetas and statistics."""
+    noise = lik.draw_noise((theta.shape[0],), fused.out_dim, gen, "cpu", theta.dtype)
+    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
+    assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
+    out, ctx = batched.forward(theta, x)
+    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
+    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
+    rule.apply_(ref, score, ref_stats, 0.05)
+    return mine, mine_stats, ref, ref_stats
+
+
 @pytest.mark.parametrize("structure_name", ["block", "dense"])
 @pytest.mark.parametrize("name, lik_name", [("gelu-mlp", "categorical"), ("odd", "gaussian")])
 def test_ema_matrices_step_like_the_solve_then_the_update(name, lik_name, structure_name):
@@ -248,13 +261,7 @@ def test_ema_matrices_step_like_the_solve_then_the_update(name, lik_name, struct
     _, stats = _matrices(fused, structure_name, 6, gen)
     rule = MatrixRule(_matrices(fused, structure_name, 1, gen)[0].structure, (0.9, 1e-3))
     assert rule.covers_update and fused.takes_whole_step(lik, rule, "cpu", torch.float64)
-    noise = lik.draw_noise((6,), fused.out_dim, gen, "cpu", torch.float64)
-    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
-    assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
-    out, ctx = batched.forward(theta, x)
-    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
-    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
-    rule.apply_(ref, score, ref_stats, 0.05)
+    mine, mine_stats, ref, ref_stats = _ema_step_both_ways(fused, batched, theta, x, lik, rule, stats, gen)
     assert (mine - theta).abs().max() > 1e-4
     assert torch.allclose(mine, ref, **TOL)
     for a, b in zip(mine_stats, ref_stats, strict=True):
@@ -284,13 +291,7 @@ def test_ema_matrices_in_float32_step_like_the_solve_then_the_update(structure_n
     lik = get_likelihood("categorical")
     structure_rule, stats = _matrices(fused, structure_name, chains, gen, dtype=torch.float32)
     rule = MatrixRule(structure_rule.structure, (0.9, 1e-3))
-    noise = lik.draw_noise((chains,), fused.out_dim, gen, "cpu", torch.float32)
-    mine, mine_stats = theta.clone(), tuple(m.clone() for m in stats)
-    assert fused.step_(mine, x, lik, noise, rule, mine_stats, 0.05)
-    out, ctx = batched.forward(theta, x)
-    score = batched.vjp(ctx, lik.residual(out, lik.sample_from_noise(out, noise)))
-    ref, ref_stats = theta.clone(), tuple(m.clone() for m in stats)
-    rule.apply_(ref, score, ref_stats, 0.05)
+    mine, mine_stats, ref, ref_stats = _ema_step_both_ways(fused, batched, theta, x, lik, rule, stats, gen)
     step = (ref - theta).abs().max()
     assert step > 1e-3 and (mine - ref).abs().max() <= 1e-4 * step
     for a, b in zip(mine_stats, ref_stats, strict=True):
@@ -298,14 +299,16 @@ def test_ema_matrices_in_float32_step_like_the_solve_then_the_update(structure_n
 
 
 @pytest.mark.parametrize("structure_name", ["block", "dense"])
-def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns(structure_name):
+@pytest.mark.parametrize("name, lik_name", [("gelu-mlp", "categorical"), ("odd", "gaussian")])
+def test_an_indefinite_ema_statistic_is_solved_in_double_and_warns(name, lik_name, structure_name):
     # rounding can leave a float32 statistic indefinite by more than the ridge: the kernel's Cholesky fails
     # and the solve is redone in double from the eigendecomposition (negative eigenvalues set to 0), with
     # smp_core.preconditioners' warning; a non-finite statistic gives NaN (the chain's divergence), silently.
-    # Ten chains in the lanes of a vector: the first group mixes six positive definite statistics with two
-    # indefinite ones, the last, partial group holds an indefinite one and a NaN
-    fused, batched, theta, x, gen = _pair("gelu-mlp", n_chains=10, dtype=torch.float32)
-    lik = get_likelihood("categorical")
+    # Ten chains: six positive definite statistics, three indefinite ones and a NaN; an MLP runs them in the
+    # lanes of a vector (a first group mixing good and failing lanes, a last, partial one), another network
+    # chain by chain
+    fused, batched, theta, x, gen = _pair(name, n_chains=10, dtype=torch.float32)
+    lik = get_likelihood(lik_name, **({"sigma": 0.7} if lik_name == "gaussian" else {}))
     structure_rule, good = _matrices(fused, structure_name, 10, gen, dtype=torch.float32)
     rule = MatrixRule(structure_rule.structure, (0.9, 1e-3))
     stats = []
