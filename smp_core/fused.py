@@ -86,10 +86,19 @@ _build_error: str | None = None
 _lock = threading.Lock()
 
 
+def _flags() -> list[str]:
+    # no loop is replaced by a call to memcpy or memset: the kernel's copies are short rows
+    flags = ["-O3", "-fopenmp", "-fno-tree-loop-distribute-patterns"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags.append("-march=native")
+    return flags
+
+
 def _extension_name() -> str:
-    """A name tied to the source and to this processor (the kernel is built with ``-march=native``)."""
+    """A name tied to the source, the compiler's flags and this processor (the kernel is built with
+    ``-march=native``)."""
     digest = hashlib.sha256(_SOURCE.read_bytes())
-    digest.update(f"{platform.machine()} {_cpu_model()} {torch.__version__}".encode())
+    digest.update(f"{platform.machine()} {_cpu_model()} {torch.__version__} {_flags()}".encode())
     return f"smp_fused_sequential_{digest.hexdigest()[:16]}"
 
 
@@ -139,9 +148,7 @@ def fused_unavailable(verbose: bool = False) -> str | None:  # verbose: the comp
                     logger.setLevel(level)
 
                 _put_ninja_on_path()
-                flags = ["-O3", "-fopenmp"]
-                if platform.machine() in ("x86_64", "AMD64"):
-                    flags.append("-march=native")
+                flags = _flags()
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     _extension = cpp_extension.load(name=_extension_name(), sources=[str(_SOURCE)],

@@ -10,6 +10,9 @@
 // instead (struct Lanes), each lane one chain, with the same operations summed in the lanes' own order.
 // The build uses -march=native, so the compiler may fuse a multiply and an add into one rounding (FMA),
 // differently in scalar and in vector code: the two paths agree to rounding, not bit for bit.
+// A convolution runs as two small matrix products over its patch matrix (im2col), or, where its output rows
+// are whole vectors (stride 1, no padding or dilation: LeNet-5's two), straight from its input (direct_conv):
+// the same products summed in the same order, so the two give the same numbers bit for bit (a test checks it).
 //
 // The network is described by `spec`, a flat int64 list built by smp_core/fused.py: one record per
 // layer, [kind, fields...], with the offsets of its parameters in theta and of its input and output
@@ -41,6 +44,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -88,17 +92,32 @@ template <typename T>
 using V = typename Vec<T>::type;
 template <typename T>
 constexpr int64_t kVL = 32 / sizeof(T);
+// kernel_nn's vectors: 64 bytes where the processor has AVX-512 (each entry of C is the same sum over k in the
+// same order at any width, so the width changes no number), else V
+#if defined(__AVX512F__)
+constexpr int64_t kWideBytes = 64;
+#else
+constexpr int64_t kWideBytes = 32;
+#endif
 template <typename T>
-constexpr int64_t kNR = 2 * kVL<T>;
+struct WideVec {
+  typedef T type __attribute__((vector_size(kWideBytes)));
+};
+template <typename T>
+using VW = typename WideVec<T>::type;
+template <typename T>
+constexpr int64_t kWL = kWideBytes / sizeof(T);
+template <typename T>
+constexpr int64_t kNR = 2 * kWL<T>;
 
-template <typename T>
-inline V<T> load(const T* p) {
-  V<T> v;
+template <typename T, typename VT = V<T>>
+inline VT load(const T* p) {
+  VT v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
-template <typename T>
-inline void store(T* p, V<T> v) {
+template <typename T, typename VT>
+inline void store(T* p, VT v) {
   __builtin_memcpy(p, &v, sizeof(v));
 }
 template <typename T>
@@ -108,21 +127,51 @@ inline T hsum(V<T> v) {
   return s;
 }
 
+// hsum of eight vectors of eight lanes at once: out[e] = ((0 + r[e][0]) + r[e][1]) + ... + r[e][7], the same
+// additions in the same order as hsum, made lane by lane on the transposed vectors (three rounds of shuffles).
+template <typename VT>
+inline VT hsum8(const VT* r) {
+  typedef int32_t I8 __attribute__((vector_size(32)));
+  static_assert(sizeof(VT) == 32 && sizeof(r[0][0]) == 4, "eight lanes of four bytes");
+  VT a[8], b[8], col[8];
+  for (int k = 0; k < 4; ++k) {
+    a[2 * k] = __builtin_shuffle(r[2 * k], r[2 * k + 1], I8{0, 8, 2, 10, 4, 12, 6, 14});
+    a[2 * k + 1] = __builtin_shuffle(r[2 * k], r[2 * k + 1], I8{1, 9, 3, 11, 5, 13, 7, 15});
+  }
+  // rows 4h .. 4h + 3, lanes {0, 4}, {2, 6}, {1, 5}, {3, 7}
+  for (int h = 0; h < 2; ++h) {
+    const VT* x = a + 4 * h;
+    b[4 * h] = __builtin_shuffle(x[0], x[2], I8{0, 1, 8, 9, 4, 5, 12, 13});
+    b[4 * h + 1] = __builtin_shuffle(x[0], x[2], I8{2, 3, 10, 11, 6, 7, 14, 15});
+    b[4 * h + 2] = __builtin_shuffle(x[1], x[3], I8{0, 1, 8, 9, 4, 5, 12, 13});
+    b[4 * h + 3] = __builtin_shuffle(x[1], x[3], I8{2, 3, 10, 11, 6, 7, 14, 15});
+  }
+  constexpr int lane[4] = {0, 2, 1, 3};  // the first lane of b[m] (the second is 4 more)
+  for (int m = 0; m < 4; ++m) {
+    col[lane[m]] = __builtin_shuffle(b[m], b[m + 4], I8{0, 1, 2, 3, 8, 9, 10, 11});
+    col[lane[m] + 4] = __builtin_shuffle(b[m], b[m + 4], I8{4, 5, 6, 7, 12, 13, 14, 15});
+  }
+  VT s = VT{};
+  for (int i = 0; i < 8; ++i) s += col[i];
+  return s;
+}
+
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 // scratch_sizes pads rows for every scalar type at once
-constexpr int64_t kMaxNR = 16;
+constexpr int64_t kMaxNR = 2 * kWideBytes / sizeof(float);
 static_assert(kNR<float> <= kMaxNR && kMaxNR % kNR<float> == 0 && kMaxNR % kNR<double> == 0, "row padding");
 
 // C[i, 0:NR] = sum_k A[i * a_rs + k * a_cs] * B[k * ldb + 0:NR] for MR rows.
 template <typename T, int MR>
 inline void kernel_nn(int64_t K, const T* A, int64_t a_rs, int64_t a_cs, const T* B, int64_t ldb, T* C,
                       int64_t ldc) {
-  constexpr int64_t VL = kVL<T>;
-  V<T> acc0[MR], acc1[MR];
-  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = V<T>{} ;
+  constexpr int64_t VL = kWL<T>;
+  using VT = VW<T>;
+  VT acc0[MR], acc1[MR];
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = VT{};
   for (int64_t k = 0; k < K; ++k) {
-    const V<T> b0 = load(B + k * ldb), b1 = load(B + k * ldb + VL);
+    const VT b0 = load<T, VT>(B + k * ldb), b1 = load<T, VT>(B + k * ldb + VL);
     for (int i = 0; i < MR; ++i) {
       const T a = A[i * a_rs + k * a_cs];
       acc0[i] += a * b0;
@@ -151,6 +200,22 @@ void gemm_nn(int64_t M, int64_t Npad, int64_t K, const T* A, int64_t a_rs, int64
     }
 }
 
+// out[i][j] = hsum(acc[i][j]); eight at once by hsum8 where there are eight of eight lanes (the same numbers)
+template <typename T, int MR, int NR2>
+inline void lane_sums(const V<T> (&acc)[MR][NR2], T (&out)[MR][NR2]) {
+  if constexpr (kVL<T> == 8 && MR * NR2 % 8 == 0) {
+    for (int e0 = 0; e0 < MR * NR2; e0 += 8) {
+      V<T> rows[8];
+      for (int e = 0; e < 8; ++e) rows[e] = acc[(e0 + e) / NR2][(e0 + e) % NR2];
+      const V<T> sums = hsum8(rows);
+      for (int e = 0; e < 8; ++e) out[(e0 + e) / NR2][(e0 + e) % NR2] = sums[e];
+    }
+  } else {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR2; ++j) out[i][j] = hsum<T>(acc[i][j]);
+  }
+}
+
 // C[i, j] = sum_l A[i * lda + l] B[j * ldb + l] for MR x NR2 entries (dot products, several at once
 // so that no single chain of additions waits on the previous one).
 template <typename T, int MR, int NR2>
@@ -167,9 +232,11 @@ inline void kernel_nt(int64_t L, const T* A, int64_t lda, const T* B, int64_t ld
     for (int i = 0; i < MR; ++i)
       for (int j = 0; j < NR2; ++j) acc[i][j] += a[i] * b[j];
   }
+  T sums[MR][NR2];
+  lane_sums<T, MR, NR2>(acc, sums);
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR2; ++j) {
-      T sum = hsum<T>(acc[i][j]);
+      T sum = sums[i][j];
       for (int64_t l = main; l < L; ++l) sum += A[i * lda + l] * B[j * ldb + l];
       C[i * ldc + j] = sum;
     }
@@ -178,6 +245,8 @@ inline void kernel_nt(int64_t L, const T* A, int64_t lda, const T* B, int64_t ld
 template <typename T, int MR>
 inline void nt_row_block(int64_t N, int64_t L, const T* A, int64_t lda, const T* B, int64_t ldb, T* C, int64_t ldc) {
   int64_t n0 = 0;
+  if constexpr (MR == 1)
+    for (; n0 + 8 <= N; n0 += 8) kernel_nt<T, 1, 8>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc);
   for (; n0 + 4 <= N; n0 += 4) kernel_nt<T, MR, 4>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc);
   switch (N - n0) {
     case 3: kernel_nt<T, MR, 3>(L, A, lda, B + n0 * ldb, ldb, C + n0, ldc); break;
@@ -267,6 +336,8 @@ struct Update {
 template <typename T>
 struct Scratch {
   std::vector<T> cols, work, wide, delta, next, grad;
+  std::vector<int64_t> koff;  // a direct convolution's patch offsets (K)
+  std::vector<T> bias;        // and its biases (O)
   // the whole step keeps every convolution's patch matrix from the forward pass for the backward
   // pass (the chain's own, still in cache), at col_off[record]; empty: the backward pass rebuilds it
   std::vector<T> saved;
@@ -274,6 +345,147 @@ struct Scratch {
 
   T* patches(size_t record) { return saved.empty() ? cols.data() : saved.data() + col_off[record]; }
 };
+
+// A convolution of stride 1, no padding and no dilation whose output rows are whole vectors (OW a multiple of
+// kVL<T>) runs without a patch matrix: row k = (c, i, j) of the patch matrix, at the kVL<T> output positions
+// l .. l + kVL<T> - 1 of output row oy (columns ox ..), is the input's run at koff[k] + oy * W + ox, with
+// koff[k] = (c * H + i) * W + j. The kernels below load those runs where gemm_nn and gemm_nt load the patch
+// matrix's, and sum the same products in the same order: the same numbers, without im2col.
+// Vectors of a forward block and rows of a weight-gradient block (registers: 16 accumulators where there are 32)
+constexpr int kDirectBlock = kWideBytes == 64 ? 4 : 2;
+
+inline bool direct_conv(const int64_t* r, int64_t VL) {
+  return r[9] == 1 && r[10] == 1 && r[11] == 0 && r[12] == 0 && r[13] == 1 && r[14] == 1 && r[6] % VL == 0;
+}
+
+inline void patch_offsets(const int64_t* r, int64_t* koff) {
+  const int64_t C = r[1], H = r[2], W = r[3], kh = r[7], kw = r[8];
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t i = 0; i < kh; ++i)
+      for (int64_t j = 0; j < kw; ++j) koff[(c * kh + i) * kw + j] = (c * H + i) * W + j;
+}
+
+// out[i * L + v * VL ..] = sum_k A[i * K + k] * in[base[v] + koff[k] ..] + bias[i], for MR rows and NV vectors
+// (gemm_nn's kernel_nn, then forward_chain's bias)
+template <typename T, int MR, int NV>
+inline void direct_nn(int64_t K, const T* A, const int64_t* koff, const T* const* base, const T* bias, T* out,
+                      int64_t L) {
+  constexpr int64_t VL = kVL<T>;
+  V<T> acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = V<T>{};
+  for (int64_t k = 0; k < K; ++k) {
+    V<T> b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = load(base[v] + koff[k]);
+    for (int i = 0; i < MR; ++i) {
+      const T a = A[i * K + k];
+      for (int v = 0; v < NV; ++v) acc[i][v] += a * b[v];
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) store(out + i * L + v * VL, acc[i][v] + bias[i]);
+}
+
+template <typename T, int NV>
+inline void direct_nn_rows(int64_t O, int64_t K, const T* A, const int64_t* koff, const T* const* base,
+                           const T* bias, T* out, int64_t L) {
+  for (int64_t m0 = 0; m0 < O; m0 += 4) {
+    const T* a = A + m0 * K;
+    T* o = out + m0 * L;
+    switch (std::min<int64_t>(4, O - m0)) {
+      case 4: direct_nn<T, 4, NV>(K, a, koff, base, bias + m0, o, L); break;
+      case 3: direct_nn<T, 3, NV>(K, a, koff, base, bias + m0, o, L); break;
+      case 2: direct_nn<T, 2, NV>(K, a, koff, base, bias + m0, o, L); break;
+      default: direct_nn<T, 1, NV>(K, a, koff, base, bias + m0, o, L);
+    }
+  }
+}
+
+// The forward pass of a direct convolution: out (O, L) from the input `in`, biases added (zero without).
+template <typename T>
+void direct_forward(const int64_t* r, const T* theta, const T* in, T* out, int64_t* koff, T* bias) {
+  constexpr int64_t VL = kVL<T>, NV = kDirectBlock;
+  const int64_t W = r[3], O = r[4], OW = r[6], L = r[5] * OW, K = r[1] * r[7] * r[8];
+  patch_offsets(r, koff);
+  for (int64_t q = 0; q < O; ++q) bias[q] = r[16] >= 0 ? theta[r[16] + q] : T(0);
+  const int64_t nvec = L / VL;
+  for (int64_t v0 = 0; v0 < nvec; v0 += NV) {
+    const int64_t nv = std::min<int64_t>(NV, nvec - v0);
+    const T* base[NV];
+    for (int64_t t = 0; t < nv; ++t) {
+      const int64_t l = (v0 + t) * VL;
+      base[t] = in + l / OW * W + l % OW;
+    }
+    if (nv == NV)
+      direct_nn_rows<T, NV>(O, K, theta + r[15], koff, base, bias, out + v0 * VL, L);
+    else
+      direct_nn_rows<T, 1>(O, K, theta + r[15], koff, base, bias, out + v0 * VL, L);
+  }
+}
+
+// C[i * ldc + j] = sum_l A[i * L + l] * patch[j][l] for MR x NR2 entries, patch row j at koff[j]: kernel_nt over
+// the output positions in order, a vector at a time, then the same lane sums
+template <typename T, int MR, int NR2>
+inline void direct_nt(const int64_t* r, const T* A, const T* in, const int64_t* koff, T* C, int64_t ldc) {
+  constexpr int64_t VL = kVL<T>;
+  const int64_t W = r[3], OH = r[5], OW = r[6], L = OH * OW;
+  V<T> acc[MR][NR2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR2; ++j) acc[i][j] = V<T>{};
+  const T* b0[NR2];
+  for (int j = 0; j < NR2; ++j) b0[j] = in + koff[j];
+  for (int64_t oy = 0; oy < OH; ++oy)
+    for (int64_t ox = 0; ox < OW; ox += VL) {
+      const int64_t l = oy * OW + ox, at = oy * W + ox;
+      V<T> a[MR], b[NR2];
+      for (int i = 0; i < MR; ++i) a[i] = load(A + i * L + l);
+      for (int j = 0; j < NR2; ++j) b[j] = load(b0[j] + at);
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR2; ++j) acc[i][j] += a[i] * b[j];
+    }
+  T sums[MR][NR2];
+  lane_sums<T, MR, NR2>(acc, sums);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR2; ++j) C[i * ldc + j] = sums[i][j];
+}
+
+template <typename T, int MR>
+inline void direct_nt_rows(const int64_t* r, int64_t K, const T* A, const T* in, const int64_t* koff, T* C) {
+  int64_t k0 = 0;
+  for (; k0 + 4 <= K; k0 += 4) direct_nt<T, MR, 4>(r, A, in, koff + k0, C + k0, K);
+  switch (K - k0) {
+    case 3: direct_nt<T, MR, 3>(r, A, in, koff + k0, C + k0, K); break;
+    case 2: direct_nt<T, MR, 2>(r, A, in, koff + k0, C + k0, K); break;
+    case 1: direct_nt<T, MR, 1>(r, A, in, koff + k0, C + k0, K); break;
+    default: break;
+  }
+}
+
+// The weight gradient of a direct convolution: g (O, K) from delta (O, L) and the input `in` (gemm_nt's numbers).
+template <typename T>
+void direct_weight_grad(const int64_t* r, const T* delta, const T* in, int64_t* koff, T* g) {
+  const int64_t O = r[4], L = r[5] * r[6], K = r[1] * r[7] * r[8];
+  patch_offsets(r, koff);
+  int64_t m0 = 0;
+  if constexpr (kDirectBlock == 4)
+    for (; m0 + 4 <= O; m0 += 4) direct_nt_rows<T, 4>(r, K, delta + m0 * L, in, koff, g + m0 * K);
+  for (; m0 + 2 <= O; m0 += 2) direct_nt_rows<T, 2>(r, K, delta + m0 * L, in, koff, g + m0 * K);
+  if (m0 < O) direct_nt_rows<T, 1>(r, K, delta + m0 * L, in, koff, g + m0 * K);
+}
+
+// dst[0:n] = src[0:n] and dst[0:n] += src[0:n] (distinct arrays): whole vectors, then one by one
+template <typename T>
+inline void copy_run(T* __restrict dst, const T* __restrict src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVL<T> <= n; i += kVL<T>) store(dst + i, load(src + i));
+  for (; i < n; ++i) dst[i] = src[i];
+}
+template <typename T>
+inline void add_run(T* __restrict dst, const T* __restrict src, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVL<T> <= n; i += kVL<T>) store(dst + i, load(dst + i) + load(src + i));
+  for (; i < n; ++i) dst[i] += src[i];
+}
 
 // The patch matrix (C*kh*kw, L) of one chain's input, in F.unfold's order (zero padding), rows of
 // stride ld >= L (the columns past L are zero).
@@ -296,7 +508,7 @@ void im2col(const T* in, T* cols, int64_t ld, const int64_t* r) {
           const T* src = in + (c * H + y) * W;
           const int64_t x0 = j * dw - pw;
           if (sw == 1 && x0 >= 0 && x0 + OW <= W) {
-            for (int64_t ox = 0; ox < OW; ++ox) dst[ox] = src[x0 + ox];
+            copy_run(dst, src + x0, OW);
           } else {
             for (int64_t ox = 0; ox < OW; ++ox) {
               const int64_t x = ox * sw + x0;
@@ -340,6 +552,27 @@ inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, 
   return arg;
 }
 
+// Eight 2x2 windows of stride 2 side by side (the windows at a[at + 2 t], t < 8, rows W apart): the first maximum
+// of each, or its last NaN, taken in forward_chain's order (0, 0), (0, 1), (1, 0), (1, 1) with its rule.
+inline void pool2x2_lanes(const float* a, int64_t at, int64_t W, float* out, int32_t* arg) {
+  using VT = V<float>;
+  typedef int32_t I8 __attribute__((vector_size(32)));
+  const I8 even{0, 2, 4, 6, 8, 10, 12, 14}, odd = even + 1;
+  const VT u0 = load(a + at), u1 = load(a + at + 8), w0 = load(a + at + W), w1 = load(a + at + W + 8);
+  const I8 pos = even + static_cast<int32_t>(at);
+  VT best = __builtin_shuffle(u0, u1, even);
+  I8 idx = pos;
+  auto take = [&](VT v, I8 where) {
+    const I8 t = (v > best) | (v != v);
+    best = t ? v : best;
+    idx = t ? where : idx;
+  };
+  take(__builtin_shuffle(u0, u1, odd), pos + 1);
+  take(__builtin_shuffle(w0, w1, even), pos + static_cast<int32_t>(W));
+  take(__builtin_shuffle(w0, w1, odd), pos + static_cast<int32_t>(W + 1));
+  store(out, best);
+  __builtin_memcpy(arg, &idx, sizeof(idx));
+}
 template <typename T>
 void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, const T* theta, T* acts,
                    int32_t* args, Scratch<T>& z) {
@@ -357,6 +590,10 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
         break;
       }
       case CONV: {
+        if (direct_conv(r, kVL<T>)) {
+          direct_forward(r, theta, acts + r[17], acts + r[18], z.koff.data(), z.bias.data());
+          break;
+        }
         const int64_t C = r[1], O = r[4], L = r[5] * r[6], K = C * r[7] * r[8], ld = round_up(L, kNR<T>);
         T* cols = z.patches(n);
         im2col(acts + r[17], cols, ld, r);
@@ -416,7 +653,11 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
               // the first maximum of each window, or its last NaN (ATen's rule), by selects along the
               // row of windows
               const int64_t first = (c * H + oy * sh) * W;
-              for (int64_t ox = 0; ox < OW; ++ox) {
+              int64_t done = 0;
+              if constexpr (std::is_same_v<T, float>)
+                if (kh == 2 && kw == 2 && sh == 2 && sw == 2 && dh == 1 && dw == 1)
+                  for (; done + 8 <= OW; done += 8) pool2x2_lanes(a, first + 2 * done, W, orow + done, grow + done);
+              for (int64_t ox = done; ox < OW; ++ox) {
                 orow[ox] = a[first + ox * sw];
                 grow[ox] = static_cast<int32_t>(first + ox * sw);
               }
@@ -424,7 +665,7 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
                 for (int64_t j = 0; j < kw; ++j) {
                   const int64_t shift = first + i * dh * W + j * dw;
                   const T* arow = a + shift;
-                  for (int64_t ox = 0; ox < OW; ++ox) {
+                  for (int64_t ox = done; ox < OW; ++ox) {
                     const T v = arow[ox * sw], b = orow[ox];
                     const bool take = (v > b) | (v != v);
                     orow[ox] = take ? v : b;
@@ -445,6 +686,82 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
   }
 }
 
+// R rows q of a Linear layer's weight (from offset `at`, `in` entries each) in one pass: the input gradient
+// next += W[q] delta[q] through the current weights, each entry's terms added in the order of q (as row after
+// row would), then each row's step by mode from its score g = delta[q] h.
+template <typename T, int R>
+inline void linear_rows(const Update<T>& up, int64_t at, int64_t in, const T* delta, const T* h, T* next) {
+  T* w[R];
+  T d[R];
+  for (int r = 0; r < R; ++r) {
+    w[r] = up.theta + at + r * in;
+    d[r] = delta[r];
+  }
+  switch (up.mode) {
+    case 0: {
+      T* out[R];
+      for (int r = 0; r < R; ++r) out[r] = up.grad + at + r * in;
+#pragma omp simd
+      for (int64_t i = 0; i < in; ++i) {
+        T nx = next[i];
+        for (int r = 0; r < R; ++r) {
+          nx += w[r][i] * d[r];
+          out[r][i] = d[r] * h[i];
+        }
+        next[i] = nx;
+      }
+      break;
+    }
+    case 1: {
+      T gd[R];
+      for (int r = 0; r < R; ++r) gd[r] = up.gamma * d[r];
+#pragma omp simd
+      for (int64_t i = 0; i < in; ++i) {
+        T nx = next[i];
+        for (int r = 0; r < R; ++r) {
+          nx += w[r][i] * d[r];
+          w[r][i] += gd[r] * h[i];
+        }
+        next[i] = nx;
+      }
+      break;
+    }
+    case 2: {
+      T gd[R];
+      const T* sc[R];
+      for (int r = 0; r < R; ++r) {
+        gd[r] = up.gamma * d[r];
+        sc[r] = up.scale + at + r * in;
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < in; ++i) {
+        T nx = next[i];
+        for (int r = 0; r < R; ++r) {
+          nx += w[r][i] * d[r];
+          w[r][i] += gd[r] * h[i] * sc[r][i];
+        }
+        next[i] = nx;
+      }
+      break;
+    }
+    default: {
+      T* st[R];
+      for (int r = 0; r < R; ++r) st[r] = up.stat + at + r * in;
+#pragma omp simd
+      for (int64_t i = 0; i < in; ++i) {
+        T nx = next[i];
+        for (int r = 0; r < R; ++r) {
+          nx += w[r][i] * d[r];
+          const T gi = d[r] * h[i];
+          w[r][i] += up.gamma * gi / (st[r][i] + up.ridge);
+          st[r][i] = up.beta * st[r][i] + up.fold * gi * gi;
+        }
+        next[i] = nx;
+      }
+    }
+  }
+}
+
 // Backward pass of one chain: z.delta holds the gradient with respect to the network's output on entry.
 template <typename T>
 void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, int64_t first_param,
@@ -460,38 +777,23 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
       case LINEAR: {
         const int64_t in = r[1], out = r[2];
         const T* h = acts + r[5];
-        for (int64_t i = 0; i < in; ++i) next[i] = T(0);
-        for (int64_t q = 0; q < out; ++q) {
-          const T d = delta[q];
-          const int64_t base = r[3] + q * in;
-          if (need_input && (up.mode == 1 || up.mode == 2)) {
-            // one pass over the row: the input gradient through the current weight, then its step
-            T* wq = up.theta + base;
-            const T gd = up.gamma * d;
-            if (up.mode == 1) {
-#pragma omp simd
-              for (int64_t i = 0; i < in; ++i) {
-                next[i] += wq[i] * d;
-                wq[i] += gd * h[i];
-              }
-            } else {
-              const T* sc = up.scale + base;
-#pragma omp simd
-              for (int64_t i = 0; i < in; ++i) {
-                next[i] += wq[i] * d;
-                wq[i] += gd * h[i] * sc[i];
-              }
-            }
-            continue;
+        if (need_input) {
+          for (int64_t i = 0; i < in; ++i) next[i] = T(0);
+          int64_t q = 0;
+          for (; q + 4 <= out; q += 4) linear_rows<T, 4>(up, r[3] + q * in, in, delta + q, h, next);
+          switch (out - q) {
+            case 3: linear_rows<T, 3>(up, r[3] + q * in, in, delta + q, h, next); break;
+            case 2: linear_rows<T, 2>(up, r[3] + q * in, in, delta + q, h, next); break;
+            case 1: linear_rows<T, 1>(up, r[3] + q * in, in, delta + q, h, next); break;
+            default: break;
           }
-          if (need_input) {
-            const T* wq = theta + base;
+        } else {
+          for (int64_t q = 0; q < out; ++q) {
+            const T d = delta[q];
 #pragma omp simd
-            for (int64_t i = 0; i < in; ++i) next[i] += wq[i] * d;
+            for (int64_t i = 0; i < in; ++i) g[i] = d * h[i];
+            up.apply(r[3] + q * in, g, in);
           }
-#pragma omp simd
-          for (int64_t i = 0; i < in; ++i) g[i] = d * h[i];
-          up.apply(base, g, in);
         }
         if (r[4] >= 0) up.apply(r[4], delta, out);
         if (need_input) std::swap(delta, next);
@@ -502,40 +804,48 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
         const int64_t sh = r[9], sw = r[10], ph = r[11], pw = r[12], dh = r[13], dw = r[14];
         const int64_t L = OH * OW, K = C * kh * kw, ld = round_up(L, kNR<T>);
         // delta with rows of stride ld (zero past L)
-        T* wide = z.wide.data();
-        for (int64_t q = 0; q < O; ++q) {
-          for (int64_t l = 0; l < L; ++l) wide[q * ld + l] = delta[q * L + l];
-          for (int64_t l = L; l < ld; ++l) wide[q * ld + l] = T(0);
+        const T* wide = delta;
+        if (ld != L) {
+          T* w = z.wide.data();
+          for (int64_t q = 0; q < O; ++q) {
+            for (int64_t l = 0; l < L; ++l) w[q * ld + l] = delta[q * L + l];
+            for (int64_t l = L; l < ld; ++l) w[q * ld + l] = T(0);
+          }
+          wide = w;
         }
         if (need_input) {
           // col2im of W^T delta, through the current weights
           T* dcols = z.work.data();
           gemm_nn<T>(K, ld, O, theta + r[15], 1, K, wide, ld, dcols, ld);
           for (int64_t i = 0; i < C * H * W; ++i) next[i] = T(0);
-          for (int64_t k = 0; k < K; ++k) {
-            const int64_t c = k / (kh * kw), i = (k / kw) % kh, j = k % kw;
-            const T* row = dcols + k * ld;
-            for (int64_t oy = 0; oy < OH; ++oy) {
-              const int64_t y = oy * sh + i * dh - ph;
-              if (y < 0 || y >= H) continue;
-              T* dst = next + (c * H + y) * W;
-              const T* src = row + oy * OW;
-              const int64_t x0 = j * dw - pw;
-              if (sw == 1 && x0 >= 0 && x0 + OW <= W) {
-#pragma omp simd
-                for (int64_t ox = 0; ox < OW; ++ox) dst[x0 + ox] += src[ox];
-              } else {
-                for (int64_t ox = 0; ox < OW; ++ox) {
-                  const int64_t x = ox * sw + x0;
-                  if (x >= 0 && x < W) dst[x] += src[ox];
+          for (int64_t c = 0; c < C; ++c)
+            for (int64_t i = 0; i < kh; ++i)
+              for (int64_t j = 0; j < kw; ++j) {
+                const T* row = dcols + ((c * kh + i) * kw + j) * ld;
+                const int64_t x0 = j * dw - pw;
+                for (int64_t oy = 0; oy < OH; ++oy) {
+                  const int64_t y = oy * sh + i * dh - ph;
+                  if (y < 0 || y >= H) continue;
+                  T* dst = next + (c * H + y) * W;
+                  const T* src = row + oy * OW;
+                  if (sw == 1 && x0 >= 0 && x0 + OW <= W) {
+                    add_run(dst + x0, src, OW);
+                  } else {
+                    for (int64_t ox = 0; ox < OW; ++ox) {
+                      const int64_t x = ox * sw + x0;
+                      if (x >= 0 && x < W) dst[x] += src[ox];
+                    }
+                  }
                 }
               }
-            }
-          }
         }
-        T* cols = z.patches(static_cast<size_t>(n));
-        if (z.saved.empty()) im2col(acts + r[17], cols, ld, r);
-        gemm_nt<T>(O, K, ld, wide, ld, cols, ld, g, K);
+        if (direct_conv(r, kVL<T>)) {
+          direct_weight_grad(r, delta, acts + r[17], z.koff.data(), g);
+        } else {
+          T* cols = z.patches(static_cast<size_t>(n));
+          if (z.saved.empty()) im2col(acts + r[17], cols, ld, r);
+          gemm_nt<T>(O, K, ld, wide, ld, cols, ld, g, K);
+        }
         up.apply(r[15], g, O * K);
         if (r[16] >= 0) {
           row_sums(delta, O, L, g);
@@ -575,12 +885,14 @@ void backward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>
 
 struct Sizes {
   int64_t cols = 1, work = 1, wide = 1, act = 1, grad = 1, first_param = -1, n_in = 0, n_out = 0, saved = 0;
+  int64_t conv_k = 1, conv_o = 1;  // the largest convolution's patch rows and channels
   std::vector<int64_t> col_off;  // per record: where its patch matrix sits in Scratch::saved
 
   template <typename T>
   Scratch<T> scratch(bool keep_patches = false) const {
-    Scratch<T> z{std::vector<T>(cols), std::vector<T>(work), std::vector<T>(wide),
-                 std::vector<T>(act),  std::vector<T>(act),  std::vector<T>(grad)};
+    Scratch<T> z{std::vector<T>(cols), std::vector<T>(work),    std::vector<T>(wide),   std::vector<T>(act),
+                 std::vector<T>(act),  std::vector<T>(grad),    std::vector<int64_t>(conv_k),
+                 std::vector<T>(conv_o)};
     if (keep_patches && saved > 0) {
       z.saved.resize(saved);
       z.col_off = col_off;
@@ -610,6 +922,8 @@ Sizes scratch_sizes(const std::vector<int64_t>& spec, const std::vector<int64_t>
         z.work = std::max({z.work, K * ld, O * ld});
         z.wide = std::max(z.wide, O * ld);
         z.grad = std::max(z.grad, O * K);
+        z.conv_k = std::max(z.conv_k, K);
+        z.conv_o = std::max(z.conv_o, O);
         in_n = r[1] * r[2] * r[3];
         out_n = O * L;
         break;

@@ -131,6 +131,65 @@ def test_every_rule_steps_like_the_batched_model(name, rule_name, dtype):
         _assert_close(a, b, dtype)
 
 
+def _padded_and_direct(dtype):
+    """One network twice: a padded convolution (the patch-matrix path) on x, and the same convolution unpadded on x
+    with zeros around it (the direct path: stride 1, no padding, output rows of 16, whole vectors of either dtype)."""
+    torch.manual_seed(3)
+    padded = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                           nn.Linear(3 * 8 * 8, 4)).to(dtype)
+    direct = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 8 * 8, 4))
+    direct.load_state_dict(padded.state_dict())
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 2, 16, 16, generator=gen, dtype=dtype)
+    fused = FusedSequentialChainModel(padded, (2, 16, 16)), FusedSequentialChainModel(direct.to(dtype), (2, 18, 18))
+    theta = fused[0].layout.flatten(padded) + 0.3 * torch.randn(5, fused[0].layout.dim, generator=gen, dtype=dtype)
+    return fused, (x, nn.functional.pad(x, (1, 1, 1, 1))), theta.contiguous(), gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("rule_name", ["identity", "shared-scale", "per-chain-scale", "ema"])
+def test_a_direct_convolution_gives_the_patch_matrix_numbers_bit_for_bit(rule_name, dtype):
+    # the kernel convolves without a patch matrix where it can (direct_conv in the kernel's source); it sums the same
+    # products in the same order, so the two paths agree bit for bit, as the docs of fused_sequential.cpp say
+    (padded, direct), (x, x_padded), theta, gen = _padded_and_direct(dtype)
+    out, ctx = padded.forward(theta, x)
+    out_direct, ctx_direct = direct.forward(theta, x_padded)
+    assert torch.equal(out, out_direct)
+    rule, tensors = _rules(theta, gen)[rule_name]
+    cotangent = torch.randn(out.shape, generator=gen, dtype=dtype)
+    results = []
+    for model, context in ((padded, ctx), (direct, ctx_direct)):
+        stepped, state = theta.clone(), tuple(t.clone() for t in tensors)
+        model.vjp_apply_(context, cotangent, stepped, rule, state, 0.05)
+        results.append((stepped, state))
+    (mine, mine_state), (ref, ref_state) = results
+    assert (mine - theta).abs().max() > 1e-4 and torch.equal(mine, ref)
+    assert all(torch.equal(a, b) for a, b in zip(mine_state, ref_state, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_two_by_two_pooling_takes_the_first_maximum_of_a_tie_and_keeps_a_nan(dtype):
+    # the kernel pools 2x2 windows of stride 2 eight at a time in float32; ties and NaNs follow ATen's rule there too.
+    # Small integers make every sum exact, so the kernel and the batched model must agree bit for bit; the gradient
+    # of the convolution's weights shows which input of a tie took the pooled gradient (which of two NaNs took it
+    # does not show: a zero gradient times a NaN input is NaN).
+    net = nn.Sequential(nn.Conv2d(2, 1, 1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 16, 3)).to(dtype)
+    fused, batched = FusedSequentialChainModel(net, (2, 4, 32)), SequentialChainModel(net, (2, 4, 32))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 2, (4, 2, 4, 32), generator=gen).to(dtype)  # out = x0 + x1 in {0, 1, 2}: ties everywhere
+    x[2, 1, 3, 31] = float("nan")  # chain 2: a NaN last in its window (a rule without NaNs keeps the maximum)
+    x[3, 0, 0, 8] = x[3, 1, 1, 9] = float("nan")  # chain 3: the first and the last of one window
+    theta = torch.randint(-2, 3, (4, fused.layout.dim), generator=gen).to(dtype)
+    theta[:, :3] = torch.tensor([1.0, 1.0, 0.0], dtype=dtype)  # conv weights 1, 1, bias 0
+    out, ctx = fused.forward(theta, x)
+    ref, ref_ctx = batched.forward(theta, x)
+    assert torch.equal(out[:2], ref[:2]) and torch.isnan(out[2:]).all() and torch.isnan(ref[2:]).all()
+    cotangent = torch.randint(-3, 4, out.shape, generator=gen).to(dtype)
+    grad, ref_grad = fused.vjp(ctx, cotangent), batched.vjp(ref_ctx, cotangent)
+    assert torch.equal(grad[:2], ref_grad[:2])
+    assert torch.equal(torch.isnan(grad[2:]), torch.isnan(ref_grad[2:]))
+
+
 def test_the_float32_ema_statistic_takes_one_minus_beta_in_double():
     # stat = 0, so the new statistic is (1 - beta) s^2 alone; in float32, 1 - float32(0.999) is 1.3e-5
     # off (relative), which an entry-wise comparison at 2e-6 sees (the small ReLU MLP's scores are exact to
