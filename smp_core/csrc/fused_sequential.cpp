@@ -552,18 +552,34 @@ inline int64_t pool_argmax(const T* a, const int64_t* r, int64_t c, int64_t oy, 
   return arg;
 }
 
-// Eight 2x2 windows of stride 2 side by side (the windows at a[at + 2 t], t < 8, rows W apart): the first maximum
-// of each, or its last NaN, taken in forward_chain's order (0, 0), (0, 1), (1, 0), (1, 1) with its rule.
+// N (8 or 4) 2x2 windows of stride 2 side by side (the windows at a[at + 2 t], t < N, rows W apart): the first
+// maximum of each, or its last NaN, taken in forward_chain's order (0, 0), (0, 1), (1, 0), (1, 1) with its rule.
+template <int N>
+struct PoolLanes;
+template <>
+struct PoolLanes<8> {
+  typedef float VT __attribute__((vector_size(32)));
+  typedef int32_t IT __attribute__((vector_size(32)));
+};
+template <>
+struct PoolLanes<4> {
+  typedef float VT __attribute__((vector_size(16)));
+  typedef int32_t IT __attribute__((vector_size(16)));
+};
+
+template <int N>
 inline void pool2x2_lanes(const float* a, int64_t at, int64_t W, float* out, int32_t* arg) {
-  using VT = V<float>;
-  typedef int32_t I8 __attribute__((vector_size(32)));
-  const I8 even{0, 2, 4, 6, 8, 10, 12, 14}, odd = even + 1;
-  const VT u0 = load(a + at), u1 = load(a + at + 8), w0 = load(a + at + W), w1 = load(a + at + W + 8);
-  const I8 pos = even + static_cast<int32_t>(at);
+  using VT = typename PoolLanes<N>::VT;
+  using IT = typename PoolLanes<N>::IT;
+  IT even;
+  for (int t = 0; t < N; ++t) even[t] = 2 * t;
+  const IT odd = even + 1, pos = even + static_cast<int32_t>(at);
+  const VT u0 = load<float, VT>(a + at), u1 = load<float, VT>(a + at + N);
+  const VT w0 = load<float, VT>(a + at + W), w1 = load<float, VT>(a + at + W + N);
   VT best = __builtin_shuffle(u0, u1, even);
-  I8 idx = pos;
-  auto take = [&](VT v, I8 where) {
-    const I8 t = (v > best) | (v != v);
+  IT idx = pos;
+  auto take = [&](VT v, IT where) {
+    const IT t = (v > best) | (v != v);
     best = t ? v : best;
     idx = t ? where : idx;
   };
@@ -573,6 +589,7 @@ inline void pool2x2_lanes(const float* a, int64_t at, int64_t W, float* out, int
   store(out, best);
   __builtin_memcpy(arg, &idx, sizeof(idx));
 }
+
 template <typename T>
 void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>& starts, const T* theta, T* acts,
                    int32_t* args, Scratch<T>& z) {
@@ -655,8 +672,13 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
               const int64_t first = (c * H + oy * sh) * W;
               int64_t done = 0;
               if constexpr (std::is_same_v<T, float>)
-                if (kh == 2 && kw == 2 && sh == 2 && sw == 2 && dh == 1 && dw == 1)
-                  for (; done + 8 <= OW; done += 8) pool2x2_lanes(a, first + 2 * done, W, orow + done, grow + done);
+                if (kh == 2 && kw == 2 && sh == 2 && sw == 2 && dh == 1 && dw == 1) {
+                  for (; done + 8 <= OW; done += 8) pool2x2_lanes<8>(a, first + 2 * done, W, orow + done, grow + done);
+                  if (done + 4 <= OW) {
+                    pool2x2_lanes<4>(a, first + 2 * done, W, orow + done, grow + done);
+                    done += 4;
+                  }
+                }
               for (int64_t ox = done; ox < OW; ++ox) {
                 orow[ox] = a[first + ox * sw];
                 grow[ox] = static_cast<int32_t>(first + ox * sw);

@@ -169,15 +169,15 @@ def test_a_direct_convolution_gives_the_patch_matrix_numbers_bit_for_bit(rule_na
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_two_by_two_pooling_takes_the_first_maximum_of_a_tie_and_keeps_a_nan(dtype):
-    # the kernel pools 2x2 windows of stride 2 eight at a time in float32; ties and NaNs follow ATen's rule there too.
-    # Small integers make every sum exact, so the kernel and the batched model must agree bit for bit; the gradient
-    # of the convolution's weights shows which input of a tie took the pooled gradient (which of two NaNs took it
-    # does not show: a zero gradient times a NaN input is NaN).
-    net = nn.Sequential(nn.Conv2d(2, 1, 1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 16, 3)).to(dtype)
-    fused, batched = FusedSequentialChainModel(net, (2, 4, 32)), SequentialChainModel(net, (2, 4, 32))
+    # the kernel pools 2x2 windows of stride 2 eight and four at a time in float32 (12 here); ties and NaNs follow
+    # ATen's rule there too. Small integers make every sum exact, so the kernel and the batched model must agree bit
+    # for bit; the gradient of the convolution's weights shows which input of a tie took the pooled gradient (which
+    # of two NaNs took it does not show: a zero gradient times a NaN input is NaN).
+    net = nn.Sequential(nn.Conv2d(2, 1, 1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2 * 12, 3)).to(dtype)
+    fused, batched = FusedSequentialChainModel(net, (2, 4, 24)), SequentialChainModel(net, (2, 4, 24))
     gen = torch.Generator().manual_seed(5)
-    x = torch.randint(0, 2, (4, 2, 4, 32), generator=gen).to(dtype)  # out = x0 + x1 in {0, 1, 2}: ties everywhere
-    x[2, 1, 3, 31] = float("nan")  # chain 2: a NaN last in its window (a rule without NaNs keeps the maximum)
+    x = torch.randint(0, 2, (4, 2, 4, 24), generator=gen).to(dtype)  # out = x0 + x1 in {0, 1, 2}: ties everywhere
+    x[2, 1, 3, 23] = float("nan")  # chain 2: a NaN last in its window (a rule without NaNs keeps the maximum)
     x[3, 0, 0, 8] = x[3, 1, 1, 9] = float("nan")  # chain 3: the first and the last of one window
     theta = torch.randint(-2, 3, (4, fused.layout.dim), generator=gen).to(dtype)
     theta[:, :3] = torch.tensor([1.0, 1.0, 0.0], dtype=dtype)  # conv weights 1, 1, bias 0
