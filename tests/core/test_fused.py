@@ -62,7 +62,7 @@ def _networks():
 NETWORKS = _networks()
 
 
-# float32: the other register block of the kernel's matrix products (16 lanes, not 8); the two
+# float32: the other register block of the kernel's matrix products (8 lanes; 16 or 32 by the processor); the two
 # implementations then differ by float32 rounding of sums taken in another order, relative to the
 # largest term of those sums (the networks here have activations in the hundreds)
 REL32 = 3e-5
