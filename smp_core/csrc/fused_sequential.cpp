@@ -710,77 +710,48 @@ void forward_chain(const std::vector<int64_t>& spec, const std::vector<int64_t>&
 
 // R rows q of a Linear layer's weight (from offset `at`, `in` entries each) in one pass: the input gradient
 // next += W[q] delta[q] through the current weights, each entry's terms added in the order of q (as row after
-// row would), then each row's step by mode from its score g = delta[q] h.
+// row would), then each row's step by mode from its score g = delta[q] h (entry_step(r, i): row r, entry i).
+template <typename T, int R, typename Step>
+inline void rows_pass(int64_t in, T* const* w, const T* d, T* next, Step entry_step) {
+#pragma omp simd
+  for (int64_t i = 0; i < in; ++i) {
+    T nx = next[i];
+    for (int r = 0; r < R; ++r) {
+      nx += w[r][i] * d[r];
+      entry_step(r, i);
+    }
+    next[i] = nx;
+  }
+}
+
 template <typename T, int R>
 inline void linear_rows(const Update<T>& up, int64_t at, int64_t in, const T* delta, const T* h, T* next) {
-  T* w[R];
-  T d[R];
+  T *w[R], *out[R];  // the weight rows, and (modes 0 and 3) their rows of grad or stat
+  const T* sc[R];     // (mode 2) their rows of scale
+  T d[R], gd[R];
   for (int r = 0; r < R; ++r) {
     w[r] = up.theta + at + r * in;
+    out[r] = up.mode == 0 ? up.grad + at + r * in : up.mode == 3 ? up.stat + at + r * in : nullptr;
+    sc[r] = up.mode == 2 ? up.scale + at + r * in : nullptr;
     d[r] = delta[r];
+    gd[r] = up.gamma * d[r];
   }
   switch (up.mode) {
-    case 0: {
-      T* out[R];
-      for (int r = 0; r < R; ++r) out[r] = up.grad + at + r * in;
-#pragma omp simd
-      for (int64_t i = 0; i < in; ++i) {
-        T nx = next[i];
-        for (int r = 0; r < R; ++r) {
-          nx += w[r][i] * d[r];
-          out[r][i] = d[r] * h[i];
-        }
-        next[i] = nx;
-      }
+    case 0:
+      rows_pass<T, R>(in, w, d, next, [&](int r, int64_t i) { out[r][i] = d[r] * h[i]; });
       break;
-    }
-    case 1: {
-      T gd[R];
-      for (int r = 0; r < R; ++r) gd[r] = up.gamma * d[r];
-#pragma omp simd
-      for (int64_t i = 0; i < in; ++i) {
-        T nx = next[i];
-        for (int r = 0; r < R; ++r) {
-          nx += w[r][i] * d[r];
-          w[r][i] += gd[r] * h[i];
-        }
-        next[i] = nx;
-      }
+    case 1:
+      rows_pass<T, R>(in, w, d, next, [&](int r, int64_t i) { w[r][i] += gd[r] * h[i]; });
       break;
-    }
-    case 2: {
-      T gd[R];
-      const T* sc[R];
-      for (int r = 0; r < R; ++r) {
-        gd[r] = up.gamma * d[r];
-        sc[r] = up.scale + at + r * in;
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < in; ++i) {
-        T nx = next[i];
-        for (int r = 0; r < R; ++r) {
-          nx += w[r][i] * d[r];
-          w[r][i] += gd[r] * h[i] * sc[r][i];
-        }
-        next[i] = nx;
-      }
+    case 2:
+      rows_pass<T, R>(in, w, d, next, [&](int r, int64_t i) { w[r][i] += gd[r] * h[i] * sc[r][i]; });
       break;
-    }
-    default: {
-      T* st[R];
-      for (int r = 0; r < R; ++r) st[r] = up.stat + at + r * in;
-#pragma omp simd
-      for (int64_t i = 0; i < in; ++i) {
-        T nx = next[i];
-        for (int r = 0; r < R; ++r) {
-          nx += w[r][i] * d[r];
-          const T gi = d[r] * h[i];
-          w[r][i] += up.gamma * gi / (st[r][i] + up.ridge);
-          st[r][i] = up.beta * st[r][i] + up.fold * gi * gi;
-        }
-        next[i] = nx;
-      }
-    }
+    default:
+      rows_pass<T, R>(in, w, d, next, [&](int r, int64_t i) {
+        const T gi = d[r] * h[i];
+        w[r][i] += up.gamma * gi / (out[r][i] + up.ridge);
+        out[r][i] = up.beta * out[r][i] + up.fold * gi * gi;
+      });
   }
 }
 
